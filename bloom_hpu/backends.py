@@ -1,0 +1,178 @@
+"""Device backends: where the steps run, how they are captured, and which shapes they saw.
+
+Every step goes through ``Backend.run(step, *inputs)``, where ``step`` is a small module (see
+``steps.py``) whose tensors besides ``inputs`` (weights, KV cache) never move. The backend records
+the step's shape signature, so tests and the CLI can count distinct shapes, and then:
+
+* ``cpu``: runs it eagerly (optionally through ``torch.compile``);
+* ``cuda``: captures it once per signature as a ``torch.cuda.CUDAGraph`` and replays it;
+* ``hpu``: runs it wrapped by Habana's ``wrap_in_hpu_graph`` and ends each step with
+  ``mark_step()``. Habana's modules are imported lazily: nothing here needs them on CPU or CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+
+class DeviceError(Exception):
+    """The requested device cannot be used here (one line for the user)."""
+
+
+def hpu_available() -> bool:
+    return importlib.util.find_spec("habana_frameworks") is not None
+
+
+def default_device() -> str:
+    if hpu_available():
+        return "hpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def signature(name: str, inputs) -> tuple:
+    return (name, tuple((tuple(t.shape), str(t.dtype)) for t in inputs))
+
+
+class Backend:
+    """Eager execution with shape bookkeeping; the base of the other backends."""
+
+    name = "cpu"
+
+    def __init__(self, device: str = "cpu", use_graphs: bool = True, compile_steps: bool = False):
+        self.device = torch.device(device)
+        self.use_graphs = use_graphs
+        self.compile_steps = compile_steps
+        self.signatures: set[tuple] = set()
+        self._compiled: dict[int, object] = {}
+
+    def graph_count(self) -> int:
+        """Distinct step signatures seen (the original scripts printed this as hpu_graphs)."""
+        return len(self.signatures)
+
+    def signatures_of(self, name: str) -> set[tuple]:
+        return {s for s in self.signatures if s[0] == name}
+
+    def prepare(self, step: torch.nn.Module) -> torch.nn.Module:
+        """Hook for backends that wrap a step module once when it is created."""
+        return step
+
+    def run(self, name: str, step, *inputs: torch.Tensor):
+        self.signatures.add(signature(name, inputs))
+        if self.compile_steps and name == "decode":
+            fn = self._compiled.get(id(step))
+            if fn is None:
+                # dynamic=False: one specialised graph per shape, as on the accelerators.
+                fn = self._compiled[id(step)] = torch.compile(step, dynamic=False, fullgraph=True)
+            return fn(*inputs)
+        return step(*inputs)
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CudaBackend(Backend):
+    """Decode steps captured as CUDA graphs, one per (step module, signature), then replayed.
+
+    Capturing records the addresses of every tensor the step touches; the step's weights and cache
+    never move, and its inputs are copied into static buffers before each replay. The output is a
+    static buffer too: callers consume it before the next replay of the same step.
+    """
+
+    name = "cuda"
+
+    def __init__(self, device: str = "cuda", use_graphs: bool = True, compile_steps: bool = False):
+        if not torch.cuda.is_available():
+            raise DeviceError("--device cuda was asked for, but no CUDA device is available")
+        super().__init__(device, use_graphs, compile_steps)
+        self._graphs: dict[tuple, tuple] = {}
+
+    def run(self, name: str, step, *inputs: torch.Tensor):
+        if not self.use_graphs or name != "decode":
+            return super().run(name, step, *inputs)
+        sig = signature(name, inputs)
+        self.signatures.add(sig)
+        key = (id(step), sig)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(step, inputs)
+        graph, static_inputs, static_output = entry
+        for buffer, value in zip(static_inputs, inputs):
+            buffer.copy_(value)
+        graph.replay()
+        return static_output
+
+    @staticmethod
+    def _capture(step, inputs):
+        static_inputs = [t.clone() for t in inputs]
+        # Warm up on a side stream (lazy initialisation must not happen during capture). A decode
+        # step only writes the cache slots it was given, with the values it computes from them, so
+        # running it with the real inputs before the real replay is harmless.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step(*static_inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_output = step(*static_inputs)
+        return graph, static_inputs, static_output
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+# Environment the Gaudi runtime reads at import time. Lazy collectives let HPU graphs capture steps
+# that contain all-reduces (tensor parallelism); in-order collectives make TP outputs deterministic.
+HPU_ENV_DEFAULTS = {
+    "PT_HPU_ENABLE_LAZY_COLLECTIVES": "true",
+    "HCL_USE_IN_ORDER_COLLECTIVE_GAUDI2": "1",
+}
+
+
+class HpuBackend(Backend):
+    """Gaudi: steps wrapped in HPU graphs (one per input shape, cached by the runtime)."""
+
+    name = "hpu"
+
+    def __init__(self, device: str = "hpu", use_graphs: bool = True, compile_steps: bool = False):
+        for key, value in HPU_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        try:
+            import habana_frameworks.torch.core as htcore  # noqa: F401  (registers the hpu device)
+            import habana_frameworks.torch.hpu as hthpu
+        except ImportError as error:
+            raise DeviceError(f"--device hpu was asked for, but Habana's PyTorch bridge is missing ({error})")
+        super().__init__(device, use_graphs, compile_steps=False)
+        self._htcore = htcore
+        self._hthpu = hthpu
+
+    def prepare(self, step: torch.nn.Module) -> torch.nn.Module:
+        return self._hthpu.wrap_in_hpu_graph(step) if self.use_graphs else step
+
+    def run(self, name: str, step, *inputs: torch.Tensor):
+        self.signatures.add(signature(name, inputs))
+        out = step(*inputs)
+        self._htcore.mark_step()
+        return out
+
+    def synchronize(self) -> None:
+        self._hthpu.synchronize()
+
+
+def make_backend(device: str | None = None, use_graphs: bool = True, compile_steps: bool = False) -> Backend:
+    """The backend for ``device`` ('cpu', 'cuda', 'cuda:1', 'hpu'; None: the best available)."""
+    device = device or default_device()
+    kind = device.split(":")[0]
+    if kind == "cpu":
+        return Backend("cpu", use_graphs, compile_steps)
+    if kind == "cuda":
+        return CudaBackend(device, use_graphs, compile_steps)
+    if kind == "hpu":
+        return HpuBackend(device, use_graphs)
+    raise DeviceError(f"unknown device {device!r}: choose cpu, cuda or hpu")

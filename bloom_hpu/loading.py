@@ -1,0 +1,85 @@
+"""Build a StaticBloom from a checkpoint folder, reading only this rank's slice of every weight.
+
+The model is first built on the meta device (no memory), then each parameter is read straight from
+the checkpoint into its final dtype and device. Under tensor parallelism every rank asks the reader
+for its own rows or columns only, so its peak host memory is about its shard, not the model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .alibi import alibi_slopes
+from .checkpoint import CheckpointReader
+from .config import BloomConfig
+from .model import StaticBloom
+from .parallel import Parallel, SINGLE
+
+
+@dataclass
+class LoadReport:
+    seconds: float
+    bytes_read: int
+
+
+def shard_slices(name: str, model: StaticBloom) -> tuple[slice | None, slice | None]:
+    """(rows, cols) of checkpoint tensor ``name`` that this rank holds; None means all.
+
+    Column-parallel weights (fused QKV by whole heads, dense_h_to_4h) split their output rows;
+    row-parallel ones (attention dense, dense_4h_to_h) split their input columns and keep the bias
+    whole; the word embeddings split vocabulary rows. Everything else is replicated.
+    """
+    par, cfg = model.parallel, model.config
+    if par.world_size == 1:
+        return None, None
+
+    def block(total: int) -> slice:
+        per = total // par.world_size
+        return slice(par.rank * per, (par.rank + 1) * per)
+
+    if name == "word_embeddings.weight":
+        return slice(*par.vocab_range(cfg.vocab_size)), None
+    if ".self_attention.query_key_value." in name:
+        # Rows are laid out [head, (q, k, v), head_dim]: whole heads are contiguous row blocks.
+        return block(3 * cfg.hidden_size), None
+    if ".mlp.dense_h_to_4h." in name:
+        return block(4 * cfg.hidden_size), None
+    if name.endswith(".self_attention.dense.weight"):
+        return None, block(cfg.hidden_size)
+    if name.endswith(".mlp.dense_4h_to_h.weight"):
+        return None, block(4 * cfg.hidden_size)
+    return None, None
+
+
+def load_model(
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    parallel: Parallel = SINGLE,
+) -> tuple[StaticBloom, LoadReport]:
+    start = time.perf_counter()
+    folder = Path(folder)
+    config = BloomConfig.from_json(folder / "config.json")
+    with torch.device("meta"):
+        model = StaticBloom(config, parallel)
+    state = {}
+    with CheckpointReader(folder) as reader:
+        for name, param in model.named_parameters():
+            rows, cols = shard_slices(name, model)
+            tensor = reader.get(name, dtype=dtype, rows=rows, cols=cols)
+            if tuple(tensor.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the model expects "
+                    f"{tuple(param.shape)} (config.json does not match the weights?)"
+                )
+            state[name] = tensor.to(device)
+        bytes_read = reader.bytes_read
+    model.load_state_dict(state, strict=False, assign=True)
+    heads = model.local_heads
+    model.slopes = alibi_slopes(config.n_head)[parallel.rank * heads : (parallel.rank + 1) * heads].to(device)
+    model.eval().requires_grad_(False)
+    return model, LoadReport(time.perf_counter() - start, bytes_read)

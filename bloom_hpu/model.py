@@ -1,0 +1,204 @@
+"""BLOOM rewritten for static shapes.
+
+Two entry points, both with shapes fixed in advance:
+
+* ``prefill(input_ids [B, P], lengths [B], cache)``: prompts right-padded to P; writes the KV cache
+  slots 0..P-1 and returns the logits of each row's last real token only ([B, V]; the full
+  [B, P, V] logits are never built).
+* ``decode(tokens [B, 1], positions [B], cache, window)``: one new token per row, written into the
+  cache at the row's own slot; attends over the first ``window`` slots ([B, V] logits).
+
+Module and parameter names follow the transformers checkpoints (``h.0.self_attention.dense``...), so
+weights load by name. Tensor parallelism enters through ``parallel`` (see ``parallel.py``): each rank
+holds ``n_head / world`` heads and slices of the MLP and the vocabulary, and the row-parallel
+linears finish with an all-reduce. With one process those calls are no-ops.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .alibi import alibi_slopes
+from .config import BloomConfig
+from .kv_cache import KVCache
+from .parallel import Parallel, SINGLE
+
+
+class RowParallelLinear(nn.Linear):
+    """A linear whose input features are split across ranks: partial sums are all-reduced, and the
+    bias (kept whole on every rank) is added once, after the reduction."""
+
+    def __init__(self, in_features: int, out_features: int, parallel: Parallel):
+        super().__init__(in_features, out_features)
+        self.parallel = parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.world_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        return self.parallel.all_reduce(F.linear(x, self.weight)) + self.bias
+
+
+class Attention(nn.Module):
+    def __init__(self, config: BloomConfig, parallel: Parallel):
+        super().__init__()
+        self.n_head = config.n_head // parallel.world_size  # heads on this rank
+        self.head_dim = config.head_dim
+        local_width = self.n_head * self.head_dim
+        self.query_key_value = nn.Linear(config.hidden_size, 3 * local_width)
+        self.dense = RowParallelLinear(local_width, config.hidden_size, parallel)
+        self.inv_norm = 1.0 / self.head_dim**0.5
+
+    def _split_heads(self, x: torch.Tensor):
+        """[B, T, H*3*D] -> q, k, v each [B, H, T, D]. BLOOM fuses per head: [q_h, k_h, v_h]."""
+        b, t, _ = x.shape
+        qkv = x.view(b, t, self.n_head, 3, self.head_dim)
+        q, k, v = qkv.unbind(dim=3)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def _attend(self, q, k, v, alibi, hidden_mask):
+        """Scaled scores + ALiBi, masked, fp32 softmax (as transformers), weighted values.
+
+        q [B, H, T, D]; k, v [B, H, S, D]; alibi [B*H, 1, S]; hidden_mask bool, broadcastable to
+        [B, 1, T, S], True where a key must not be seen.
+        """
+        b, h, t, d = q.shape
+        s = k.shape[2]
+        scores = torch.baddbmm(
+            alibi, q.reshape(b * h, t, d), k.reshape(b * h, s, d).transpose(1, 2), beta=1.0, alpha=self.inv_norm
+        ).view(b, h, t, s)
+        scores = scores.masked_fill(hidden_mask, torch.finfo(scores.dtype).min)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        context = torch.matmul(probs, v)  # [B, H, T, D]
+        return context.transpose(1, 2).reshape(b, t, h * d)
+
+    def prefill(self, x, layer: int, cache: KVCache, hidden_mask):
+        q, k, v = self._split_heads(self.query_key_value(x))
+        cache.write_prefix(layer, k, v)
+        p = x.shape[1]
+        return self.dense(self._attend(q, k, v, cache.alibi[:, :, :p], hidden_mask))
+
+    def decode(self, x, layer: int, cache: KVCache, positions, window: int, hidden_mask):
+        q, k, v = self._split_heads(self.query_key_value(x))
+        cache.write_at(layer, positions, k, v)
+        keys = cache.keys[layer, :, :, :window]
+        values = cache.values[layer, :, :, :window]
+        return self.dense(self._attend(q, keys, values, cache.alibi[:, :, :window], hidden_mask))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: BloomConfig, parallel: Parallel):
+        super().__init__()
+        local_ffn = 4 * config.hidden_size // parallel.world_size
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, local_ffn)
+        self.dense_4h_to_h = RowParallelLinear(local_ffn, config.hidden_size, parallel)
+
+    def forward(self, x):
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, config: BloomConfig, parallel: Parallel):
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.self_attention = Attention(config, parallel)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config, parallel)
+        self.residual_from_ln = config.apply_residual_connection_post_layernorm
+
+    def forward(self, h, attend):
+        """``attend(x)`` runs this block's attention in prefill or decode form."""
+        x = self.input_layernorm(h)
+        h = (x if self.residual_from_ln else h) + attend(x)
+        x = self.post_attention_layernorm(h)
+        return (x if self.residual_from_ln else h) + self.mlp(x)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Word embeddings split by vocabulary rows across ranks (the LM head reuses them, tied)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: Parallel):
+        self.vocab_start, self.vocab_end = parallel.vocab_range(vocab_size)
+        super().__init__(self.vocab_end - self.vocab_start, hidden_size)
+        self.parallel = parallel
+
+    def forward(self, ids):
+        if self.parallel.world_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = torch.where(outside, 0, ids - self.vocab_start)
+        out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        return self.parallel.all_reduce(out)
+
+
+class StaticBloom(nn.Module):
+    def __init__(self, config: BloomConfig, parallel: Parallel = SINGLE):
+        super().__init__()
+        if config.n_head % parallel.world_size:
+            raise ValueError(f"{config.n_head} heads cannot be split evenly over {parallel.world_size} ranks")
+        self.config = config
+        self.parallel = parallel
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+        self.word_embeddings_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.h = nn.ModuleList(Block(config, parallel) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        local_heads = config.n_head // parallel.world_size
+        first = parallel.rank * local_heads
+        # This rank's heads' slopes; a buffer so .to(device) moves it, not saved in checkpoints.
+        self.register_buffer(
+            "slopes", alibi_slopes(config.n_head)[first : first + local_heads], persistent=False
+        )
+
+    @property
+    def local_heads(self) -> int:
+        return self.config.n_head // self.parallel.world_size
+
+    def allocate_cache(self, batch_size: int, length: int) -> KVCache:
+        p = next(self.parameters())
+        return KVCache.allocate(
+            self.config.n_layer, batch_size, self.local_heads, length, self.config.head_dim,
+            self.slopes, p.dtype, p.device,
+        )
+
+    def lm_head(self, h):
+        """Logits over the whole vocabulary [..., V] from final hidden states (tied embeddings)."""
+        logits = F.linear(self.ln_f(h), self.word_embeddings.weight)
+        return self.parallel.all_gather_last(logits)
+
+    def embed(self, ids):
+        return self.word_embeddings_layernorm(self.word_embeddings(ids))
+
+    def _prefill_hidden(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Final hidden states [B, P, hidden] of right-padded prompts; fills cache slots 0..P-1."""
+        p = input_ids.shape[1]
+        slots = torch.arange(p, device=input_ids.device)
+        # A query at q sees keys k <= q that are real tokens of its row. Pad queries (q >= length)
+        # still see every real key, so no row of the softmax is empty.
+        causal = slots[None, :] > slots[:, None]  # [P(q), P(k)]
+        padding = slots[None, :] >= lengths[:, None]  # [B, P(k)]
+        hidden_mask = causal[None, None] | padding[:, None, None, :]  # [B, 1, P, P]
+        h = self.embed(input_ids)
+        for i, block in enumerate(self.h):
+            h = block(h, lambda x, i=i, block=block: block.self_attention.prefill(x, i, cache, hidden_mask))
+        return h
+
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """input_ids [B, P] right-padded, lengths [B] real tokens per row -> logits [B, V]."""
+        h = self._prefill_hidden(input_ids, lengths, cache)
+        last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]  # [B, hidden]
+        return self.lm_head(last)
+
+    def full_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits at every position [B, P, V]: for scoring prompts (log-probs, perplexity), not
+        for generation, which only ever needs the last row of each prompt."""
+        return self.lm_head(self._prefill_hidden(input_ids, lengths, cache))
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
+        """tokens [B, 1] written at slots positions [B]; attends slots < window -> logits [B, V]."""
+        slots = torch.arange(window, device=tokens.device)
+        hidden_mask = (slots[None, :] > positions[:, None])[:, None, None, :]  # [B, 1, 1, W]
+        h = self.embed(tokens)
+        for i, block in enumerate(self.h):
+            h = block(h, lambda x, i=i, block=block: block.self_attention.decode(x, i, cache, positions, window, hidden_mask))
+        return self.lm_head(h[:, 0])

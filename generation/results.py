@@ -1,0 +1,59 @@
+"""What generation returns: per prompt, one or more sequences with their text and ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sequence:
+    text: str  # the generated continuation only (special tokens removed)
+    token_ids: list[int]  # generated ids, up to and including an EOS that ended the row
+    finish_reason: str  # "length", "eos" or "stop"
+    score: float | None = None  # beam search: the hypothesis score transformers reports
+    token_logprobs: list[float] | None = None  # log-prob of each generated token, when asked
+
+
+@dataclass
+class GenerationResult:
+    prompt: str
+    prompt_token_ids: list[int]
+    sequences: list[Sequence] = field(default_factory=list)
+
+    # The first (best) sequence, which is all there is unless num_return_sequences > 1.
+    @property
+    def text(self) -> str:
+        return self.sequences[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.sequences[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.sequences[0].finish_reason
+
+    def to_dict(self) -> dict:
+        out = {
+            "prompt": self.prompt,
+            "completion": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+        }
+        if len(self.sequences) > 1 or self.sequences[0].score is not None:
+            out["sequences"] = [
+                {"completion": s.text, "token_ids": s.token_ids, "finish_reason": s.finish_reason, "score": s.score}
+                for s in self.sequences
+            ]
+        return out
+
+
+@dataclass
+class BatchStats:
+    seconds: float
+    new_tokens: int
+    graph_count: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0

@@ -1,0 +1,99 @@
+"""The vanilla path: transformers' ``BloomForCausalLM.generate`` on the same weights and options.
+
+It is the baseline the optimized path is measured and checked against, and an escape hatch for
+options we do not implement (typed ``--options`` keys pass straight through to ``generate``).
+Prompts of a batch are left-padded, as transformers expects; each row is then cut to its own
+``max_length`` budget so the results mean the same as the optimized path's.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from .batch import BloomTokenizer, InputError
+from .options import GenerationOptions
+from .results import BatchStats, GenerationResult, Sequence
+
+
+class VanillaGenerator:
+    def __init__(self, folder: Path, dtype: torch.dtype, device: str):
+        import transformers  # heavy; only this path needs it
+
+        transformers.logging.set_verbosity_error()
+        self.folder = Path(folder)
+        self.device = torch.device(device)
+        self.model = transformers.BloomForCausalLM.from_pretrained(folder, torch_dtype=dtype).to(self.device).eval()
+        config = self.model.config
+        self.tokenizer = BloomTokenizer(folder, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+        self.last_stats: BatchStats | None = None
+
+    def hf_kwargs(self, opts: GenerationOptions, longest: int) -> dict:
+        """transformers ``generate`` arguments equivalent to our options."""
+        new_tokens = opts.max_length - longest
+        if opts.max_new_tokens is not None:
+            new_tokens = min(new_tokens, opts.max_new_tokens)
+        kwargs = dict(
+            max_new_tokens=max(new_tokens, 1),
+            min_new_tokens=opts.min_new_tokens or None,
+            num_beams=opts.num_beams,
+            do_sample=opts.do_sample,
+            temperature=opts.temperature,
+            top_k=opts.top_k,
+            top_p=opts.top_p,
+            repetition_penalty=opts.repetition_penalty,
+            length_penalty=opts.length_penalty,
+            no_repeat_ngram_size=opts.no_repeat_ngram_size,
+            early_stopping=opts.early_stopping,
+            num_return_sequences=opts.num_return_sequences,
+            use_cache=opts.use_kv_cache,
+            pad_token_id=self.tokenizer.pad_token_id,
+            # ignore_eos: no EOS stops a row; we still cut the returned text at EOS afterwards.
+            eos_token_id=None if opts.ignore_eos else self.tokenizer.eos_token_id,
+        )
+        kwargs.update(opts.extra)
+        return kwargs
+
+    @torch.no_grad()
+    def generate(self, prompts: str | list[str], opts: GenerationOptions) -> list[GenerationResult]:
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not prompts:
+            raise InputError("no prompts to generate from")
+        start = time.perf_counter()
+        ids = self.tokenizer.encode_batch(prompts)
+        for i, row in enumerate(ids):
+            if not row or len(row) > opts.max_length:
+                raise InputError(f"prompt {i + 1} has {len(row)} tokens; it must have 1..max_length={opts.max_length}")
+        longest = max(len(r) for r in ids)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (longest - len(r)) + r for r in ids], device=self.device)
+        attention_mask = (torch.arange(longest, device=self.device)[None] >= torch.tensor(
+            [longest - len(r) for r in ids], device=self.device)[:, None]).long()
+        if opts.seed is not None:
+            torch.manual_seed(opts.seed)
+        out = self.model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, **self.hf_kwargs(opts, longest)
+        )
+        generated = out[:, longest:].tolist()
+        per_prompt = len(generated) // len(prompts)
+        results = []
+        for i, (prompt, row_ids) in enumerate(zip(prompts, ids)):
+            budget = opts.max_length - len(row_ids)
+            if opts.max_new_tokens is not None:
+                budget = min(budget, opts.max_new_tokens)
+            sequences = []
+            for seq in generated[i * per_prompt : (i + 1) * per_prompt]:
+                seq = seq[:budget]
+                eos = self.tokenizer.eos_token_id
+                if eos in seq:
+                    seq, reason = seq[: seq.index(eos) + 1], "eos"
+                else:
+                    reason = "length"
+                sequences.append(Sequence(self.tokenizer.decode(seq), seq, reason))
+            results.append(GenerationResult(prompt, row_ids, sequences))
+        self.last_stats = BatchStats(
+            time.perf_counter() - start, sum(len(s.token_ids) for r in results for s in r.sequences), 0
+        )
+        return results
