@@ -25,15 +25,18 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
     if n_head < 1:
         raise ValueError(f"n_head must be positive, got {n_head}")
     closest_pow2 = 2 ** math.floor(math.log2(n_head))
-    base = 2.0 ** (-(2.0 ** -(math.log2(closest_pow2) - 3)))
-    slopes = [base**p for p in range(1, closest_pow2 + 1)]
+
+    def geometric(first_exponent_base: float, powers: range) -> torch.Tensor:
+        # float32 pow, as transformers computes them, so the slopes agree to the last bit.
+        base = torch.tensor(first_exponent_base, dtype=torch.float32)
+        return torch.pow(base, torch.tensor(list(powers), dtype=torch.int32))
+
+    slopes = geometric(2.0 ** (-(2.0 ** -(math.log2(closest_pow2) - 3))), range(1, closest_pow2 + 1))
     if closest_pow2 != n_head:
-        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest_pow2) - 3)))
         n_extra = min(closest_pow2, n_head - closest_pow2)
-        slopes += [extra_base**p for p in range(1, 2 * n_extra, 2)]
-    # Computed in float64 then rounded once: transformers computes torch.pow in float32, which
-    # agrees to the last bit for these small integer exponents (checked by the tests).
-    return torch.tensor(slopes, dtype=torch.float64).to(torch.float32)
+        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest_pow2) - 3)))
+        slopes = torch.cat([slopes, geometric(extra_base, range(1, 2 * n_extra, 2))])
+    return slopes
 
 
 def alibi_bias(slopes: torch.Tensor, length: int, batch_size: int, dtype: torch.dtype) -> torch.Tensor:

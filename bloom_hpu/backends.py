@@ -34,8 +34,9 @@ def default_device() -> str:
     return "cpu"
 
 
-def signature(name: str, inputs) -> tuple:
-    return (name, tuple((tuple(t.shape), str(t.dtype)) for t in inputs))
+def signature(name: str, step, inputs) -> tuple:
+    """(step name, input shapes and dtypes, the step's own fixed shapes such as cache and window)."""
+    return (name, tuple((tuple(t.shape), str(t.dtype)) for t in inputs), getattr(step, "static_shape", ()))
 
 
 class Backend:
@@ -62,7 +63,7 @@ class Backend:
         return step
 
     def run(self, name: str, step, *inputs: torch.Tensor):
-        self.signatures.add(signature(name, inputs))
+        self.signatures.add(signature(name, step, inputs))
         if self.compile_steps and name == "decode":
             fn = self._compiled.get(id(step))
             if fn is None:
@@ -94,7 +95,7 @@ class CudaBackend(Backend):
     def run(self, name: str, step, *inputs: torch.Tensor):
         if not self.use_graphs or name != "decode":
             return super().run(name, step, *inputs)
-        sig = signature(name, inputs)
+        sig = signature(name, step, inputs)
         self.signatures.add(sig)
         key = (id(step), sig)
         entry = self._graphs.get(key)
@@ -156,7 +157,7 @@ class HpuBackend(Backend):
         return self._hthpu.wrap_in_hpu_graph(step) if self.use_graphs else step
 
     def run(self, name: str, step, *inputs: torch.Tensor):
-        self.signatures.add(signature(name, inputs))
+        self.signatures.add(signature(name, step, inputs))
         out = step(*inputs)
         self._htcore.mark_step()
         return out

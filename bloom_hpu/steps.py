@@ -22,6 +22,10 @@ class PrefillStep(nn.Module):
         self.model = model
         self.cache = cache
 
+    @property
+    def static_shape(self) -> tuple:
+        return (self.cache.batch_size, self.cache.length)
+
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         return self.model.prefill(input_ids, lengths, self.cache)
 
@@ -32,6 +36,10 @@ class DecodeStep(nn.Module):
         self.model = model
         self.cache = cache
         self.window = window
+
+    @property
+    def static_shape(self) -> tuple:
+        return (self.cache.batch_size, self.cache.length, self.window)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.decode(tokens, positions, self.cache, self.window)

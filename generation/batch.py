@@ -96,7 +96,7 @@ class Batch:
     prompt_ids: list[list[int]]
     input_ids: torch.Tensor  # [B, P] right-padded with pad_token_id
     lengths: torch.Tensor  # [B] real prompt tokens per row
-    new_limits: torch.Tensor  # [B] new tokens each row may produce (0 for a prompt at max_length)
+    new_limits: torch.Tensor  # [B] new tokens each row may produce (>= 1)
     steps: int  # iterations of the token loop: the largest per-row budget
     plan: ShapePlan
 
@@ -114,10 +114,11 @@ def make_batch(
     for i, (text, ids) in enumerate(zip(prompts, prompt_ids)):
         if not ids:
             raise InputError(f"prompt {i + 1} is empty: nothing to continue from")
-        if len(ids) > options.max_length:
+        if len(ids) >= options.max_length:
+            # As transformers: a prompt must leave room for at least one new token.
             raise InputError(
-                f"prompt {i + 1} ({_preview(text)}) has {len(ids)} tokens, more than "
-                f"max_length={options.max_length}; raise --max_length to at least {len(ids) + 1}"
+                f"prompt {i + 1} ({_preview(text)}) has {len(ids)} tokens, which leaves no room for new "
+                f"tokens under max_length={options.max_length}; raise --max_length to at least {len(ids) + 1}"
             )
     lengths = [len(ids) for ids in prompt_ids]
     room = [options.max_length - n for n in lengths]

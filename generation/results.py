@@ -57,3 +57,14 @@ class BatchStats:
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def make_sequence(tokenizer, ids: list[int], finish_reason: str, score: float | None = None) -> Sequence:
+    """Cut generated ids at the first EOS (kept in the ids, not in the text) and detokenize."""
+    eos = tokenizer.eos_token_id
+    text_ids = ids
+    if eos in ids:
+        ids = ids[: ids.index(eos) + 1]
+        text_ids = ids[:-1]
+        finish_reason = "eos"
+    return Sequence(tokenizer.decode(text_ids), ids, finish_reason, score)

@@ -15,7 +15,7 @@ import torch
 
 from .batch import BloomTokenizer, InputError
 from .options import GenerationOptions
-from .results import BatchStats, GenerationResult, Sequence
+from .results import BatchStats, GenerationResult, make_sequence
 
 
 class VanillaGenerator:
@@ -29,10 +29,12 @@ class VanillaGenerator:
         config = self.model.config
         self.tokenizer = BloomTokenizer(folder, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
         self.last_stats: BatchStats | None = None
+        self.load_report = None  # transformers loads on its own; no sliced-read report
 
-    def hf_kwargs(self, opts: GenerationOptions, longest: int) -> dict:
-        """transformers ``generate`` arguments equivalent to our options."""
-        new_tokens = opts.max_length - longest
+    def hf_kwargs(self, opts: GenerationOptions, shortest: int) -> dict:
+        """transformers ``generate`` arguments equivalent to our options. Rows have their own budget
+        (max_length - their length): generate for the largest, then cut each row to its own."""
+        new_tokens = opts.max_length - shortest
         if opts.max_new_tokens is not None:
             new_tokens = min(new_tokens, opts.max_new_tokens)
         kwargs = dict(
@@ -64,8 +66,9 @@ class VanillaGenerator:
         start = time.perf_counter()
         ids = self.tokenizer.encode_batch(prompts)
         for i, row in enumerate(ids):
-            if not row or len(row) > opts.max_length:
-                raise InputError(f"prompt {i + 1} has {len(row)} tokens; it must have 1..max_length={opts.max_length}")
+            if not row or len(row) >= opts.max_length:
+                raise InputError(f"prompt {i + 1} has {len(row)} tokens; it must have 1..{opts.max_length - 1} "
+                                 f"to leave room under max_length={opts.max_length}")
         longest = max(len(r) for r in ids)
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([[pad] * (longest - len(r)) + r for r in ids], device=self.device)
@@ -74,7 +77,7 @@ class VanillaGenerator:
         if opts.seed is not None:
             torch.manual_seed(opts.seed)
         out = self.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, **self.hf_kwargs(opts, longest)
+            input_ids=input_ids, attention_mask=attention_mask, **self.hf_kwargs(opts, min(len(r) for r in ids))
         )
         generated = out[:, longest:].tolist()
         per_prompt = len(generated) // len(prompts)
@@ -85,13 +88,7 @@ class VanillaGenerator:
                 budget = min(budget, opts.max_new_tokens)
             sequences = []
             for seq in generated[i * per_prompt : (i + 1) * per_prompt]:
-                seq = seq[:budget]
-                eos = self.tokenizer.eos_token_id
-                if eos in seq:
-                    seq, reason = seq[: seq.index(eos) + 1], "eos"
-                else:
-                    reason = "length"
-                sequences.append(Sequence(self.tokenizer.decode(seq), seq, reason))
+                sequences.append(make_sequence(self.tokenizer, seq[:budget], "length"))
             results.append(GenerationResult(prompt, row_ids, sequences))
         self.last_stats = BatchStats(
             time.perf_counter() - start, sum(len(s.token_ids) for r in results for s in r.sequences), 0
