@@ -1,0 +1,57 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import pytest
+
+from bloom_hpu.checkpoint import DEFAULT_MODEL, DEFAULT_WEIGHTS
+from utils.random_checkpoint import make_random_checkpoint
+
+
+@pytest.fixture(scope="session")
+def make_ckpt(tmp_path_factory):
+    """`make_ckpt(**kwargs) -> Path`: a random BLOOM checkpoint from `make_random_checkpoint(**kwargs)`.
+
+    Folders are cached for the session (the same kwargs give the same folder), so treat them as
+    read-only; copy one (shutil.copytree) before changing it.
+    """
+    made = {}
+
+    def make(**kwargs):
+        key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+        if key not in made:
+            made[key] = make_random_checkpoint(tmp_path_factory.mktemp("ckpt"), **kwargs)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint():
+    """The embedded default checkpoint, checkpoints/bloom-tiny (read-only)."""
+    return DEFAULT_WEIGHTS / DEFAULT_MODEL
+
+
+@pytest.fixture(scope="session")
+def eos_checkpoint(tmp_path_factory):
+    """A random checkpoint whose EOS (id 2) embedding row is doubled, so that EOS wins now and then
+    (every few rows/beams) and searches really exercise stopping at EOS."""
+    from safetensors.torch import load_file, save_file
+
+    folder = make_random_checkpoint(tmp_path_factory.mktemp("eos"), hidden_size=64, n_layer=2, n_head=4, seed=11)
+    weights = load_file(folder / "model.safetensors")
+    weights["word_embeddings.weight"][2] *= 2.0
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="session")
+def scoring_setup(make_ckpt):
+    """(checkpoint, our cpu Generator, transformers BloomForCausalLM) on one random checkpoint, for
+    the request-file, log-prob, stop, eval and streaming tests."""
+    from transformers import BloomForCausalLM
+
+    from generation.generator import Generator
+
+    folder = make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7)
+    return folder, Generator.from_pretrained(folder, device="cpu"), BloomForCausalLM.from_pretrained(folder).eval()

@@ -1,0 +1,179 @@
+"""Writes BLOOM checkpoints with random weights, loadable by transformers and by bloom_hpu.
+
+Tests compare our model with transformers on such checkpoints, so the weights are drawn to make
+those comparisons meaningful:
+
+- every sub-layer matters: linear weights have std 1/sqrt(fan_in), so attention and MLP outputs are
+  about as large as their inputs, and the output projections get a gain of 2 so that context, not
+  the current token alone, drives the next token;
+- no echo: with tied embeddings an untrained model repeats its last token forever, because the
+  residual stream carries that token's embedding and the LM head (the same matrix) scores it highest
+  (trained BLOOM learns not to). The embedding LayerNorm's weight is near -1 instead of 1, so the
+  echo lowers that token's logit; greedy text then varies with the prompt;
+- logits are peaky: the word embeddings, which are also the LM head, get std
+  `weight_scale / sqrt(hidden_size)`, so logits spread with std about `weight_scale`. With the
+  default 10 the top token's probability is about 0.9 (median), and its lead over the second is
+  about 2 (median), some 10^5 times the float32 discrepancy between two evaluations, so float noise
+  cannot flip an argmax in practice;
+- padded vocabulary rows (BLOOM pads its vocabulary past the tokenizer's) are zero, so their logit
+  is 0 and they are practically never generated, like in the real, trained models.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
+
+from bloom_hpu.checkpoint import BIN, BIN_INDEX, SAFETENSORS, SAFETENSORS_INDEX, expected_names
+from bloom_hpu.config import BloomConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TOKENIZER_DIR = REPO_ROOT / "checkpoints" / "bloom-tiny"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+FORMATS = ("safetensors", "safetensors-sharded", "bin", "bin-sharded")
+
+DEFAULT_WEIGHT_SCALE = 10.0  # std of the logits; see the module docstring
+_NOISE = 0.1  # std of the noise on LayerNorm weights and of every bias
+_OUT_GAIN = 2.0  # extra gain of the attention and MLP output projections
+_VOCAB_MULTIPLE = 128  # BLOOM pads its vocabulary to a multiple of 128 (250680 -> 250880)
+
+
+def random_weights(config: BloomConfig, *, live_vocab: int, seed: int, weight_scale: float) -> dict[str, torch.Tensor]:
+    """Random float32 weights under the normalized BLOOM names, in `expected_names` order."""
+    gen = torch.Generator().manual_seed(seed)
+    h = config.hidden_size
+
+    def normal(*shape, std):
+        return torch.randn(*shape, generator=gen) * std
+
+    def layer_norm(name):
+        return {f"{name}.weight": 1 + normal(h, std=_NOISE), f"{name}.bias": normal(h, std=_NOISE)}
+
+    def linear(name, n_out, n_in, gain=1.0):
+        weight = normal(n_out, n_in, std=gain / math.sqrt(n_in))
+        return {f"{name}.weight": weight, f"{name}.bias": normal(n_out, std=_NOISE)}
+
+    embeddings = normal(config.vocab_size, h, std=weight_scale / math.sqrt(h))
+    embeddings[live_vocab:] = 0
+    w = {"word_embeddings.weight": embeddings, **layer_norm("word_embeddings_layernorm")}
+    w["word_embeddings_layernorm.weight"].neg_()  # no echo of the current token (see the docstring)
+    for i in range(config.n_layer):
+        p = f"h.{i}"
+        w |= layer_norm(f"{p}.input_layernorm")
+        w |= linear(f"{p}.self_attention.query_key_value", 3 * h, h)
+        w |= linear(f"{p}.self_attention.dense", h, h, gain=_OUT_GAIN)
+        w |= layer_norm(f"{p}.post_attention_layernorm")
+        w |= linear(f"{p}.mlp.dense_h_to_4h", 4 * h, h)
+        w |= linear(f"{p}.mlp.dense_4h_to_h", h, 4 * h, gain=_OUT_GAIN)
+    w |= layer_norm("ln_f")
+    assert list(w) == expected_names(config)
+    return w
+
+
+def _tokenizer_vocab_size(folder: Path) -> int:
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+
+
+def copy_tokenizer(src: Path, out: Path) -> None:
+    if src.resolve() == out.resolve():
+        return
+    if not (src / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{src} has no tokenizer.json")
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+
+
+def _shards(names: list[str], n: int) -> list[list[str]]:
+    """`names` cut into `n` contiguous runs of about equal count."""
+    n = max(1, min(n, len(names)))
+    bounds = [round(i * len(names) / n) for i in range(n + 1)]
+    return [names[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def write_weights(out: Path, tensors: dict[str, torch.Tensor], fmt: str, num_shards: int = 2) -> None:
+    """Writes `tensors` in one of FORMATS, with the index file transformers reads when sharded."""
+    # Weight files of an earlier run in another format would shadow or confuse the new ones.
+    for pattern in ("*.safetensors", "pytorch_model*.bin", "*.index.json"):
+        for stale in out.glob(pattern):
+            stale.unlink()
+
+    safetensors = fmt.startswith("safetensors")
+    single, index = (SAFETENSORS, SAFETENSORS_INDEX) if safetensors else (BIN, BIN_INDEX)
+
+    def save(part: dict[str, torch.Tensor], file: str) -> None:
+        # Contiguous, unshared copies: safetensors refuses tensors that share memory.
+        part = {k: v.contiguous().clone() for k, v in part.items()}
+        if safetensors:
+            save_file(part, out / file, metadata={"format": "pt"})
+        else:
+            torch.save(part, out / file)
+
+    if not fmt.endswith("-sharded"):
+        save(tensors, single)
+        return
+    stem, ext = single.split(".")
+    groups = _shards(list(tensors), num_shards)
+    weight_map = {}
+    for i, group in enumerate(groups, 1):
+        file = f"{stem}-{i:05d}-of-{len(groups):05d}.{ext}"
+        save({k: tensors[k] for k in group}, file)
+        weight_map |= {k: file for k in group}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index_json = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / index).write_text(json.dumps(index_json, indent=2) + "\n")
+
+
+def make_random_checkpoint(
+    out_dir: str | Path,
+    *,
+    vocab_size: int | None = None,
+    hidden_size: int = 64,
+    n_layer: int = 2,
+    n_head: int = 4,
+    seed: int = 0,
+    weight_scale: float = DEFAULT_WEIGHT_SCALE,
+    fmt: str = "safetensors",
+    prefixed: bool = False,
+    tokenizer_from: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    num_shards: int = 2,
+) -> Path:
+    """Writes config.json, the tokenizer files and random weights into `out_dir`; returns it.
+
+    vocab_size: defaults to the tokenizer's vocabulary rounded up to a multiple of 128, as BLOOM
+        pads it; it may not be smaller than the tokenizer's.
+    fmt: one of FORMATS. prefixed: store `transformer.`-prefixed names plus a (tied) `lm_head.weight`,
+        like checkpoints saved from BloomForCausalLM, instead of the unprefixed BloomModel names.
+    tokenizer_from: a folder to copy the tokenizer files from; default: checkpoints/bloom-tiny.
+    dtype: the stored dtype; the values are drawn in float32 first, so one seed gives the same
+        weights (up to rounding) in every dtype.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    copy_tokenizer(Path(tokenizer_from) if tokenizer_from is not None else DEFAULT_TOKENIZER_DIR, out)
+    live_vocab = _tokenizer_vocab_size(out)
+    if vocab_size is None:
+        vocab_size = -(-live_vocab // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
+    if vocab_size < live_vocab:
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's vocabulary ({live_vocab})")
+
+    config = BloomConfig(vocab_size=vocab_size, hidden_size=hidden_size, n_layer=n_layer, n_head=n_head)
+    config.save(out)
+
+    weights = random_weights(config, live_vocab=live_vocab, seed=seed, weight_scale=weight_scale)
+    weights = {k: v.to(dtype) for k, v in weights.items()}
+    if prefixed:
+        weights = {f"transformer.{k}": v for k, v in weights.items()}
+        weights["lm_head.weight"] = weights["transformer.word_embeddings.weight"]
+    write_weights(out, weights, fmt, num_shards)
+    return out
