@@ -56,6 +56,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--help_options", action="store_true", help="list every generation option and exit")
     p.add_argument("--compile", action="store_true", help="cpu: run the decode step through torch.compile")
     p.add_argument("--quiet", action="store_true", help="print only the generated texts")
+    p.add_argument("--warmup", action="store_true", help="run every step shape (each bucket) once before the "
+                   "first prompt, so no request meets a first-time capture or compile; prints the time taken")
+    p.add_argument("--requests", help="batch job: a JSONL file of OpenAI-style completion requests "
+                   "(see docs/batch-jobs.md); needs --results")
+    p.add_argument("--results", help="--requests: JSONL file the result records are appended to (a rerun "
+                   "skips requests already answered); --eval: write the numbers there as JSON")
+    p.add_argument("--errors", help="--requests: JSONL file of the lines that failed (default RESULTS.errors.jsonl)")
+    p.add_argument("--budget", type=int, default=8192, help="--requests/--eval: max tokens (rows x length) per batch")
+    p.add_argument("--eval", help='evaluate last-word accuracy and perplexity on a JSONL of {"text": ...} (LAMBADA)')
+    p.add_argument("--stream", action="store_true", help="print each prompt's tokens as they are generated")
+    p.add_argument("--all_ranks", action="store_true",
+                   help="tensor parallel runs: every rank prints (prefixed [rank r]) and writes its own "
+                   "--output_file (name.rankR.json), not only rank 0")
+    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
     return p
 
 
@@ -94,12 +108,84 @@ def make_generator(args, opts):
         return VanillaGenerator(folder, parse_dtype(args.dtype), str(make_backend(args.device, use_graphs=False).device))
     return Generator.from_pretrained(
         weights, args.model, dtype=args.dtype, device=args.device, use_graphs=opts.use_graphs,
-        compile_steps=args.compile,
+        compile_steps=args.compile, parallel=PARALLEL,
     )
 
 
+# Tensor parallelism (deepspeed / torchrun launchers): this rank's Parallel, and whether it prints.
+PARALLEL = None
+SHOWS_OUTPUT = True
+
+
 def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    if SHOWS_OUTPUT:
+        print(message, file=sys.stderr, flush=True)
+
+
+def setup_parallel(args):
+    """Join the launcher's process group (a no-op without one); only rank 0 prints from now on."""
+    global PARALLEL, SHOWS_OUTPUT
+    from bloom_hpu.distributed import ParallelError, init_parallel, route_output, sync_random_seed
+
+    PARALLEL = init_parallel(args.device)
+    SHOWS_OUTPUT = route_output(PARALLEL, args.all_ranks)
+    sync_random_seed(PARALLEL)  # sampling without --seed must draw the same tokens on every rank
+    if PARALLEL.world_size > 1 and args.mode == "vanilla":
+        raise ParallelError("--mode vanilla runs in one process; launch it without deepspeed/torchrun")
+
+
+def check_ranks_agree(args, prompts) -> None:
+    from bloom_hpu.distributed import check_agreement
+
+    values = {k: v for k, v in vars(args).items() if k not in ("local_rank", "all_ranks", "prompts")}
+    check_agreement(PARALLEL, {**values, "prompts": prompts})
+
+
+def rank_output_file(path: str) -> str:
+    """Rank 0 writes --output_file itself; with --all_ranks rank r writes name.rankR.json beside it."""
+    if PARALLEL.rank == 0:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.rank{PARALLEL.rank}{p.suffix}"))
+
+
+def run_file_job(args, opts) -> int:
+    """--requests (OpenAI-style batch job) or --eval (LAMBADA-style evaluation)."""
+    if args.mode == "vanilla":
+        raise UsageError("--requests and --eval run in --mode optimized only")
+    if args.requests and not args.results:
+        raise UsageError("--requests needs --results FILE (results are appended there)")
+    generator = make_generator(args, opts)
+    if args.requests:
+        from generation.jobs import run_requests
+
+        summary = run_requests(generator, args.requests, args.results, errors_path=args.errors,
+                               budget=args.budget, progress=not args.quiet)
+        log(f"{summary.answered} requests answered, {summary.skipped} already done, {summary.errors} failed, "
+            f"{summary.completion_tokens} tokens in {summary.seconds:.1f} s")
+        return 1 if summary.errors else 0
+    import json
+
+    from generation.evaluate import evaluate, read_passages
+
+    result = evaluate(generator, read_passages(args.eval), budget=args.budget)
+    print(f"passages: {result.passages}  accuracy: {result.accuracy:.4f}  perplexity: {result.perplexity:.3f}  "
+          f"last-word perplexity: {result.last_word_perplexity:.3f}")
+    if args.results:
+        Path(args.results).write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+    return 0
+
+
+def stream_prompts(args, generator, prompts, opts) -> int:
+    """--stream: each prompt, then its continuation piece by piece as it is generated."""
+    if args.mode == "vanilla":
+        raise UsageError("--stream runs in --mode optimized only")
+    for prompt in prompts:
+        print(prompt, end="", flush=True)
+        for piece in generator.stream(prompt, opts):
+            print(piece, end="", flush=True)
+        print(flush=True)
+    return 0
 
 
 def run(args) -> int:
@@ -110,12 +196,26 @@ def run(args) -> int:
         return 0
     if args.batch_size < 1:
         raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
+    setup_parallel(args)
     opts = collect_options(args)
+    if args.requests or args.eval:
+        return run_file_job(args, opts)
     prompts = read_prompts(args)
+    check_ranks_agree(args, prompts)
     generator = make_generator(args, opts)
+    if generator.load_report is not None:
+        log(generator.load_report.describe())
+    if args.warmup:
+        if args.mode == "vanilla":
+            raise UsageError("--warmup runs in --mode optimized only")
+        from generation.warmup import chunk_sizes, warm_up
+
+        log(warm_up(generator, opts, [1] if args.stream else chunk_sizes(len(prompts), args.batch_size)).describe())
+    if args.stream:
+        return stream_prompts(args, generator, prompts, opts)
     from generation.outputs import ResultWriter
 
-    writer = ResultWriter(args.output_file) if args.output_file else None
+    writer = ResultWriter(rank_output_file(args.output_file)) if args.output_file and SHOWS_OUTPUT else None
     for first in range(0, len(prompts), args.batch_size):
         chunk = prompts[first : first + args.batch_size]
         results = generator.generate(chunk, opts)
@@ -138,17 +238,22 @@ def main(argv=None) -> int:
     from bloom_hpu.backends import DeviceError
     from bloom_hpu.checkpoint import CheckpointError
     from generation.batch import InputError
+    from bloom_hpu.distributed import ParallelError, shutdown
     from generation.options import OptionError
 
     try:
         return run(args)
     except (UsageError, CheckpointError, InputError, OptionError, DeviceError, ValueError, OSError) as error:
-        # Everything the user can fix: one line, no traceback.
-        log(f"error: {error}")
+        # Everything the user can fix: one line, no traceback. A ParallelError is raised alike on
+        # every rank, so only rank 0 says it; any other error may be this rank's alone.
+        if SHOWS_OUTPUT or not isinstance(error, ParallelError):
+            print(f"error: {error}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         log("interrupted")
         return 130
+    finally:
+        shutdown()
 
 
 if __name__ == "__main__":

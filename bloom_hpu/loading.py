@@ -16,6 +16,7 @@ import torch
 from .alibi import alibi_slopes
 from .checkpoint import CheckpointReader
 from .config import BloomConfig
+from .distributed import check_splittable
 from .model import StaticBloom
 from .parallel import Parallel, SINGLE
 
@@ -23,7 +24,24 @@ from .parallel import Parallel, SINGLE
 @dataclass
 class LoadReport:
     seconds: float
-    bytes_read: int
+    bytes_read: int  # bytes this rank read from the checkpoint (its slices, in the stored dtype)
+    checkpoint_bytes: int = 0  # bytes of every weight the model uses, as stored
+    rank: int = 0
+    world_size: int = 1
+
+    def describe(self) -> str:
+        """One line for the log, e.g. `rank 0/8: loaded in 41.2 s, read 45.1 GB of 352.1 GB (12.8%)`."""
+        share = f" ({100 * self.bytes_read / self.checkpoint_bytes:.1f}%)" if self.checkpoint_bytes else ""
+        who = f"rank {self.rank}/{self.world_size}: " if self.world_size > 1 else ""
+        return (f"{who}loaded in {self.seconds:.2f} s, read {_human(self.bytes_read)} of "
+                f"{_human(self.checkpoint_bytes)}{share}")
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
 
 
 def shard_slices(name: str, model: StaticBloom) -> tuple[slice | None, slice | None]:
@@ -64,9 +82,11 @@ def load_model(
     start = time.perf_counter()
     folder = Path(folder)
     config = BloomConfig.from_json(folder / "config.json")
+    check_splittable(config, parallel.world_size)
     with torch.device("meta"):
         model = StaticBloom(config, parallel)
     state = {}
+    checkpoint_bytes = 0
     with CheckpointReader(folder) as reader:
         for name, param in model.named_parameters():
             rows, cols = shard_slices(name, model)
@@ -77,9 +97,19 @@ def load_model(
                     f"{tuple(param.shape)} (config.json does not match the weights?)"
                 )
             state[name] = tensor.to(device)
+            # From the header only: what a single process would have read for this weight.
+            checkpoint_bytes += _numel(reader.shape(name)) * reader.stored_dtype(name).itemsize
         bytes_read = reader.bytes_read
     model.load_state_dict(state, strict=False, assign=True)
     heads = model.local_heads
     model.slopes = alibi_slopes(config.n_head)[parallel.rank * heads : (parallel.rank + 1) * heads].to(device)
     model.eval().requires_grad_(False)
-    return model, LoadReport(time.perf_counter() - start, bytes_read)
+    report = LoadReport(time.perf_counter() - start, bytes_read, checkpoint_bytes, parallel.rank, parallel.world_size)
+    return model, report
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
