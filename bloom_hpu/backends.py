@@ -91,6 +91,10 @@ class CudaBackend(Backend):
             raise DeviceError("--device cuda was asked for, but no CUDA device is available")
         super().__init__(device, use_graphs, compile_steps)
         self._graphs: dict[tuple, tuple] = {}
+        # One memory pool for every captured graph: steps replay one after another and each output
+        # is consumed before the next replay, so graphs can share their scratch memory instead of
+        # each holding its own (the original's HPU graphs multiplied memory this way).
+        self._pool = None
 
     def run(self, name: str, step, *inputs: torch.Tensor):
         if not self.use_graphs or name != "decode":
@@ -107,8 +111,7 @@ class CudaBackend(Backend):
         graph.replay()
         return static_output
 
-    @staticmethod
-    def _capture(step, inputs):
+    def _capture(self, step, inputs):
         static_inputs = [t.clone() for t in inputs]
         # Warm up on a side stream (lazy initialisation must not happen during capture). A decode
         # step only writes the cache slots it was given, with the values it computes from them, so
@@ -119,8 +122,10 @@ class CudaBackend(Backend):
             for _ in range(2):
                 step(*static_inputs)
         torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self._pool):
             static_output = step(*static_inputs)
         return graph, static_inputs, static_output
 

@@ -38,7 +38,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("repetition_penalty", float, 1.0, "penalise tokens already present in the row (> 0; 1: off)"),
     Option("length_penalty", float, 1.0, "beam search: score = sum logprob / length ** length_penalty"),
     Option("no_repeat_ngram_size", int, 0, "never repeat an n-gram of this size within a row (0: off)"),
-    Option("early_stopping", bool, False, "beam search: stop a prompt once num_beams hypotheses are done"),
+    Option("early_stopping", bool, False, "beam search: true: stop a prompt once num_beams hypotheses are done; "
+           "false: once no running beam can beat them (heuristic); never: only when that is certain"),
     Option("num_return_sequences", int, 1, "sequences returned per prompt (<= num_beams unless sampling)"),
     Option("ignore_eos", bool, True, "keep generating after EOS (true, as the original scripts) or stop each row at its EOS"),
     Option("seed", int, None, "seed for sampling; the same seed gives the same output"),
@@ -63,7 +64,7 @@ class GenerationOptions:
     repetition_penalty: float = 1.0
     length_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
-    early_stopping: bool = False
+    early_stopping: bool | str = False  # True, False or "never", as in transformers
     num_return_sequences: int = 1
     ignore_eos: bool = True
     seed: int | None = None
@@ -137,7 +138,14 @@ def _convert(name: str, value: Any, kind: type) -> Any:
 
 def coerce(name: str, value: Any) -> Any:
     """Convert ``value`` to the declared type of option ``name``."""
-    return _convert(name, value, OPTIONS_BY_NAME[name].type)
+    if name == "early_stopping" and isinstance(value, str) and value.strip().lower() == "never":
+        return "never"  # transformers' third value: a boolean option with one extra word
+    try:
+        return _convert(name, value, OPTIONS_BY_NAME[name].type)
+    except OptionError:
+        if name == "early_stopping":
+            raise OptionError(f"early_stopping expects true, false or never, got {value!r}") from None
+        raise
 
 
 def parse_options(text: str) -> tuple[dict, dict]:
@@ -157,7 +165,8 @@ def parse_options(text: str) -> tuple[dict, dict]:
             raise OptionError(f"option {key}: unknown type {type_name!r} (use int, float, bool or str)")
         if key in OPTIONS_BY_NAME:
             declared = OPTIONS_BY_NAME[key].type
-            if type_name and _TYPES[type_name] is not declared and not (declared is float and type_name == "int"):
+            if (type_name and _TYPES[type_name] is not declared and not (declared is float and type_name == "int")
+                    and not (key == "early_stopping" and raw.strip().lower() == "never")):
                 raise OptionError(f"option {key} is {declared.__name__}, not {type_name}")
             known[key] = coerce(key, raw)
         elif type_name:

@@ -1,0 +1,108 @@
+"""Seeded sampling on the device, reproducible per row.
+
+Why not ``torch.multinomial`` with a generator: one generator is shared by the whole batch, so a
+row's draws would depend on which rows come before it, and a generator per row is a host object
+that costs one launch per row and step. Instead every random number is a pure function of
+(row key, step, token index), computed on the device by an integer hash (counter-based randomness,
+like Philox in JAX). A row's draws therefore do not depend on its companions, its place in the
+batch, the device or the number of steps run before.
+
+* ``row_keys`` (host, once per call): a row's key is a hash of the seed, the row's prompt ids, how
+  many identical prompts came before it in the batch, and its copy number (num_return_sequences),
+  so the same prompt with the same seed samples the same text alone or in any batch, while copies
+  of one prompt still sample independently.
+* ``gumbel`` (device, every step): uniform noise from the hash, turned into Gumbel(0, 1) noise.
+  ``argmax(scores + gumbel)`` is an exact draw from ``softmax(scores)`` (the Gumbel-max trick), and
+  ``topk(scores + gumbel, k)`` draws k tokens without replacement in order of draw, the same
+  distribution as ``torch.multinomial(softmax(scores), k)`` (beam sampling uses that).
+
+The hash keeps every value below 2**31 and multiplies by constants below 2**27, so products stay
+below 2**58: plain int64 arithmetic, no overflow, the same bits on every device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from .token_loop import LoopState, TokenChooser
+
+_MASK = (1 << 31) - 1
+_MULT = 0x45D9F3B  # an odd multiplier with good avalanche for 32-bit hashes (< 2**27)
+_GOLDEN = 0x9E3779B  # spreads consecutive counters apart
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of [0, 2**31) that scrambles bits (xor-shift / multiply rounds)."""
+    for _ in range(3):
+        x = x ^ (x >> 15)
+        x = (x * _MULT) & _MASK
+    return x ^ (x >> 16)
+
+
+def uniform(keys: torch.Tensor, step: int, n: int) -> torch.Tensor:
+    """[R, n] float32 uniform in (0, 1): a pure function of (keys[r], step, column)."""
+    base = _mix((keys ^ ((step * _GOLDEN + 0x1234567) & _MASK)) & _MASK)  # [R]
+    columns = torch.arange(n, device=keys.device, dtype=torch.long)
+    bits = _mix((base[:, None] + _mix(columns)[None, :] * 0x3F) & _MASK)  # [R, n]
+    # The top 23 bits, centred in their cell: k + 0.5 < 2**23 is exact in float32, so u is never
+    # 0 or 1 (with 24 bits the top cell would round to 1.0 and its Gumbel noise to infinity).
+    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+def gumbel(keys: torch.Tensor, step: int, n: int) -> torch.Tensor:
+    return -torch.log(-torch.log(uniform(keys, step, n)))
+
+
+def resolve_seed(seed: int | None) -> int:
+    """The user's seed, or one drawn from torch's global generator (so torch.manual_seed works)."""
+    if seed is not None:
+        return seed
+    return int(torch.randint(0, _MASK, (1,)).item())
+
+
+def row_keys(prompt_ids: list[list[int]], seed: int, copies: int, device) -> torch.Tensor:
+    """[len(prompt_ids) * copies] keys, prompt-major (copy c of prompt p at row p * copies + c)."""
+    seen: dict[tuple, int] = {}
+    keys = []
+    for ids in prompt_ids:
+        occurrence = seen.get(tuple(ids), 0)
+        seen[tuple(ids)] = occurrence + 1
+        for copy in range(copies):
+            text = f"{seed}|{occurrence}|{copy}|{','.join(map(str, ids))}".encode()
+            keys.append(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & _MASK)
+    return torch.tensor(keys, dtype=torch.long, device=device)
+
+
+def sampling_chooser(processors, keys: torch.Tensor) -> TokenChooser:
+    """Process the logits, then draw each row's token with its own key (Gumbel-max)."""
+
+    def choose(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
+        scores = processors(logits, state)
+        return (scores + gumbel(keys, state.step, scores.shape[-1])).argmax(dim=-1)
+
+    return choose
+
+
+def greedy_with(processors) -> TokenChooser:
+    def choose(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
+        return processors(logits, state).argmax(dim=-1)
+
+    return choose
+
+
+def repeat_rows(batch, copies: int):
+    """The batch with each prompt repeated ``copies`` times, prompt-major (num_return_sequences)."""
+    if copies == 1:
+        return batch
+    from dataclasses import replace
+
+    return replace(
+        batch,
+        prompts=[p for p in batch.prompts for _ in range(copies)],
+        prompt_ids=[ids for ids in batch.prompt_ids for _ in range(copies)],
+        input_ids=batch.input_ids.repeat_interleave(copies, dim=0),
+        lengths=batch.lengths.repeat_interleave(copies),
+        new_limits=batch.new_limits.repeat_interleave(copies),
+    )
