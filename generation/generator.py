@@ -19,8 +19,12 @@ from bloom_hpu.steps import StepRunner
 
 from .batch import Batch, BloomTokenizer, make_batch
 from .options import GenerationOptions, build_options
-from .results import BatchStats, GenerationResult, Sequence
-from .token_loop import FINISH_REASONS, greedy_chooser, run_token_loop
+from .results import BatchStats, GenerationResult, Sequence, make_sequence
+from .stopping import StopChecker, cut_at_stop, stops_per_prompt
+from .token_loop import FINISH_REASONS, greedy_chooser, loop_hooks, run_token_loop
+from .beam import beam_search
+from .processors import LogitsProcessors
+from .sampling import greedy_with, repeat_rows, resolve_seed, row_keys, sampling_chooser
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -79,17 +83,30 @@ class Generator:
             return options.updated(**kwargs) if kwargs else options.validate()
         return build_options(options or "", **kwargs)
 
-    def generate(self, prompts: str | list[str], options: GenerationOptions | str | None = None, **kwargs):
+    def generate(self, prompts: str | list[str], options: GenerationOptions | str | None = None, *,
+                 stop=None, logprobs: bool = False, **kwargs):
         """Continue each prompt; returns one ``GenerationResult`` per prompt, in order.
 
         Keyword arguments are generation options (see ``generation.options.OPTIONS``), e.g.
         ``generate(["Hello"], max_length=32, ignore_eos=False)``. All prompts run as one batch.
+        ``stop``: a string or list of strings (or one list per prompt) that ends a sequence; the
+        text excludes it and the finish reason is "stop". ``logprobs``: fill each sequence's
+        ``token_logprobs`` (the model's log-probabilities, see ``generation/logprobs.py``).
         """
         opts = self.options(options, **kwargs)
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        stops = stops_per_prompt(stop, len(prompts))
         start = time.perf_counter()
         batch = make_batch(self.tokenizer, prompts, opts, self.device)
-        sequences = self._search(batch, opts)
+        checker = StopChecker(self.tokenizer, stops) if any(stops) else None
+        with loop_hooks(stop_check=checker):
+            sequences = self._search(batch, opts)
+        sequences = [[cut_at_stop(s, row_stops, self.tokenizer) for s in seqs]
+                     for seqs, row_stops in zip(sequences, stops)]
+        if logprobs:
+            from .logprobs import fill_token_logprobs
+
+            fill_token_logprobs(self, batch, sequences)
         self.backend.synchronize()
         results = [
             GenerationResult(prompt, ids, seqs) for prompt, ids, seqs in zip(prompts, batch.prompt_ids, sequences)
@@ -99,25 +116,68 @@ class Generator:
         return results
 
     def _search(self, batch: Batch, opts: GenerationOptions) -> list[list[Sequence]]:
-        """Run the search the options ask for; one list of sequences per prompt."""
+        """Run the search the options ask for (greedy, sampling, beam search or beam sampling);
+        one list of sequences per prompt."""
+        eos = self.tokenizer.eos_token_id
+        processors = LogitsProcessors.from_options(opts, eos)
+        seed = resolve_seed(opts.seed) if opts.do_sample else None
+        if opts.num_beams > 1:
+            return self._beam_search(batch, opts, processors, seed)
+        # Sampling draws num_return_sequences independent rows per prompt; greedy has one.
+        copies = opts.num_return_sequences if opts.do_sample else 1
+        rows = repeat_rows(batch, copies)
+        if opts.do_sample:
+            choose = sampling_chooser(processors, row_keys(batch.prompt_ids, seed, copies, self.device))
+        else:
+            choose = greedy_with(processors) if processors.steps else greedy_chooser
         loop = run_token_loop(
             self.runner,
-            batch,
-            greedy_chooser,
-            eos_token_id=self.tokenizer.eos_token_id,
+            rows,
+            choose,
+            eos_token_id=eos,
             pad_token_id=self.tokenizer.pad_token_id,
             ignore_eos=opts.ignore_eos,
             use_kv_cache=opts.use_kv_cache,
         )
         tokens, finish = loop.tokens.tolist(), loop.finish.tolist()
-        limits = batch.new_limits.tolist()
-        return [[self.make_sequence(row[:limit], FINISH_REASONS[reason])]
+        limits = rows.new_limits.tolist()
+        flat = [self.make_sequence(row[:limit], FINISH_REASONS[reason])
                 for row, limit, reason in zip(tokens, limits, finish)]
+        return [flat[i * copies : (i + 1) * copies] for i in range(batch.size)]
+
+    def _beam_search(self, batch: Batch, opts: GenerationOptions, processors, seed) -> list[list[Sequence]]:
+        eos = self.tokenizer.eos_token_id
+        out = beam_search(
+            self.runner,
+            batch,
+            processors,
+            num_beams=opts.num_beams,
+            length_penalty=opts.length_penalty,
+            early_stopping=opts.early_stopping,
+            eos_token_id=None if opts.ignore_eos else eos,
+            pad_token_id=self.tokenizer.pad_token_id,
+            use_kv_cache=opts.use_kv_cache,
+            sample_keys=row_keys(batch.prompt_ids, seed, 1, self.device) if opts.do_sample else None,
+        )
+        n = opts.num_return_sequences
+        # The one host copy of the search: the n best finished hypotheses of each prompt.
+        rows, counts, scores = out.sequences[:, :n].tolist(), out.new_tokens[:, :n].tolist(), out.scores[:, :n].tolist()
+        results = []
+        for b, start in enumerate(batch.lengths.tolist()):
+            seqs = []
+            for ids, count, score in zip(rows[b], counts[b], scores[b]):
+                ids = ids[start : start + count]
+                reason = "eos" if ids and ids[-1] == eos and not opts.ignore_eos else "length"
+                seqs.append(self.make_sequence(ids, reason, score))
+            results.append(seqs)
+        return results
+
+    def stream(self, prompt: str, options: GenerationOptions | str | None = None, *, stop=None, **kwargs):
+        """Iterate over text pieces of one prompt's continuation as they are generated; the pieces
+        join to ``generate(prompt, ...)[0].text``. See ``generation/streaming.py``."""
+        from .streaming import stream_text
+
+        return stream_text(self, prompt, self.options(options, **kwargs), stop=stop)
 
     def make_sequence(self, ids: list[int], finish_reason: str, score: float | None = None) -> Sequence:
-        """Cut generated ids at the first EOS (kept in ids, not in text) and detokenize."""
-        eos = self.tokenizer.eos_token_id
-        if eos in ids:
-            ids = ids[: ids.index(eos) + 1]
-            finish_reason = "eos"
-        return Sequence(self.tokenizer.decode(ids), ids, finish_reason, score)
+        return make_sequence(self.tokenizer, ids, finish_reason, score)

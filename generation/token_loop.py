@@ -9,6 +9,8 @@ round-trip per token.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable
 
@@ -20,8 +22,32 @@ from .batch import Batch
 
 EOS_CHECK_EVERY = 8
 
-RUNNING, LENGTH, EOS = 0, 1, 2
-FINISH_REASONS = {LENGTH: "length", EOS: "eos"}
+RUNNING, LENGTH, EOS, STOP = 0, 1, 2, 3
+FINISH_REASONS = {LENGTH: "length", EOS: "eos", STOP: "stop"}
+
+
+@dataclass
+class LoopHooks:
+    """Optional observers of a loop, set by ``loop_hooks`` around a generate call so that they
+    reach the loop whichever search dispatches to it."""
+
+    on_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # streaming, see run_token_loop
+    # (tokens [B, steps] output buffer, steps filled so far) -> [B] bool: the row's text holds a stop string
+    stop_check: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+
+
+_HOOKS: ContextVar[LoopHooks] = ContextVar("loop_hooks", default=LoopHooks())
+
+
+@contextmanager
+def loop_hooks(**hooks):
+    """Install hooks for the loops run inside the block; hooks given as None keep the outer ones."""
+    outer = _HOOKS.get()
+    token = _HOOKS.set(LoopHooks(**{k: hooks.get(k) or getattr(outer, k) for k in ("on_step", "stop_check")}))
+    try:
+        yield
+    finally:
+        _HOOKS.reset(token)
 
 
 @dataclass
@@ -67,6 +93,9 @@ def run_token_loop(
     """
     plan, b = batch.plan, batch.size
     device = batch.input_ids.device
+    hooks = _HOOKS.get()
+    on_step = on_step or hooks.on_step
+    stop_check = hooks.stop_check  # stop strings: asked on the host with the EOS check
     cache = runner.cache(b, plan.cache_len)
     sequence = torch.full((b, plan.cache_len), pad_token_id, dtype=torch.long, device=device)
     sequence[:, : plan.prompt_len] = batch.input_ids
@@ -96,8 +125,12 @@ def run_token_loop(
             on_step(token, finish != RUNNING)
         if step + 1 == batch.steps:
             break
-        if not ignore_eos and (step + 1) % EOS_CHECK_EVERY == 0 and bool((finish != RUNNING).all()):
-            break
+        if (step + 1) % EOS_CHECK_EVERY == 0 and (stop_check is not None or not ignore_eos):
+            if stop_check is not None:
+                # The whole buffer (a fixed shape, no new graph per check); the hook slices on the host.
+                finish.masked_fill_(stop_check(out, step + 1) & (finish == RUNNING), STOP)
+            if bool((finish != RUNNING).all()):
+                break
         if use_kv_cache:
             slot = positions.clamp(max=plan.cache_len - 1)  # finished rows may run past the end
             logits = runner.decode(token[:, None], slot, cache, plan.window(step))

@@ -1,0 +1,102 @@
+"""LAMBADA-style evaluation: last-word accuracy and perplexity of passages, batched.
+
+Input: JSONL, one ``{"text": ...}`` per line. Each passage is split before its last word:
+context = everything up to the last space, target = the space and the last word; the two are
+tokenized separately and concatenated (as the usual LAMBADA harnesses do).
+
+- **accuracy**: the share of passages whose greedy continuation of the context is exactly the
+  target's tokens. It is computed teacher-forced from one pass: every target token must be the most
+  likely token given the tokens before it, which is the same as greedy decoding producing them.
+- **perplexity**: per token over whole passages: exp(total negative log-likelihood / number of
+  predicted tokens), where every token of every passage except its first is predicted from the
+  tokens before it (there is no BOS token to predict the first from).
+- **last_word_perplexity**: the same over the target tokens only (what LAMBADA papers often quote).
+
+Passages run in batches of similar length, padded to a multiple of 64 tokens (static shapes)
+under a token budget.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .batch import InputError
+from .logprobs import score_rows, static_length
+
+
+@dataclass
+class EvalResult:
+    passages: int
+    accuracy: float
+    perplexity: float
+    last_word_perplexity: float
+    tokens: int  # predicted tokens (the perplexity's denominator)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def read_passages(path: str | Path) -> list[str]:
+    """Texts of a ``{"text": ...}`` JSONL file; a bad line is an InputError naming it."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").split("\n")  # not splitlines: see jobs.jsonl_lines
+    except FileNotFoundError:
+        raise InputError(f"evaluation file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"cannot read evaluation file {path}: {error}") from None
+    texts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise InputError(f"{path}: line {number}: not valid JSON ({error.msg})") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise InputError(f'{path}: line {number}: expected an object with a "text" string')
+        if " " not in record["text"].strip():
+            raise InputError(f"{path}: line {number}: the text needs a context before its last word")
+        texts.append(record["text"])
+    if not texts:
+        raise InputError(f"evaluation file {path} holds no passages")
+    return texts
+
+
+def split_last_word(text: str) -> tuple[str, str]:
+    """'a b c' -> ('a b', ' c')."""
+    text = text.rstrip()
+    cut = text.rfind(" ")
+    return text[:cut], text[cut:]
+
+
+def evaluate(generator, texts: list[str], budget: int = 8192) -> EvalResult:
+    tok = generator.tokenizer
+    rows, targets = [], []
+    for text in texts:
+        context, target = split_last_word(text)
+        ctx_ids, tgt_ids = tok.encode(context), tok.encode(target)
+        rows.append(ctx_ids + tgt_ids)
+        targets.append(len(tgt_ids))
+    # Similar lengths together, and as many rows per pass as the budget allows.
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    nll, count, tgt_nll, tgt_count, correct = 0.0, 0, 0.0, 0, 0
+    at = 0
+    while at < len(order):
+        end = at + 1
+        while end < len(order) and (end - at + 1) * static_length(len(rows[order[end]])) <= budget:
+            end += 1
+        chunk = order[at:end]
+        length = static_length(max(len(rows[i]) for i in chunk))
+        scored = score_rows(generator.runner, [rows[i] for i in chunk], 0, length, tok.pad_token_id)
+        for i, scores in zip(chunk, scored):
+            n_target = targets[i]
+            nll -= sum(scores.token_logprobs)
+            count += len(scores.token_logprobs)
+            tgt_nll -= sum(scores.token_logprobs[-n_target:])
+            tgt_count += n_target
+            correct += all(scores.greedy[-n_target:])
+        at = end
+    return EvalResult(len(rows), correct / len(rows), math.exp(nll / count), math.exp(tgt_nll / tgt_count), count)

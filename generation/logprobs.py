@@ -1,0 +1,180 @@
+"""Log-probabilities of tokens, their top-k alternatives, and where each token sits in the text.
+
+Scores come from one teacher-forced pass over prompt + generated tokens (``score_rows``), not from
+the search loop. That keeps every search (greedy, sampling, beams) untouched and gives the same
+numbers for all of them: the model's own log-probabilities, ``log_softmax`` of the raw logits,
+before repetition penalties, temperature, top-k or top-p reshape them (what OpenAI reports). The
+pass has a static shape ([rows, length] with length fixed by the caller) and reads the logits in
+slices of positions, so the full [rows, length, vocab] tensor never exists at once.
+
+``token_pieces`` splits a decoded text into one piece per token, so that ``text_offset`` indexes
+the text: byte-level BPE tokens may hold part of a UTF-8 character; a piece is the characters that
+its token completes, hence ``"".join(pieces) == text``.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass
+
+import torch
+
+POSITIONS_PER_SLICE = 64  # positions whose [rows, slice, vocab] log-probs exist at once
+
+
+@dataclass
+class RowScores:
+    """Scores of one row's tokens 1..n-1 (token 0 has no context to be predicted from)."""
+
+    token_logprobs: list[float]  # [n-1] log p(token t | tokens < t), t = 1..n-1
+    top_ids: list[list[int]]  # [n-1][k] the k most likely tokens at each of those positions
+    top_logprobs: list[list[float]]  # [n-1][k] their log-probs
+    greedy: list[bool]  # [n-1] the token is the most likely one (its argmax)
+
+
+def static_length(longest: int, multiple: int = 64) -> int:
+    """Pad scoring passes to a multiple of this, so passes over similar texts share one shape."""
+    return -(-longest // multiple) * multiple
+
+
+@torch.no_grad()
+def score_rows(runner, rows: list[list[int]], top_k: int = 0, length: int | None = None,
+               pad_token_id: int = 3) -> list[RowScores]:
+    """Score every token of every row given the tokens before it, in one batched pass.
+
+    runner: the generator's StepRunner (its model and pooled caches). rows: token ids, each at
+    least one token. length: the static padded length (>= the longest row); default: rounded up
+    to a multiple of 64.
+    """
+    model = runner.model
+    device = next(model.parameters()).device
+    longest = max(len(r) for r in rows)
+    length = length or static_length(longest)
+    if length < longest:
+        raise ValueError(f"scoring length {length} is shorter than a row of {longest} tokens")
+    ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    ids = ids.to(device)
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long, device=device)
+    # The pooled cache of this shape: a scoring pass right after a generation of the same shape
+    # reuses the generation's cache instead of allocating another one.
+    cache = runner.cache(len(rows), length)
+    hidden = model._prefill_hidden(ids, lengths, cache)  # [R, L, hidden]
+
+    target = ids[:, 1:]  # position t predicts token t+1
+    chosen, is_top, top_vals, top_idx = [], [], [], []
+    for start in range(0, length - 1, POSITIONS_PER_SLICE):
+        end = min(start + POSITIONS_PER_SLICE, length - 1)
+        logp = torch.log_softmax(model.lm_head(hidden[:, start:end]).float(), dim=-1)  # [R, S, V]
+        tgt = target[:, start:end, None]
+        picked = logp.gather(-1, tgt)[..., 0]  # [R, S]
+        chosen.append(picked)
+        # Greedy means nothing beats the token (a tie counts: argmax cannot tell them apart).
+        is_top.append(picked >= logp.max(dim=-1).values)
+        if top_k:
+            vals, idx = logp.topk(top_k, dim=-1)
+            top_vals.append(vals)
+            top_idx.append(idx)
+    # One copy to the host for the whole pass.
+    chosen_h = torch.cat(chosen, 1).cpu().tolist()
+    top_h = torch.cat(is_top, 1).cpu().tolist()
+    vals_h = torch.cat(top_vals, 1).cpu().tolist() if top_k else None
+    idx_h = torch.cat(top_idx, 1).cpu().tolist() if top_k else None
+    out = []
+    for i, row in enumerate(rows):
+        n = len(row) - 1
+        out.append(RowScores(
+            token_logprobs=chosen_h[i][:n],
+            top_ids=idx_h[i][:n] if top_k else [[] for _ in range(n)],
+            top_logprobs=vals_h[i][:n] if top_k else [[] for _ in range(n)],
+            greedy=top_h[i][:n],
+        ))
+    return out
+
+
+# --- tokens as text -----------------------------------------------------------------------------
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The byte-level BPE alphabet: each byte is written as one printable character (the GPT-2
+    scheme that BLOOM's tokenizer uses); this maps those characters back to bytes."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTES_OF_CHAR = _byte_decoder()
+
+
+class TokenText:
+    """Per-token bytes of a tokenizer, cached; special tokens (EOS...) have none, as decoding skips
+    them."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, bytes] = {}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        if token_id not in self._cache:
+            if self.tokenizer.decode([token_id]) == "":
+                raw = b""  # a special token: skipped by decode
+            else:
+                piece = self.tokenizer.id_to_token(token_id)
+                if all(c in _BYTES_OF_CHAR for c in piece):
+                    raw = bytes(_BYTES_OF_CHAR[c] for c in piece)
+                else:  # not a byte-level token: trust the tokenizer's own decoding
+                    raw = self.tokenizer.decode([token_id]).encode("utf-8")
+            self._cache[token_id] = raw
+        return self._cache[token_id]
+
+    def label(self, token_id: int) -> str:
+        """A token's own name in ``top_logprobs``: its text, or ``bytes:\\xNN...`` when it holds only
+        part of a UTF-8 character (as OpenAI writes those), or ``</s>``-style for special tokens."""
+        raw = self.token_bytes(token_id)
+        if not raw:
+            return self.tokenizer.id_to_token(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        """One text piece per token; a piece holds the characters its token completes."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        pieces = [decoder.decode(self.token_bytes(t)) for t in ids]
+        tail = decoder.decode(b"", final=True)  # an unfinished character at the very end
+        if tail and pieces:
+            pieces[-1] += tail
+        return pieces
+
+
+def offsets_of(pieces: list[str], start: int = 0) -> list[int]:
+    """Character offset of each piece when the pieces are joined, starting at ``start``."""
+    out, at = [], start
+    for piece in pieces:
+        out.append(at)
+        at += len(piece)
+    return out
+
+
+def fill_token_logprobs(generator, batch, sequences) -> None:
+    """Set ``token_logprobs`` of every generated sequence (in place) from one scoring pass over
+    prompt + generated tokens; sequences[i] are prompt i's."""
+    rows, where = [], []
+    for prompt_ids, seqs in zip(batch.prompt_ids, sequences):
+        for seq in seqs:
+            rows.append(list(prompt_ids) + list(seq.token_ids))
+            where.append((len(prompt_ids), seq))
+    longest = max(len(r) for r in rows)
+    length = batch.plan.cache_len if batch.plan.cache_len >= longest else static_length(longest)
+    scored = score_rows(generator.runner, rows, 0, length, generator.tokenizer.pad_token_id)
+    for scores, (n_prompt, seq) in zip(scored, where):
+        # Prediction of token t sits at index t-1; the generated tokens start at t = n_prompt.
+        seq.token_logprobs = scores.token_logprobs[n_prompt - 1 : n_prompt - 1 + len(seq.token_ids)]

@@ -1,0 +1,277 @@
+"""OpenAI-style completion requests: parse and check one JSONL line, group requests that share
+their hyperparameters, cut groups into batches under a token budget, and build result records.
+
+A request line is a JSON object in the legacy completions format (``prompt``, ``max_tokens``,
+``temperature``, ``top_p``, ``n``, ``best_of``, ``logprobs``, ``echo``, ``stop``, ``seed``), plus
+our search options (``top_k``, ``num_beams``, ``repetition_penalty``...). Its record is
+``{"request": <the line as read>, "result": {"choices", "usage", "request_time"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from .batch import round_up
+from .logprobs import RowScores, TokenText, offsets_of
+from .options import GenerationOptions, OptionError
+from .results import Sequence
+from .stopping import StopError, normalize_stops
+
+SHAPE_MULTIPLE = 32  # batch lengths (prompt + max_tokens) are padded to a multiple of this
+MAX_LOGPROBS = 5  # as OpenAI's completions endpoint
+
+# Request keys that name the model or the caller: accepted and ignored.
+IGNORED_KEYS = {"engine", "model", "user", "id", "request_id"}
+# OpenAI keys we do not implement: accepted only with the value that means "off".
+NEUTRAL_KEYS = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "stream": False, "suffix": None}
+# Generation options a request may set directly; the others fix shapes or are set from the format.
+SEARCH_OPTIONS = {"top_k", "num_beams", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+                  "early_stopping", "min_new_tokens"}
+FORMAT_KEYS = {"prompt", "max_tokens", "temperature", "top_p", "n", "best_of", "logprobs", "echo", "stop", "seed"}
+
+
+class RequestError(ValueError):
+    """A request line that cannot be answered; the message says why, for the user."""
+
+
+@dataclass
+class Request:
+    line: int  # 1-based line number in the input file
+    raw: dict  # the request as read, echoed back in its record
+    prompts: list[str]
+    max_tokens: int
+    n: int  # choices returned per prompt
+    best_of: int  # candidates generated per prompt (sampling: the n best are kept)
+    logprobs: int | None  # top alternatives per token; None: no logprobs at all
+    echo: bool
+    stop: list[str]
+    search: dict = field(default_factory=dict)  # GenerationOptions values of the search
+
+    @property
+    def key(self) -> str:
+        """What identifies the request across runs: its content (identical requests are
+        interchangeable, so counting them is enough to resume)."""
+        return request_key(self.raw)
+
+    @property
+    def group(self) -> tuple:
+        """Requests with the same group share one generate call's options."""
+        return tuple(sorted(self.search.items())) + (("max_tokens", self.max_tokens),)
+
+    @property
+    def sampling(self) -> bool:
+        return bool(self.search.get("do_sample"))
+
+    @property
+    def rows_per_prompt(self) -> int:
+        """Rows of the batch one prompt occupies: its beams, or its sampled candidates."""
+        return max(self.search.get("num_beams", 1), self.best_of if self.sampling else 1)
+
+
+def request_key(raw: dict) -> str:
+    return json.dumps(raw, sort_keys=True, ensure_ascii=False)
+
+
+# --- parsing ------------------------------------------------------------------------------------
+
+
+def _int(raw: dict, name: str, default, low: int, high: int | None = None):
+    value = raw.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        raise RequestError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise RequestError(f"{name} must be {bound}, got {value}")
+    return value
+
+
+def _float(raw: dict, name: str, default: float) -> float:
+    value = raw.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def parse_request(text: str, line: int) -> Request:
+    """One input line -> a checked Request; RequestError names what is wrong."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise RequestError(f"not valid JSON ({error.msg}, column {error.colno})") from None
+    if not isinstance(raw, dict):
+        raise RequestError(f"a request must be a JSON object, got {type(raw).__name__}")
+    for key in sorted(set(raw) - FORMAT_KEYS - SEARCH_OPTIONS - IGNORED_KEYS - set(NEUTRAL_KEYS)):
+        raise RequestError(f"unknown key {key!r}")
+    for key, neutral in NEUTRAL_KEYS.items():
+        if key in raw and raw[key] not in (neutral, None):
+            raise RequestError(f"{key} is not supported (only {json.dumps(neutral)})")
+
+    prompt = raw.get("prompt")
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
+        raise RequestError("prompt must be a string or a non-empty list of strings")
+    if any(p == "" for p in prompts):
+        raise RequestError("prompt is empty: nothing to continue from")
+    max_tokens = _int(raw, "max_tokens", 16, 0)
+    n = _int(raw, "n", 1, 1)
+    best_of = _int(raw, "best_of", n, 1)
+    if best_of < n:
+        raise RequestError(f"best_of ({best_of}) must be >= n ({n})")
+    logprobs = _int(raw, "logprobs", None, 0, MAX_LOGPROBS)
+    echo = raw.get("echo", False)
+    if not isinstance(echo, bool):
+        raise RequestError(f"echo must be true or false, got {echo!r}")
+    if max_tokens == 0 and not echo:
+        raise RequestError("max_tokens is 0: nothing to return unless echo is true")
+    try:
+        stop = normalize_stops(raw.get("stop"))
+    except StopError as error:
+        raise RequestError(str(error)) from None
+
+    temperature = _float(raw, "temperature", 1.0)  # OpenAI's default
+    top_p = _float(raw, "top_p", 1.0)
+    if temperature < 0:
+        raise RequestError(f"temperature must be >= 0, got {temperature}")
+    search = {k: raw[k] for k in SEARCH_OPTIONS if raw.get(k) is not None}
+    beams = search.get("num_beams", 1)
+    # temperature 0 is greedy; above 0 it samples, unless num_beams asks for beam search.
+    if temperature > 0 and beams == 1:
+        search.update(do_sample=True, temperature=temperature, top_p=top_p)
+        search["num_return_sequences"] = best_of
+    elif beams != 1:
+        if isinstance(beams, int) and best_of > beams:
+            raise RequestError(f"beam search returns at most num_beams ({beams}) choices; got n={n}, best_of={best_of}")
+        search["num_return_sequences"] = best_of
+    seed = _int(raw, "seed", None, 0)
+    if seed is not None:
+        search["seed"] = seed
+    try:
+        checked = GenerationOptions().updated(**search)  # types and ranges, with the options' messages
+        search = {k: getattr(checked, k) for k in search}
+    except OptionError as error:
+        raise RequestError(str(error)) from None
+    return Request(line, raw, prompts, max_tokens, n, best_of, logprobs, echo, stop, search)
+
+
+# --- batching -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestBatch:
+    """Requests answered by one generate call: same search options, one static length."""
+
+    requests: list[Request]
+    prompt_lengths: list[list[int]]  # tokens of each request's prompts
+    length: int  # static prompt + new tokens length of the batch (a multiple of SHAPE_MULTIPLE)
+    budget: int  # the token budget it was planned under
+
+    @property
+    def rows(self) -> int:
+        return sum(len(r.prompts) * r.rows_per_prompt for r in self.requests)
+
+    def options(self) -> GenerationOptions:
+        first = self.requests[0]
+        extra = {"max_new_tokens": first.max_tokens} if first.max_tokens else {}
+        return GenerationOptions().updated(max_length=self.length, ignore_eos=False, **extra, **first.search)
+
+
+def batch_length(longest_prompt: int, max_tokens: int) -> int:
+    return round_up(longest_prompt + max_tokens, SHAPE_MULTIPLE)
+
+
+def plan_batches(requests: list[Request], prompt_lengths: dict[int, list[int]], budget: int) -> list[RequestBatch]:
+    """Group requests by search options, then fill batches in order of prompt length while
+    rows x static length stays within ``budget`` tokens (a request never splits; one that exceeds
+    the budget alone gets a batch of its own)."""
+    groups: dict[tuple, list[Request]] = {}
+    for r in requests:
+        groups.setdefault(r.group, []).append(r)
+    batches = []
+    for members in groups.values():
+        members = sorted(members, key=lambda r: max(prompt_lengths[r.line]))  # stable
+        current: list[Request] = []
+        for r in members:
+            trial = current + [r]
+            longest = max(max(prompt_lengths[q.line]) for q in trial)
+            rows = sum(len(q.prompts) * q.rows_per_prompt for q in trial)
+            if current and rows * batch_length(longest, r.max_tokens) > budget:
+                batches.append(_batch(current, prompt_lengths, budget))
+                trial = [r]
+            current = trial
+        if current:
+            batches.append(_batch(current, prompt_lengths, budget))
+    return batches
+
+
+def _batch(requests: list[Request], prompt_lengths: dict[int, list[int]], budget: int) -> RequestBatch:
+    lengths = [prompt_lengths[r.line] for r in requests]
+    return RequestBatch(requests, lengths, batch_length(max(max(x) for x in lengths), requests[0].max_tokens), budget)
+
+
+# --- result records -----------------------------------------------------------------------------
+
+OPENAI_FINISH = {"length": "length", "eos": "stop", "stop": "stop"}
+
+
+@dataclass
+class Choice:
+    """One answer to one prompt, before it becomes JSON."""
+
+    prompt: str
+    prompt_ids: list[int]
+    sequence: Sequence | None  # None when max_tokens is 0 (echo only)
+    scores: RowScores | None  # scores of prompt + sequence tokens, when logprobs are asked
+
+
+def choice_record(index: int, choice: Choice, request: Request, text_of: TokenText) -> dict:
+    seq = choice.sequence
+    gen_ids = seq.token_ids if seq is not None else []
+    completion = seq.text if seq is not None else ""
+    text = choice.prompt + completion if request.echo else completion
+    record = {"text": text, "index": index, "logprobs": None,
+              "finish_reason": OPENAI_FINISH[seq.finish_reason] if seq is not None else "length"}
+    if request.logprobs is None:
+        return record
+    n_prompt = len(choice.prompt_ids)
+    shown = (choice.prompt_ids if request.echo else []) + gen_ids
+    first = 0 if request.echo else n_prompt  # index in prompt + generated tokens of shown[0]
+    pieces = _clip(text_of.pieces(shown), len(text))
+    token_logprobs, top_logprobs = [], []
+    for t, token_id in enumerate(shown, start=first):
+        if t == 0:  # the first prompt token has no context to be scored from
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
+        chosen = choice.scores.token_logprobs[t - 1]
+        alternatives = zip(choice.scores.top_ids[t - 1][: request.logprobs], choice.scores.top_logprobs[t - 1])
+        top = {}
+        for alt_id, alt_lp in alternatives:
+            top[text_of.label(alt_id)] = alt_lp
+        top.setdefault(text_of.label(token_id), chosen)  # the chosen token is always listed
+        token_logprobs.append(chosen)
+        top_logprobs.append(top)
+    record["logprobs"] = {"tokens": pieces, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                          "text_offset": offsets_of(pieces)}
+    return record
+
+
+def _clip(pieces: list[str], length: int) -> list[str]:
+    """Pieces cut so that they join to at most ``length`` characters (a stop string may start
+    inside the last kept token)."""
+    out, at = [], 0
+    for piece in pieces:
+        out.append(piece[: max(0, length - at)])
+        at += len(piece)
+    return out
+
+
+def result_record(request: Request, choices: list[dict], usage: dict, batch_time: float, batch_size: int) -> dict:
+    return {"request": request.raw,
+            "result": {"choices": choices, "usage": usage,
+                       "request_time": {"batch_time": batch_time, "batch_size": batch_size}}}

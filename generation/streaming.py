@@ -1,0 +1,117 @@
+"""Streaming: text pieces of one prompt's continuation, as the loop produces them.
+
+``Generator.stream(prompt, ...)`` runs an ordinary ``generate`` call (same static shapes, same
+graphs) in a worker thread and watches the token loop through its ``on_step`` hook. The hook only
+keeps a reference to each step's token tensor, which costs no synchronisation; every
+``copy_every`` steps the pending tokens go to the host in one copy (on the CPU after every step,
+since a copy there is free; on accelerators every 4 steps, the one sync that printing needs).
+
+The pieces always join to exactly ``generate(prompt, ...)[0].text``: text stops at the first EOS,
+text that may be the start of a stop string is held back until it is known not to be one, and
+the last piece is whatever the finished result adds to what was already given out.
+"""
+
+from __future__ import annotations
+
+import codecs
+import queue
+import threading
+from typing import Iterator
+
+import torch
+
+from .logprobs import TokenText
+from .stopping import first_stop, normalize_stops
+from .token_loop import loop_hooks
+
+_DONE = object()
+
+
+class _Cancelled(Exception):
+    """The consumer stopped iterating: end the generation early."""
+
+
+class _TokenWatcher:
+    """The loop's ``on_step`` hook for row 0: turns tokens into text and hands it to ``emit``."""
+
+    def __init__(self, tokenizer, stops: list[str], copy_every: int, emit, cancelled: threading.Event):
+        self.text_of = TokenText(tokenizer)
+        self.eos = tokenizer.eos_token_id
+        self.stops = stops
+        self.copy_every = copy_every
+        self.emit = emit
+        self.cancelled = cancelled
+        self.pending: list[torch.Tensor] = []
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""  # decoded so far
+        self.given = 0  # characters of self.text already emitted
+        self.ended = False  # EOS or a stop string was seen: nothing more to give out
+
+    def __call__(self, tokens: torch.Tensor, done: torch.Tensor) -> None:
+        if self.cancelled.is_set():
+            raise _Cancelled
+        self.pending.append(tokens[:1])  # a view of row 0: no copy, no sync
+        if len(self.pending) >= self.copy_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending or self.ended:
+            self.pending.clear()
+            return
+        ids = torch.cat(self.pending).tolist()  # the one host copy of these steps
+        self.pending.clear()
+        for t in ids:
+            if t == self.eos:
+                self.ended = True
+                break
+            self.text += self.decoder.decode(self.text_of.token_bytes(t))
+        safe = len(self.text)
+        if self.stops:
+            cut = first_stop(self.text, self.stops)
+            if cut is not None:
+                safe, self.ended = cut, True
+            else:  # the tail may be the start of a stop string still being written
+                safe = max(self.given, len(self.text) - (max(len(s) for s in self.stops) - 1))
+        if safe > self.given:
+            self.emit(self.text[self.given : safe])
+            self.given = safe
+
+
+def stream_text(generator, prompt: str, options, stop=None, copy_every: int | None = None) -> Iterator[str]:
+    """Iterate over text pieces of ``prompt``'s continuation (see the module doc)."""
+    if not isinstance(prompt, str):
+        raise TypeError("stream takes one prompt (a string)")
+    stops = normalize_stops(stop)
+    if copy_every is None:
+        copy_every = 1 if generator.device.type == "cpu" else 4
+    pieces: queue.Queue = queue.Queue()
+    cancelled = threading.Event()
+    watcher = _TokenWatcher(generator.tokenizer, stops, copy_every, pieces.put, cancelled)
+
+    def work():
+        try:
+            with loop_hooks(on_step=watcher):
+                result = generator.generate([prompt], options, stop=stops or None)[0]
+            watcher.flush()
+            # The finished result is the truth; whatever it adds to the pieces is the last one.
+            if result.text[: watcher.given] == watcher.text[: watcher.given] and len(result.text) > watcher.given:
+                pieces.put(result.text[watcher.given :])
+            pieces.put(_DONE)
+        except _Cancelled:
+            pieces.put(_DONE)
+        except BaseException as error:  # re-raised in the consumer's thread
+            pieces.put(error)
+
+    thread = threading.Thread(target=work, name="bloom-stream", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = pieces.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        cancelled.set()
+        thread.join()
