@@ -46,6 +46,23 @@ def eos_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def eos_reference(eos_checkpoint):
+    """transformers' BloomForCausalLM on ``eos_checkpoint``: the reference of the search tests."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers.BloomForCausalLM.from_pretrained(eos_checkpoint).eval()
+
+
+@pytest.fixture(scope="session")
+def eos_generator(eos_checkpoint):
+    """Our cpu Generator on ``eos_checkpoint``."""
+    from generation.generator import Generator
+
+    return Generator.from_pretrained(eos_checkpoint)
+
+
+@pytest.fixture(scope="session")
 def scoring_setup(make_ckpt):
     """(checkpoint, our cpu Generator, transformers BloomForCausalLM) on one random checkpoint, for
     the request-file, log-prob, stop, eval and streaming tests."""

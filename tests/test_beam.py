@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from generation.beam import beam_search
-from generation.generator import Generator
 from generation.processors import LogitsProcessors
 
 EOS = 2
@@ -20,15 +18,14 @@ PROMPTS = ["It was the best of times", "a", "The quick brown fox jumps over", "H
 MAX_LENGTH = 20
 
 
-@pytest.fixture(scope="module")
-def reference(eos_checkpoint):
-    transformers.logging.set_verbosity_error()
-    return transformers.BloomForCausalLM.from_pretrained(eos_checkpoint).eval()
+@pytest.fixture
+def reference(eos_reference):
+    return eos_reference
 
 
-@pytest.fixture(scope="module")
-def generator(eos_checkpoint):
-    return Generator.from_pretrained(eos_checkpoint)
+@pytest.fixture
+def generator(eos_generator):
+    return eos_generator
 
 
 def hf_beams(reference, ids, new_tokens, ignore_eos, **options):

@@ -10,7 +10,6 @@ from transformers import GenerationConfig
 from transformers.generation import logits_process as hf
 
 from generation import processors as ours
-from generation.generator import Generator
 from generation.options import build_options
 from generation.processors import LogitsProcessors
 from generation.token_loop import LoopState
@@ -94,15 +93,14 @@ def test_pipeline_order_is_transformers_order(num_beams):
     torch.testing.assert_close(pipeline(scores, state), expected)
 
 
-@pytest.fixture(scope="module")
-def reference(eos_checkpoint):
-    transformers.logging.set_verbosity_error()
-    return transformers.BloomForCausalLM.from_pretrained(eos_checkpoint).eval()
+@pytest.fixture
+def reference(eos_reference):
+    return eos_reference
 
 
-@pytest.fixture(scope="module")
-def generator(eos_checkpoint):
-    return Generator.from_pretrained(eos_checkpoint)
+@pytest.fixture
+def generator(eos_generator):
+    return eos_generator
 
 
 @pytest.mark.parametrize("options", [

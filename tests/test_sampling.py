@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from transformers import GenerationConfig
 
 from generation import processors as procs
-from generation.generator import Generator
 from generation.sampling import row_keys, uniform
 from generation.token_loop import LoopState
 
@@ -17,15 +15,14 @@ EOS = 2
 PROMPTS = ["It was the best of times", "a", "The quick brown fox jumps over", "Hello, world"]
 
 
-@pytest.fixture(scope="module")
-def reference(eos_checkpoint):
-    transformers.logging.set_verbosity_error()
-    return transformers.BloomForCausalLM.from_pretrained(eos_checkpoint).eval()
+@pytest.fixture
+def reference(eos_reference):
+    return eos_reference
 
 
-@pytest.fixture(scope="module")
-def generator(eos_checkpoint):
-    return Generator.from_pretrained(eos_checkpoint)
+@pytest.fixture
+def generator(eos_generator):
+    return eos_generator
 
 
 def test_uniform_noise_is_uniform_and_keyed():

@@ -28,7 +28,7 @@ from bloom_hpu.distributed import (  # noqa: E402
     ParallelError, _RankPrefixed, check_splittable, launch_info,
 )
 from bloom_hpu.loading import load_model  # noqa: E402
-from bloom_hpu.parallel import SINGLE, Parallel  # noqa: E402
+from bloom_hpu.parallel import Parallel  # noqa: E402
 
 CKPT = dict(hidden_size=64, n_layer=2, n_head=4, seed=7)  # vocab 1024
 PROMPTS = ["Hello", "The quick brown fox jumps over the", "A b"]  # mixed lengths, one batch
