@@ -21,7 +21,7 @@ from .batch import Batch, BloomTokenizer, make_batch
 from .options import GenerationOptions, build_options
 from .results import BatchStats, GenerationResult, Sequence, make_sequence
 from .stopping import StopChecker, cut_at_stop, stops_per_prompt
-from .token_loop import FINISH_REASONS, greedy_chooser, loop_hooks, run_token_loop
+from .token_loop import FINISH_REASONS, LoopHooks, greedy_chooser, run_token_loop
 from .beam import beam_search
 from .processors import LogitsProcessors
 from .sampling import greedy_with, repeat_rows, resolve_seed, row_keys, sampling_chooser
@@ -84,7 +84,7 @@ class Generator:
         return build_options(options or "", **kwargs)
 
     def generate(self, prompts: str | list[str], options: GenerationOptions | str | None = None, *,
-                 stop=None, logprobs: bool = False, **kwargs):
+                 stop=None, logprobs: bool = False, on_step=None, **kwargs):
         """Continue each prompt; returns one ``GenerationResult`` per prompt, in order.
 
         Keyword arguments are generation options (see ``generation.options.OPTIONS``), e.g.
@@ -92,6 +92,8 @@ class Generator:
         ``stop``: a string or list of strings (or one list per prompt) that ends a sequence; the
         text excludes it and the finish reason is "stop". ``logprobs``: fill each sequence's
         ``token_logprobs`` (the model's log-probabilities, see ``generation/logprobs.py``).
+        ``on_step(tokens [B], done [B])``: called with device tensors after each token of greedy
+        search or sampling (streaming, see ``generation/streaming.py``).
         """
         opts = self.options(options, **kwargs)
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -99,8 +101,7 @@ class Generator:
         start = time.perf_counter()
         batch = make_batch(self.tokenizer, prompts, opts, self.device)
         checker = StopChecker(self.tokenizer, stops) if any(stops) else None
-        with loop_hooks(stop_check=checker):
-            sequences = self._search(batch, opts)
+        sequences = self._search(batch, opts, LoopHooks(on_step=on_step, stop_check=checker))
         sequences = [[cut_at_stop(s, row_stops, self.tokenizer) for s in seqs]
                      for seqs, row_stops in zip(sequences, stops)]
         if logprobs:
@@ -115,7 +116,7 @@ class Generator:
         self.last_stats = BatchStats(time.perf_counter() - start, new_tokens, self.backend.graph_count())
         return results
 
-    def _search(self, batch: Batch, opts: GenerationOptions) -> list[list[Sequence]]:
+    def _search(self, batch: Batch, opts: GenerationOptions, hooks: LoopHooks) -> list[list[Sequence]]:
         """Run the search the options ask for (greedy, sampling, beam search or beam sampling);
         one list of sequences per prompt."""
         eos = self.tokenizer.eos_token_id
@@ -138,6 +139,7 @@ class Generator:
             pad_token_id=self.tokenizer.pad_token_id,
             ignore_eos=opts.ignore_eos,
             use_kv_cache=opts.use_kv_cache,
+            hooks=hooks,
         )
         tokens, finish = loop.tokens.tolist(), loop.finish.tolist()
         limits = rows.new_limits.tolist()

@@ -22,7 +22,6 @@ import torch
 
 from .logprobs import TokenText
 from .stopping import first_stop, normalize_stops
-from .token_loop import loop_hooks
 
 _DONE = object()
 
@@ -90,8 +89,7 @@ def stream_text(generator, prompt: str, options, stop=None, copy_every: int | No
 
     def work():
         try:
-            with loop_hooks(on_step=watcher):
-                result = generator.generate([prompt], options, stop=stops or None)[0]
+            result = generator.generate([prompt], options, stop=stops or None, on_step=watcher)[0]
             watcher.flush()
             # The finished result is the truth; whatever it adds to the pieces is the last one.
             if result.text[: watcher.given] == watcher.text[: watcher.given] and len(result.text) > watcher.given:

@@ -9,8 +9,6 @@ round-trip per token.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,26 +26,14 @@ FINISH_REASONS = {LENGTH: "length", EOS: "eos", STOP: "stop"}
 
 @dataclass
 class LoopHooks:
-    """Optional observers of a loop, set by ``loop_hooks`` around a generate call so that they
-    reach the loop whichever search dispatches to it."""
+    """Optional observers of a loop, passed down from ``Generator.generate``."""
 
     on_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # streaming, see run_token_loop
     # (tokens [B, steps] output buffer, steps filled so far) -> [B] bool: the row's text holds a stop string
     stop_check: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
 
-_HOOKS: ContextVar[LoopHooks] = ContextVar("loop_hooks", default=LoopHooks())
-
-
-@contextmanager
-def loop_hooks(**hooks):
-    """Install hooks for the loops run inside the block; hooks given as None keep the outer ones."""
-    outer = _HOOKS.get()
-    token = _HOOKS.set(LoopHooks(**{k: hooks.get(k) or getattr(outer, k) for k in ("on_step", "stop_check")}))
-    try:
-        yield
-    finally:
-        _HOOKS.reset(token)
+NO_HOOKS = LoopHooks()
 
 
 @dataclass
@@ -84,18 +70,17 @@ def run_token_loop(
     pad_token_id: int,
     ignore_eos: bool,
     use_kv_cache: bool = True,
-    on_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    hooks: LoopHooks = NO_HOOKS,
 ) -> LoopOutput:
     """Generate up to ``batch.new_limits[b]`` tokens for each row b.
 
-    ``on_step(tokens [B], done [B])`` is called after each token (streaming); it receives device
-    tensors and decides itself whether to synchronise.
+    ``hooks.on_step(tokens [B], done [B])`` is called after each token (streaming); it receives
+    device tensors and decides itself whether to synchronise. ``hooks.stop_check`` is asked with the
+    EOS check, every ``EOS_CHECK_EVERY`` steps (stop strings).
     """
     plan, b = batch.plan, batch.size
     device = batch.input_ids.device
-    hooks = _HOOKS.get()
-    on_step = on_step or hooks.on_step
-    stop_check = hooks.stop_check  # stop strings: asked on the host with the EOS check
+    on_step, stop_check = hooks.on_step, hooks.stop_check
     cache = runner.cache(b, plan.cache_len)
     sequence = torch.full((b, plan.cache_len), pad_token_id, dtype=torch.long, device=device)
     sequence[:, : plan.prompt_len] = batch.input_ids

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from generation.stopping import StopError, cut_at_stop, stops_per_prompt
-from generation.token_loop import EOS_CHECK_EVERY, loop_hooks
+from generation.token_loop import EOS_CHECK_EVERY
 
 PROMPTS = ["Hello world", "The cat sat on the mat and then"]
 MAX_LENGTH = 32
@@ -50,8 +50,7 @@ def test_loop_ends_early_once_every_row_has_stopped(scoring_setup):
     _, gen, hf = scoring_setup
     _, text = hf_greedy(hf, gen.tokenizer, PROMPTS[1], max_length=96)
     steps = []
-    with loop_hooks(on_step=lambda tokens, done: steps.append(1)):
-        r = gen.generate(PROMPTS[1], max_length=96, stop=text[:2])[0]
+    r = gen.generate(PROMPTS[1], max_length=96, stop=text[:2], on_step=lambda tokens, done: steps.append(1))[0]
     assert r.text == "" and r.finish_reason == "stop"
     # The stop shows in the first tokens; the host checks every EOS_CHECK_EVERY steps.
     assert len(steps) == EOS_CHECK_EVERY
