@@ -155,12 +155,14 @@ def run_file_job(args, opts) -> int:
         raise UsageError("--requests and --eval run in --mode optimized only")
     if args.requests and not args.results:
         raise UsageError("--requests needs --results FILE (results are appended there)")
+    check_ranks_agree(args, [])
     generator = make_generator(args, opts)
+    writes = PARALLEL.rank == 0  # tensor parallel: every rank computes, rank 0 writes
     if args.requests:
         from generation.jobs import run_requests
 
         summary = run_requests(generator, args.requests, args.results, errors_path=args.errors,
-                               budget=args.budget, progress=not args.quiet)
+                               budget=args.budget, progress=not args.quiet, write=writes)
         log(f"{summary.answered} requests answered, {summary.skipped} already done, {summary.errors} failed, "
             f"{summary.completion_tokens} tokens in {summary.seconds:.1f} s")
         return 1 if summary.errors else 0
@@ -171,7 +173,7 @@ def run_file_job(args, opts) -> int:
     result = evaluate(generator, read_passages(args.eval), budget=args.budget)
     print(f"passages: {result.passages}  accuracy: {result.accuracy:.4f}  perplexity: {result.perplexity:.3f}  "
           f"last-word perplexity: {result.last_word_perplexity:.3f}")
-    if args.results:
+    if args.results and writes:
         Path(args.results).write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
     return 0
 

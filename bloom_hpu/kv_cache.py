@@ -2,7 +2,7 @@
 
 One cache is allocated per (batch, length) shape and reused by every call of that shape, so its
 storage never moves: captured graphs can keep pointing at it. Steps write into it with
-``narrow().copy_`` (prefill, a static slice) and ``scatter_`` (decode, one slot per row at a
+``narrow().copy_`` (prefill, a static slice) and indexed assignment (decode, one slot per row at a
 position held in a device tensor); nothing ever grows it with ``torch.cat``.
 """
 
@@ -20,6 +20,10 @@ class KVCache:
     keys: torch.Tensor  # [n_layer, B, H, K, D]
     values: torch.Tensor  # [n_layer, B, H, K, D]
     alibi: torch.Tensor  # [B * H, 1, K]: slope[h] * slot, precomputed once
+    # Index vectors the decode step needs every time, made once (an arange costs as much as a
+    # small matmul on CPU, and a captured graph may keep pointing at these): [B] rows, [K] slots.
+    rows: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
 
     @classmethod
     def allocate(
@@ -38,7 +42,9 @@ class KVCache:
         # the attention-weighted sum of values.
         keys = torch.zeros(shape, dtype=dtype, device=device)
         values = torch.zeros(shape, dtype=dtype, device=device)
-        return cls(keys, values, alibi_bias(slopes.to(device), length, batch_size, dtype))
+        rows = torch.arange(batch_size, device=device)
+        slots = torch.arange(length, device=device)
+        return cls(keys, values, alibi_bias(slopes.to(device), length, batch_size, dtype), rows, slots)
 
     @property
     def batch_size(self) -> int:
@@ -60,10 +66,12 @@ class KVCache:
 
     def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store one new token's keys/values [B, H, 1, D] at each row's own slot ``positions`` [B]."""
-        b, h, _, d = k.shape
-        index = positions.view(b, 1, 1, 1).expand(b, h, 1, d)
-        self.keys[layer].scatter_(2, index, k)
-        self.values[layer].scatter_(2, index, v)
+        # Indexed assignment (index_put_) writes just the B*H*D new values. Not ``scatter_``: on CPU
+        # in bf16 it copies the whole layer of the cache twice per call (measured: 1.6 ms per call
+        # at K=2048; a bloom-560m decode step makes 48 such calls).
+        rows = self.rows if self.rows is not None else torch.arange(k.shape[0], device=positions.device)
+        self.keys[layer][rows, :, positions] = k[:, :, 0]  # [B, H, D] at (row, all heads, slot)
+        self.values[layer][rows, :, positions] = v[:, :, 0]
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Make row i hold what row ``rows[i]`` held (beam search: follow each beam's parent).

@@ -51,6 +51,7 @@ class StepRunner:
     def __init__(self, model: StaticBloom, backend: Backend):
         self.model = model
         self.backend = backend
+        backend.prepare_model(model)
         self._caches: dict[tuple[int, int], KVCache] = {}
         self._steps: dict[tuple, nn.Module] = {}
 

@@ -1,0 +1,104 @@
+"""Smoke test of bench/generate_bench.py on the tiny checkpoint: it runs, prints one table, and its
+JSON figures exist and agree with each other. No timing assertions: timings are the benchmark's job."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from bench import generate_bench
+
+
+@pytest.fixture(scope="module")
+def bench_output(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    argv = ["--config", "tiny", "--batch_size", "2", "--prompt_len", "4", "--new_tokens", "4", "--max_length", "16",
+            "--repeats", "2", "--warmup", "1", "--bandwidth_mb", "32",
+            "--variants", "ours,static off,graphs off,transformers", "--json", str(out)]
+    return argv, out
+
+
+def test_bench_prints_a_table_and_consistent_json(bench_output, capsys):
+    argv, out = bench_output
+    assert generate_bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    for column in ("TTFT ms", "decode ms/tok", "tok/s", "peak MB", "graphs", "x floor", "decode/HF"):
+        assert column in printed
+    result = json.loads(out.read_text())
+    assert result["settings"]["batch_size"] == 2 and result["machine"]["device"] == "cpu"
+    assert result["shapes"] == {"prompt_len": 16, "cache_len": 16, "windows": [16]}  # static: max_length
+    floor = result["floor"]
+    assert floor["bandwidth_gb_s"] > 0
+    assert floor["floor_ms"] == pytest.approx(floor["bytes_per_decode_step"] / (floor["bandwidth_gb_s"] * 1e9) * 1e3)
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert list(rows) == ["ours", "static off", "graphs off", "transformers"]
+    hf = rows["transformers"]
+    for name, row in rows.items():
+        assert row["ttft_ms"] > 0 and row["decode_ms_per_token"] >= 0 and row["peak_mb"] is not None
+        assert len(row["runs_ms"]) == 2
+        # tokens/s is the returned tokens over the median full-request time.
+        assert row["tokens_per_s"] == pytest.approx(2 * 4 / (statistics.median(row["runs_ms"]) / 1e3), rel=1e-2)
+        assert row["x_floor"] == pytest.approx(row["decode_ms_per_token"] / floor["floor_ms"])
+        if name != "transformers":
+            assert row["ttft_vs_hf"] == pytest.approx(row["ttft_ms"] / hf["ttft_ms"])
+            assert row["tokens_per_s_vs_hf"] == pytest.approx(row["tokens_per_s"] / hf["tokens_per_s"])
+    # Static shapes: one prefill and one decode shape for the 1-token and the 4-token requests.
+    assert rows["ours"]["graphs"] == 2
+    assert rows["static off"]["graphs"] > 2  # dynamic shapes: the decode window grows every step
+    # The KV cache of the static recipe: layers x 2 x rows x heads x max_length x head_dim x 4 bytes.
+    m = result["model"]
+    head_dim = m["hidden_size"] // m["n_head"]
+    assert rows["ours"]["cache_mb"] * 2**20 == pytest.approx(m["n_layer"] * 2 * 2 * m["n_head"] * 16 * head_dim * 4)
+    assert hf["graphs"] is None and hf["ttft_vs_hf"] is None
+    # The floor reads every weight once plus the keys and values of the 16-slot window (2 rows, fp32).
+    kv = m["n_layer"] * 2 * 2 * m["n_head"] * 16 * head_dim * 4
+    assert floor["bytes_per_decode_step"] == pytest.approx(m["weights_mb"] * 2**20 + kv)
+    ours = rows["ours"]
+    held = m["weights_mb"] + ours["cache_mb"]
+    assert ours["memory_ratio"] == pytest.approx((held + ours["peak_mb"]) / held)
+
+
+def test_bench_rejects_bad_settings(capsys):
+    with pytest.raises(SystemExit):
+        generate_bench.main(["--prompt_len", "10", "--new_tokens", "10", "--max_length", "16"])
+    assert "exceeds max_length" in capsys.readouterr().err
+
+
+def test_packed_bf16_weights_change_no_logit(make_ckpt):
+    """The CPU bf16 weight packing (a speed edit, ``Linear.pack``) must not change a single bit of
+    the prefill or decode logits, and greedy tokens stay those of transformers in bf16."""
+    import torch
+    import transformers
+
+    from bloom_hpu.loading import load_model
+    from generation.generator import Generator
+
+    folder = make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7)
+    plain, _ = load_model(folder, torch.bfloat16)
+    packed, _ = load_model(folder, torch.bfloat16)
+    assert packed.pack_linears() == 2 * 4  # qkv, dense, h_to_4h, 4h_to_h per block
+    ids = torch.randint(5, 500, (3, 12))
+    lengths = torch.tensor([12, 4, 7])
+    caches = [m.allocate_cache(3, 24) for m in (plain, packed)]
+    with torch.no_grad():
+        a, b = plain.prefill(ids, lengths, caches[0]), packed.prefill(ids, lengths, caches[1])
+        assert torch.equal(a, b)
+        positions = lengths.clone()
+        for _ in range(6):
+            token = a.argmax(-1)[:, None]
+            a = plain.decode(token, positions, caches[0], 24)
+            b = packed.decode(token, positions, caches[1], 24)
+            assert torch.equal(a, b)
+            positions += 1
+
+    generator = Generator.from_pretrained(folder, dtype="bf16")  # packs on CPU
+    assert generator.model.h[0].mlp.dense_h_to_4h.packed is not None
+    reference = transformers.BloomForCausalLM.from_pretrained(folder, torch_dtype=torch.bfloat16).eval()
+    for prompt in ("It was the best of times", "Hello, world"):
+        prompt_ids = generator.tokenizer.encode(prompt)
+        with torch.no_grad():
+            hf = reference.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                    max_length=24, do_sample=False, eos_token_id=None, pad_token_id=3)
+        assert generator.generate(prompt, max_length=24)[0].token_ids == hf[0, len(prompt_ids):].tolist()
