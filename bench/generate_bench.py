@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import tempfile
@@ -376,7 +377,7 @@ def run(args) -> dict:
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
                     "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
-        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+        "command": shlex.join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "model": {"folder": str(folder), "n_layer": cfg.n_layer, "n_head": cfg.n_head,
                   "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "weights_mb": weights / 2**20},
