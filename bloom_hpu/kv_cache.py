@@ -73,10 +73,13 @@ class KVCache:
         self.keys[layer][rows, :, positions] = k[:, :, 0]  # [B, H, D] at (row, all heads, slot)
         self.values[layer][rows, :, positions] = v[:, :, 0]
 
-    def reorder(self, rows: torch.Tensor) -> None:
+    def reorder(self, rows: torch.Tensor, upto: int | None = None) -> None:
         """Make row i hold what row ``rows[i]`` held (beam search: follow each beam's parent).
 
-        Done in place so the storage, and any graph captured on it, stays valid.
+        Only slots below ``upto`` move: the caller passes the next step's attention window, which
+        holds every slot written so far; the rest is masked until its row writes it. Done in place
+        so the storage, and any graph captured on it, stays valid.
         """
-        self.keys.copy_(self.keys.index_select(1, rows))
-        self.values.copy_(self.values.index_select(1, rows))
+        for cache in (self.keys, self.values):
+            live = cache[:, :, :, :upto]  # [n_layer, B, H, upto, D]
+            live.copy_(live.index_select(1, rows))

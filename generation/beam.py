@@ -149,7 +149,7 @@ def beam_search(
         # Running beams: histories and cache rows follow their parents (in place).
         sequence.copy_(cand_seq.gather(1, pick[:, :, None].expand(b, n, k_len)).view(rows, k_len))
         if use_kv_cache:
-            cache.reorder((row_base + next_parent).view(rows))
+            cache.reorder((row_base + next_parent).view(rows), upto=plan.window(step))
 
         # transformers' heuristic: can the best running beam still beat the worst finished one?
         # ("never" with a positive penalty assumes the beam could still grow to the full budget.)
