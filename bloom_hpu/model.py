@@ -234,7 +234,7 @@ class StaticBloom(nn.Module):
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
         """tokens [B, 1] written at slots positions [B]; attends slots < window -> logits [B, V]."""
         b, heads = tokens.shape[0], self.local_heads
-        slots = cache.slots[:window] if cache.slots is not None else torch.arange(window, device=tokens.device)
+        slots = cache.slots[:window]
         hidden = (slots[None, :] > positions[:, None])[:, None, :].expand(b, heads, window).reshape(b * heads, window)
         # The mask is folded into the ALiBi bias once per step, for every layer: baddbmm then adds
         # the dtype's minimum to unseen slots, whose probability comes out exactly 0, as with

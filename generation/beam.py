@@ -104,14 +104,12 @@ def beam_search(
     running[:, 1:] = NEG
     finished = Hypotheses(sequence, b, n)
     open_ = torch.ones(b, 1, dtype=torch.bool, device=device)  # a running beam may still win
-    done = limits == 0  # [B]
+    done = torch.zeros(b, dtype=torch.bool, device=device)  # [B] (every prompt has a budget >= 1)
     first_n = torch.arange(2 * n, device=device) < n  # only these candidates may finish
     row_base = torch.arange(b, device=device)[:, None] * n
     never = early_stopping == "never" and length_penalty > 0
     stop_when_full = early_stopping is True
 
-    if batch.steps == 0:
-        return BeamOutput(finished.sequences, finished.new_tokens, finished.scores, 0)
     cache = runner.cache(rows, k_len)
     logits = runner.prefill(input_ids, lengths, cache)
     steps_run = 0

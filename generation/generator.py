@@ -168,9 +168,8 @@ class Generator:
         for b, start in enumerate(batch.lengths.tolist()):
             seqs = []
             for ids, count, score in zip(rows[b], counts[b], scores[b]):
-                ids = ids[start : start + count]
-                reason = "eos" if ids and ids[-1] == eos and not opts.ignore_eos else "length"
-                seqs.append(self.make_sequence(ids, reason, score))
+                # make_sequence turns an ending EOS into finish_reason "eos".
+                seqs.append(self.make_sequence(ids[start : start + count], "length", score))
             results.append(seqs)
         return results
 

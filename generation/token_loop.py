@@ -85,11 +85,8 @@ def run_token_loop(
     sequence = torch.full((b, plan.cache_len), pad_token_id, dtype=torch.long, device=device)
     sequence[:, : plan.prompt_len] = batch.input_ids
     positions = batch.lengths.clone()
-    out = torch.full((b, max(batch.steps, 1)), pad_token_id, dtype=torch.long, device=device)
+    out = torch.full((b, batch.steps), pad_token_id, dtype=torch.long, device=device)
     finish = torch.full((b,), RUNNING, dtype=torch.long, device=device)
-    finish.masked_fill_(batch.new_limits == 0, LENGTH)
-    if batch.steps == 0:
-        return LoopOutput(out[:, :0], finish, 0)
 
     logits = runner.prefill(batch.input_ids, batch.lengths, cache)
     steps_run = 0
