@@ -93,16 +93,6 @@ def test_pipeline_order_is_transformers_order(num_beams):
     torch.testing.assert_close(pipeline(scores, state), expected)
 
 
-@pytest.fixture
-def reference(eos_reference):
-    return eos_reference
-
-
-@pytest.fixture
-def generator(eos_generator):
-    return eos_generator
-
-
 @pytest.mark.parametrize("options", [
     dict(repetition_penalty=1.5),
     dict(repetition_penalty=0.7),
@@ -112,16 +102,16 @@ def generator(eos_generator):
     dict(min_new_tokens=5, ignore_eos=False),
     dict(repetition_penalty=1.3, no_repeat_ngram_size=2, min_new_tokens=3, ignore_eos=False),
 ])
-def test_greedy_with_processors_matches_transformers(generator, reference, options):
+def test_greedy_with_processors_matches_transformers(eos_generator, eos_reference, options):
     max_length = 24
     ignore_eos = options.get("ignore_eos", True)
-    results = generator.generate(PROMPTS, max_length=max_length, **options)
-    plain = generator.generate(PROMPTS, max_length=max_length, ignore_eos=ignore_eos)
+    results = eos_generator.generate(PROMPTS, max_length=max_length, **options)
+    plain = eos_generator.generate(PROMPTS, max_length=max_length, ignore_eos=ignore_eos)
     hf_options = {k: v for k, v in options.items() if k != "ignore_eos"}
     for prompt, result in zip(PROMPTS, results):
-        ids = generator.tokenizer.encode(prompt)
+        ids = eos_generator.tokenizer.encode(prompt)
         with torch.no_grad():
-            out = reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            out = eos_reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                      max_new_tokens=max_length - len(ids), do_sample=False, pad_token_id=PAD,
                                      eos_token_id=None if ignore_eos else EOS, **hf_options)
         expected = out[0, len(ids):].tolist()

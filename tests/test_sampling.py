@@ -3,7 +3,6 @@ reproducibility that does not depend on batch companions, per-row EOS, and no pe
 
 from __future__ import annotations
 
-import pytest
 import torch
 from transformers import GenerationConfig
 
@@ -13,16 +12,6 @@ from generation.token_loop import LoopState
 
 EOS = 2
 PROMPTS = ["It was the best of times", "a", "The quick brown fox jumps over", "Hello, world"]
-
-
-@pytest.fixture
-def reference(eos_reference):
-    return eos_reference
-
-
-@pytest.fixture
-def generator(eos_generator):
-    return eos_generator
 
 
 def test_uniform_noise_is_uniform_and_keyed():
@@ -50,25 +39,25 @@ def test_row_keys_depend_on_the_row_not_on_the_batch():
 OPTIONS = dict(temperature=5.0, top_k=40, top_p=0.8, repetition_penalty=1.3)
 
 
-def hf_probabilities(reference, ids, **options):
+def hf_probabilities(eos_reference, ids, **options):
     """transformers' next-token distribution: its own processor list on its own logits."""
     config = GenerationConfig(do_sample=True, eos_token_id=EOS, **options)
     config._eos_token_tensor = torch.tensor([EOS])
-    processors = reference._get_logits_processor(generation_config=config, input_ids_seq_length=len(ids),
+    processors = eos_reference._get_logits_processor(generation_config=config, input_ids_seq_length=len(ids),
                                                  device="cpu")
     input_ids = torch.tensor([ids])
     with torch.no_grad():
-        logits = reference(input_ids).logits[:, -1].float()
+        logits = eos_reference(input_ids).logits[:, -1].float()
     return processors(input_ids, logits).softmax(-1)[0], logits, input_ids
 
 
-def test_sampled_distribution_matches_transformers(generator, reference):
+def test_sampled_distribution_matches_transformers(eos_generator, eos_reference):
     """Empirical next-token frequencies over many seeded draws match transformers' probabilities;
     the same processors in another order (top-p before temperature) give a distribution this test
     tells apart."""
     prompt = PROMPTS[0]
-    ids = generator.tokenizer.encode(prompt)
-    expected, logits, input_ids = hf_probabilities(reference, ids, **OPTIONS)
+    ids = eos_generator.tokenizer.encode(prompt)
+    expected, logits, input_ids = hf_probabilities(eos_reference, ids, **OPTIONS)
     state = LoopState(input_ids, torch.tensor([len(ids)]), torch.tensor([len(ids)]), step=0)
     wrong = procs.repetition_penalty(logits, state, OPTIONS["repetition_penalty"])
     wrong = procs.top_p(procs.top_k(wrong, state, OPTIONS["top_k"], 1), state, OPTIONS["top_p"], 1)
@@ -77,7 +66,7 @@ def test_sampled_distribution_matches_transformers(generator, reference):
     assert (expected > 0.02).sum() >= 8  # a spread distribution, not one dominant token
 
     draws = 4000
-    result = generator.generate(prompt, max_new_tokens=1, max_length=16, do_sample=True, seed=123,
+    result = eos_generator.generate(prompt, max_new_tokens=1, max_length=16, do_sample=True, seed=123,
                                 num_return_sequences=draws, **OPTIONS)[0]
     first = torch.tensor([s.token_ids[0] for s in result.sequences])
     empirical = torch.bincount(first, minlength=expected.numel()).float() / draws
@@ -93,31 +82,31 @@ def test_sampled_distribution_matches_transformers(generator, reference):
     assert chi2 < dof + 5 * (2 * dof) ** 0.5  # far beyond any plausible fluctuation
 
 
-def test_same_seed_same_output_and_batch_independence(generator):
+def test_same_seed_same_output_and_batch_independence(eos_generator):
     options = dict(max_length=24, do_sample=True, temperature=2.0, top_p=0.9, no_repeat_ngram_size=2)
-    first = generator.generate(PROMPTS, seed=7, **options)
-    again = generator.generate(PROMPTS, seed=7, **options)
+    first = eos_generator.generate(PROMPTS, seed=7, **options)
+    again = eos_generator.generate(PROMPTS, seed=7, **options)
     assert [r.token_ids for r in first] == [r.token_ids for r in again]
-    other = generator.generate(PROMPTS, seed=8, **options)
+    other = eos_generator.generate(PROMPTS, seed=8, **options)
     assert [r.token_ids for r in first] != [r.token_ids for r in other]
     # Each prompt alone, or in another batch at another place, samples the same text.
     for prompt, result in zip(PROMPTS, first):
-        assert generator.generate(prompt, seed=7, **options)[0].token_ids == result.token_ids
-    shuffled = generator.generate(PROMPTS[::-1] + ["something else entirely"], seed=7, **options)
+        assert eos_generator.generate(prompt, seed=7, **options)[0].token_ids == result.token_ids
+    shuffled = eos_generator.generate(PROMPTS[::-1] + ["something else entirely"], seed=7, **options)
     assert [r.token_ids for r in shuffled[:4]] == [r.token_ids for r in first[::-1]]
 
 
-def test_seedless_runs_follow_torch_manual_seed(generator):
+def test_seedless_runs_follow_torch_manual_seed(eos_generator):
     options = dict(max_length=16, do_sample=True, temperature=2.0)
     torch.manual_seed(0)
-    a = generator.generate(PROMPTS, **options)
+    a = eos_generator.generate(PROMPTS, **options)
     torch.manual_seed(0)
-    b = generator.generate(PROMPTS, **options)
+    b = eos_generator.generate(PROMPTS, **options)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
 
 
-def test_num_return_sequences_and_per_row_eos(generator):
-    results = generator.generate(PROMPTS, max_length=24, do_sample=True, seed=3, temperature=1.5,
+def test_num_return_sequences_and_per_row_eos(eos_generator):
+    results = eos_generator.generate(PROMPTS, max_length=24, do_sample=True, seed=3, temperature=1.5,
                                  num_return_sequences=6, ignore_eos=False)
     sequences = [s for r in results for s in r.sequences]
     assert all(len(r.sequences) == 6 for r in results)
@@ -133,19 +122,19 @@ def test_num_return_sequences_and_per_row_eos(generator):
     assert reasons == {"eos", "length"}
 
 
-def test_min_new_tokens_holds_back_eos_when_sampling(generator):
-    results = generator.generate(PROMPTS, max_length=24, do_sample=True, seed=3, temperature=1.5,
+def test_min_new_tokens_holds_back_eos_when_sampling(eos_generator):
+    results = eos_generator.generate(PROMPTS, max_length=24, do_sample=True, seed=3, temperature=1.5,
                                  num_return_sequences=6, ignore_eos=False, min_new_tokens=6)
     for s in (s for r in results for s in r.sequences):
         assert EOS not in s.token_ids[:6]
 
 
-def test_sampling_loop_has_no_per_token_sync(generator, monkeypatch):
+def test_sampling_loop_has_no_per_token_sync(eos_generator, monkeypatch):
     reads = []
     for name in ("__bool__", "item", "tolist", "cpu", "numpy"):
         original = getattr(torch.Tensor, name)
         monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
-    generator.generate(PROMPTS, max_length=28, do_sample=True, seed=1, ignore_eos=False, min_new_tokens=20,
+    eos_generator.generate(PROMPTS, max_length=28, do_sample=True, seed=1, ignore_eos=False, min_new_tokens=20,
                        repetition_penalty=1.2, no_repeat_ngram_size=2, top_k=50, top_p=0.9, temperature=1.3)
     monkeypatch.undo()
     # ~27 steps: the batched done-check every 8 steps, plus the final copies of the results.
