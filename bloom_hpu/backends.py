@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from . import cpu_kernel
+
 
 class DeviceError(Exception):
     """The requested device cannot be used here (one line for the user)."""
@@ -57,6 +59,7 @@ class Backend:
         self.compile_steps = compile_steps
         # BLOOM_PACK_WEIGHTS=0 turns the CPU weight packing off (to measure what it brings).
         self.pack_weights = os.environ.get("BLOOM_PACK_WEIGHTS", "1") != "0"
+        self.fast_path = "none"  # set by prepare_model
         self.signatures: set[tuple] = set()
         self._compiled: dict[int, object] = {}
 
@@ -72,13 +75,22 @@ class Backend:
         return step
 
     def prepare_model(self, model) -> None:
-        """Once per model: on CPU in bf16, pack the linear weights for oneDNN (``Linear.pack``:
-        decode reads every weight per token, and oneDNN reads its own layout about 1.4x faster;
-        results are bit-identical). Not with ``compile_steps``: inductor packs weights itself."""
+        """Once per model, on CPU in bf16, where decode is bound by reading the weights: route the
+        products of a few rows through our kernel (``cpu_kernel.py``: reads at about the memory's
+        bandwidth), or where it cannot be had, pack the blocks' weights for oneDNN (``Linear.pack``:
+        about 1.4x faster than plain, bit-identical; not with ``compile_steps``, where inductor
+        packs them itself). ``fast_path`` says which, for the CLI and the benchmark."""
+        self.fast_path = "none"
         weight = model.word_embeddings.weight
-        if (self.device.type == "cpu" and weight.dtype == torch.bfloat16 and self.pack_weights
-                and not self.compile_steps and oneDNN_packing_available()):
+        if self.device.type != "cpu" or weight.dtype != torch.bfloat16:
+            return
+        kernel = cpu_kernel.load()
+        if kernel is not None:
+            model.use_few_rows_kernel(kernel)
+            self.fast_path = "bf16 few-rows kernel"
+        elif self.pack_weights and not self.compile_steps and oneDNN_packing_available():
             model.pack_linears()
+            self.fast_path = f"oneDNN packed weights (kernel {cpu_kernel.unavailable_reason()})"
 
     def run(self, name: str, step, *inputs: torch.Tensor):
         self.signatures.add(signature(name, step, inputs))

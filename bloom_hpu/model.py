@@ -16,26 +16,33 @@ linears finish with an all-reduce. With one process those calls are no-ops.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .alibi import alibi_slopes
 from .config import BloomConfig
+from . import cpu_kernel
 from .kv_cache import KVCache
 from .parallel import Parallel, SINGLE
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose weight can be handed to oneDNN once, in the blocked layout its CPU
-    kernels read fastest (``pack``). Measured on a Xeon with AVX512-BF16: bf16 products of one
-    token row with bloom-560m weights too large for the caches read 17-19 GB/s packed against
-    12.7 GB/s plain, with bit-identical results, and decode is bound by reading these weights (a
-    bloom-560m step: about 10% faster, the unpacked LM head being the rest). The plain weight is dropped
-    (a meta tensor keeps its shape and dtype), so memory holds one copy of the weights, not two.
+    """``nn.Linear`` with two CPU speed-ups for the products decode is made of (a few rows times a
+    weight too large for the caches, so bound by reading the weight from memory):
+
+    * ``few_rows``: our own kernel (``cpu_kernel.py``) for inputs of at most ``FEW_ROWS`` rows,
+      on the plain weight; larger inputs (a prefill) still go to ``F.linear``.
+    * ``pack()``, where that kernel cannot be had: the weight handed once to oneDNN in the blocked
+      layout its kernels read fastest (bit-identical results; 17-19 GB/s against 12.7 GB/s plain
+      on a Xeon with AVX512-BF16). The plain weight is dropped (a meta tensor keeps its shape and
+      dtype), so memory holds one copy of the weights, not two.
     """
 
     packed: torch.Tensor | None = None
+    few_rows: Callable | None = None
 
     def pack(self) -> None:
         if self.packed is None:
@@ -44,7 +51,7 @@ class Linear(nn.Linear):
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed is None:
-            return F.linear(x, self.weight, bias)
+            return cpu_kernel.linear(x, self.weight, bias, self.few_rows)
         # oneDNN reads the input as dense: make sure it is.
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 
@@ -161,6 +168,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class StaticBloom(nn.Module):
+    few_rows: Callable | None = None  # the LM head's kernel for few rows (``use_few_rows_kernel``)
+
     def __init__(self, config: BloomConfig, parallel: Parallel = SINGLE):
         super().__init__()
         if config.n_head % parallel.world_size:
@@ -198,9 +207,18 @@ class StaticBloom(nn.Module):
             linear.pack()
         return len(linears)
 
+    def use_few_rows_kernel(self, kernel: Callable) -> int:
+        """Send every product of at most ``FEW_ROWS`` rows through ``kernel`` (``cpu_kernel.py``):
+        all of decode, and the prefill's LM head. Returns how many linears (with the LM head) use it."""
+        linears = [m for m in self.h.modules() if isinstance(m, Linear)]
+        for linear in linears:
+            linear.few_rows = kernel
+        self.few_rows = kernel
+        return len(linears) + 1
+
     def lm_head(self, h):
         """Logits over the whole vocabulary [..., V] from final hidden states (tied embeddings)."""
-        logits = F.linear(self.ln_f(h), self.word_embeddings.weight)
+        logits = cpu_kernel.linear(self.ln_f(h), self.word_embeddings.weight, None, self.few_rows)
         return self.parallel.all_gather_last(logits)
 
     def embed(self, ids):

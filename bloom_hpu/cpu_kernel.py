@@ -1,0 +1,88 @@
+"""Our one CPU kernel: products of a few bf16 rows with a large bf16 weight (``csrc/bf16_linear.cpp``).
+
+Decode multiplies one row per sequence by every weight once, so on a CPU its speed is the speed at
+which the weights stream from memory. PyTorch's bf16 kernels read them at about half the memory's
+bandwidth on a Xeon with AVX512-BF16; ours reads at about the bandwidth (see the .cpp file and
+docs/performance.md). It serves products of at most ``FEW_ROWS`` rows: every decode step and the
+prefill's LM head. Larger products (a prefill's blocks) are compute-bound and stay with oneDNN.
+
+The kernel is compiled on first use with ``torch.utils.cpp_extension`` (g++ and ninja, about 30 s),
+then loaded from PyTorch's extension cache. Where it cannot be had (no AVX512-BF16, no compiler,
+``BLOOM_CPU_KERNEL=0``) ``load()`` returns None with the reason in ``unavailable_reason()``, and
+the model keeps PyTorch's kernels: same results up to the order of float additions.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+FEW_ROWS = 16  # up to this many rows the kernel beat oneDNN on every bloom-560m shape measured
+SOURCE = Path(__file__).parent / "csrc" / "bf16_linear.cpp"
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"]
+
+_loaded: Callable | None = None
+_reason: str | None = None  # why it is not loaded, once a load was tried
+
+
+def cpu_supports_bf16_dot() -> bool:
+    check = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool(check and check())
+
+
+def unavailable_reason() -> str | None:
+    return _reason
+
+
+def load() -> Callable | None:
+    """``few_rows_linear(x [M, K], w [N, K], bias [N] | None) -> [M, N]``, or None (see above)."""
+    global _loaded, _reason
+    if _loaded is not None or _reason is not None:
+        return _loaded
+    if os.environ.get("BLOOM_CPU_KERNEL", "1") == "0":
+        _reason = "turned off by BLOOM_CPU_KERNEL=0"
+    elif not cpu_supports_bf16_dot():
+        _reason = "this CPU has no AVX512-BF16"
+    else:
+        try:
+            _loaded = _build()
+        except Exception as error:  # no compiler, old torch headers...: PyTorch's kernels serve
+            _reason = f"could not be built ({type(error).__name__}: {str(error).strip().splitlines()[-1:]})"
+    return _loaded
+
+
+def _build() -> Callable:
+    from torch.utils import cpp_extension
+
+    started = time.perf_counter()
+    cpp_extension.load(
+        name="bloom_cpu_bf16_linear", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+    )
+    elapsed = time.perf_counter() - started
+    if elapsed > 5:  # a real compilation, not a load from the cache: say why the wait
+        print(f"built the CPU bf16 kernel in {elapsed:.0f} s (cached from now on)", file=sys.stderr)
+    op = torch.ops.bloom_cpu.few_rows_linear
+
+    # The output's shape for torch.compile's tracing (it runs no kernel on fake tensors).
+    @torch.library.register_fake("bloom_cpu::few_rows_linear")
+    def _(x, w, bias):
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    return op
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Callable | None):
+    """``F.linear(x, weight, bias)``; through ``kernel`` (from ``load()``) when there is one, x
+    [..., K] has at most ``FEW_ROWS`` rows and K is a multiple of 32 (the kernel's step)."""
+    k = x.shape[-1]
+    if kernel is None or x.numel() > FEW_ROWS * k or k % 32 or not weight.is_contiguous():
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return kernel(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])

@@ -1,0 +1,108 @@
+"""Our CPU kernel for products of a few bf16 rows (``bloom_hpu/cpu_kernel.py``): where this CPU has
+AVX512-BF16 it must build, agree with an exact reference to one rounding, and leave greedy tokens
+those of transformers; where it cannot be had, the model falls back to oneDNN-packed weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bloom_hpu import cpu_kernel
+from bloom_hpu.backends import Backend
+
+needs_kernel = pytest.mark.skipif(not cpu_kernel.cpu_supports_bf16_dot(), reason="CPU without AVX512-BF16")
+
+
+def bf16_ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps separate two bf16 tensors of the same sign pattern (elementwise)."""
+    as_int = lambda t: t.view(torch.int16).to(torch.int32)
+    return (as_int(a) - as_int(b)).abs()
+
+
+def test_kernel_builds_where_the_cpu_can_run_it():
+    kernel = cpu_kernel.load()
+    if cpu_kernel.cpu_supports_bf16_dot():
+        assert kernel is not None, cpu_kernel.unavailable_reason()
+    else:
+        assert kernel is None and "AVX512-BF16" in cpu_kernel.unavailable_reason()
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
+@pytest.mark.parametrize("out_features,in_features", [(1027, 64), (256, 96), (64, 1024)])
+def test_kernel_is_the_exact_product_rounded_once(rows, out_features, in_features):
+    """Against the fp32 product rounded to bf16 once: equal, or one bf16 step away where the two
+    sums (different orders of addition) straddle a rounding boundary. Odd row counts exercise the
+    row blocks' remainders, 1027 outputs the output blocks' remainder."""
+    kernel = cpu_kernel.load()
+    generator = torch.Generator().manual_seed(rows * out_features)
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    w = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16()
+    for b in (bias, None):
+        exact = F.linear(x.double(), w.double(), None if b is None else b.double()).bfloat16()
+        ours = cpu_kernel.linear(x, w, b, kernel)
+        assert ours.shape == exact.shape and ours.dtype == torch.bfloat16
+        apart = bf16_ulps_apart(ours, exact)
+        assert apart.max() <= 1
+        assert (apart == 0).float().mean() > 0.9
+
+
+@needs_kernel
+def test_kernel_serves_only_few_rows_of_a_multiple_of_32():
+    kernel = cpu_kernel.load()
+    calls = []
+
+    def counting(x, w, b):
+        calls.append(tuple(x.shape))
+        return kernel(x, w, b)
+
+    w = torch.randn(48, 64).bfloat16()
+    cpu_kernel.linear(torch.randn(2, 8, 64).bfloat16(), w, None, counting)  # 16 rows: the kernel
+    cpu_kernel.linear(torch.randn(17, 64).bfloat16(), w, None, counting)  # 17 rows: oneDNN
+    cpu_kernel.linear(torch.randn(1, 48).bfloat16(), torch.randn(8, 48).bfloat16(), None, counting)  # K=48
+    assert calls == [(16, 64)]
+
+
+def test_bf16_model_on_cpu_uses_the_kernel_or_packs(make_ckpt):
+    """Greedy tokens of our bf16 generator (kernel, or oneDNN packing where there is none) equal
+    transformers' bf16 ``generate``."""
+    import transformers
+
+    from generation.generator import Generator
+
+    folder = make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7)
+    generator = Generator.from_pretrained(folder, dtype="bf16")
+    mlp = generator.model.h[0].mlp.dense_h_to_4h
+    if cpu_kernel.load() is not None:
+        assert generator.backend.fast_path == "bf16 few-rows kernel"
+        assert mlp.few_rows is not None and generator.model.few_rows is not None and mlp.packed is None
+    else:
+        assert generator.backend.fast_path.startswith("oneDNN packed weights")
+        assert mlp.packed is not None
+    reference = transformers.BloomForCausalLM.from_pretrained(folder, torch_dtype=torch.bfloat16).eval()
+    for prompt in ("It was the best of times", "Hello, world"):
+        prompt_ids = generator.tokenizer.encode(prompt)
+        with torch.no_grad():
+            hf = reference.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                    max_length=24, do_sample=False, eos_token_id=None, pad_token_id=3)
+        assert generator.generate(prompt, max_length=24)[0].token_ids == hf[0, len(prompt_ids):].tolist()
+
+
+def test_kernel_can_be_turned_off(monkeypatch):
+    """BLOOM_CPU_KERNEL=0: no kernel, and a reason to show."""
+    monkeypatch.setattr(cpu_kernel, "_loaded", None)
+    monkeypatch.setattr(cpu_kernel, "_reason", None)
+    monkeypatch.setenv("BLOOM_CPU_KERNEL", "0")
+    assert cpu_kernel.load() is None
+    assert "BLOOM_CPU_KERNEL=0" in cpu_kernel.unavailable_reason()
+
+
+def test_fp32_and_other_devices_keep_pytorch_kernels(make_ckpt):
+    from bloom_hpu.loading import load_model
+
+    model, _ = load_model(make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7), torch.float32)
+    backend = Backend("cpu")
+    backend.prepare_model(model)
+    assert backend.fast_path == "none" and model.few_rows is None
