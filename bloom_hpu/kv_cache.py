@@ -72,6 +72,14 @@ class KVCache:
         self.keys[layer][self.rows, :, positions] = k[:, :, 0]  # [B, H, D] at (row, all heads, slot)
         self.values[layer][self.rows, :, positions] = v[:, :, 0]
 
+    def copy_prompts(self, prompts: "KVCache", copies: int) -> None:
+        """Rows c*i .. c*i+c-1 (c = ``copies``) take the slots of row i of ``prompts``, a cache of
+        B rows as long as the prompt: beams and sampled copies of a prompt share its one prefill."""
+        b, length = prompts.batch_size, prompts.length
+        for mine, theirs in ((self.keys, prompts.keys), (self.values, prompts.values)):
+            # [n_layer, B*c, H, P, D] seen as [n_layer, B, c, H, P, D]; theirs broadcast over c.
+            mine[:, :, :, :length].unflatten(1, (b, copies)).copy_(theirs[:, :, None])
+
     def reorder(self, rows: torch.Tensor, upto: int | None = None) -> None:
         """Make row i hold what row ``rows[i]`` held (beam search: follow each beam's parent).
 

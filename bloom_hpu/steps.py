@@ -78,5 +78,17 @@ class StepRunner:
         return self.backend.run("prefill", self._step("prefill", cache), input_ids, lengths)
 
     @torch.no_grad()
+    def prefill_shared(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache, copies: int) -> torch.Tensor:
+        """Prefill B prompts [B, P] once each for a cache of B * ``copies`` rows, prompt-major
+        (beams, sampled copies): the prompts run in a B-row cache of length P, whose slots every
+        copy then takes. Logits [B * copies, V]. transformers runs all B * copies rows instead."""
+        if copies == 1:
+            return self.prefill(input_ids, lengths, cache)
+        prompts = self.cache(input_ids.shape[0], input_ids.shape[1])
+        logits = self.prefill(input_ids, lengths, prompts)
+        cache.copy_prompts(prompts, copies)
+        return logits.repeat_interleave(copies, dim=0)
+
+    @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
         return self.backend.run("decode", self._step("decode", cache, window), tokens, positions)

@@ -99,6 +99,7 @@ class Batch:
     new_limits: torch.Tensor  # [B] new tokens each row may produce (>= 1)
     steps: int  # iterations of the token loop: the largest per-row budget
     plan: ShapePlan
+    copies: int = 1  # each prompt fills this many consecutive rows (sampled num_return_sequences)
 
     @property
     def size(self) -> int:

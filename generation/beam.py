@@ -111,7 +111,7 @@ def beam_search(
     stop_when_full = early_stopping is True
 
     cache = runner.cache(rows, k_len)
-    logits = runner.prefill(input_ids, lengths, cache)
+    logits = runner.prefill_shared(batch.input_ids, batch.lengths, cache, n)  # each prompt once
     steps_run = 0
     for step in range(batch.steps):
         positions = lengths + step  # [R] slot of the token chosen now

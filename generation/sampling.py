@@ -105,4 +105,5 @@ def repeat_rows(batch, copies: int):
         input_ids=batch.input_ids.repeat_interleave(copies, dim=0),
         lengths=batch.lengths.repeat_interleave(copies),
         new_limits=batch.new_limits.repeat_interleave(copies),
+        copies=copies,
     )

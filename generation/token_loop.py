@@ -88,7 +88,9 @@ def run_token_loop(
     out = torch.full((b, batch.steps), pad_token_id, dtype=torch.long, device=device)
     finish = torch.full((b,), RUNNING, dtype=torch.long, device=device)
 
-    logits = runner.prefill(batch.input_ids, batch.lengths, cache)
+    # Copies of one prompt (sampling's num_return_sequences) share its prefill.
+    c = batch.copies
+    logits = runner.prefill_shared(batch.input_ids[::c], batch.lengths[::c], cache, c)
     steps_run = 0
     for step in range(batch.steps):
         running = finish == RUNNING

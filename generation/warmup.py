@@ -4,7 +4,8 @@ With static shapes a request's shapes follow from the options alone, and with bu
 bucket of its longest prompt, so the whole set is known up front: for each possible longest-prompt
 length we ask ``plan_shapes`` (the very function requests use) for its plan and collect
 
-* one prefill per (rows, padded prompt length P, cache length K), and
+* one prefill per (rows, padded prompt length P, cache length K) (for beams and sampled copies:
+  per (prompts, P, P), the prompts run once each), and
 * one decode per (rows, K, window) for every window its steps can use.
 
 Running each once captures its graph (HPU/CUDA), compiles it (``torch.compile`` on CPU) and
@@ -57,8 +58,11 @@ def request_rows(options: GenerationOptions, prompts_per_batch: int) -> int:
     return prompts_per_batch
 
 
-def step_shapes(options: GenerationOptions, rows: int) -> list[StepShape]:
-    """Every distinct step shape a batch of ``rows`` rows can use under ``options``, in run order."""
+def step_shapes(options: GenerationOptions, prompts: int) -> list[StepShape]:
+    """Every distinct step shape a batch of ``prompts`` prompts can use under ``options``, in run
+    order. Beams and sampled copies of a prompt share one prefill of the prompts alone, in a cache
+    as long as the padded prompt (``StepRunner.prefill_shared``); decode runs every row."""
+    rows = request_rows(options, prompts)
     max_length, max_new = options.max_length, options.max_new_tokens
     # The shortest possible prompt (1 token) has the most steps; shorter rows in a batch can make
     # steps run past the longest row's own budget, so every batch may need this many.
@@ -68,7 +72,10 @@ def step_shapes(options: GenerationOptions, rows: int) -> list[StepShape]:
         # Reach (prompt + new tokens) grows with the prompt, so the longest row reaches furthest.
         furthest = max_length if max_new is None else min(max_length, longest + max_new)
         plan = plan_shapes([longest], [furthest], options)
-        shapes[StepShape("prefill", rows, plan.prompt_len, plan.cache_len, 0)] = None
+        if rows > prompts:
+            shapes[StepShape("prefill", prompts, plan.prompt_len, plan.prompt_len, 0)] = None
+        else:
+            shapes[StepShape("prefill", rows, plan.prompt_len, plan.cache_len, 0)] = None
         if not options.use_kv_cache:  # every step re-runs the prefill over the whole cache
             shapes[StepShape("prefill", rows, plan.cache_len, plan.cache_len, 0)] = None
             continue
@@ -94,7 +101,7 @@ def warm_up(generator, options: GenerationOptions, prompts_per_batch: list[int] 
     runner, device = generator.runner, generator.device
     pad = generator.tokenizer.pad_token_id
     start = time.perf_counter()
-    shapes = [s for size in sizes for s in step_shapes(options, request_rows(options, size))]
+    shapes = [s for size in sizes for s in step_shapes(options, size)]
     for s in shapes:
         cache = runner.cache(s.rows, s.cache_len)
         if s.kind == "prefill":

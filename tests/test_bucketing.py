@@ -171,12 +171,16 @@ def test_warmup_leaves_no_new_shape_for_requests(folder, options):
     assert "shapes in" in report.describe()
 
 
-def test_warmup_shapes_cover_beams(folder):
-    opts = build_options(max_length=16, bucket_width=8, num_beams=3)
-    assert {s.rows for s in step_shapes(opts, 6)} == {6}
+@pytest.mark.parametrize("copies", [{"num_beams": 3}, {"do_sample": True, "num_return_sequences": 3}])
+def test_warmup_shapes_cover_beams_and_sampled_copies(folder, copies):
+    opts = build_options(max_length=16, bucket_width=8, **copies)
+    shapes = step_shapes(opts, 2)
+    # Each prompt is prefilled once, in a cache as long as the prompt; decode runs 2 x 3 rows.
+    assert {(s.rows, s.cache_len == s.prompt_len) for s in shapes if s.kind == "prefill"} == {(2, True)}
+    assert {s.rows for s in shapes if s.kind == "decode"} == {6}
     generator = Generator.from_pretrained(folder)
     report = warm_up(generator, opts, 2)
-    assert {s.rows for s in report.shapes} == {6}  # 2 prompts x 3 beams
+    assert report.shapes == shapes
     warmed = set(generator.backend.signatures)
     generator.generate(PROMPTS[:2], opts)
     assert set(generator.backend.signatures) == warmed
