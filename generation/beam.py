@@ -68,13 +68,21 @@ class Hypotheses:
         self.scores.copy_(best)
 
 
-def top_candidates(total: torch.Tensor, k: int, step: int, sample_keys: torch.Tensor | None):
-    """The k best continuations of ``total`` [B, N*V], or k drawn without replacement from
-    softmax(total) when sampling (Gumbel-top-k): (their scores [B, k], flat indices [B, k])."""
-    if sample_keys is None:
-        return torch.topk(total, k, dim=-1)
-    flat = torch.topk(total + gumbel(sample_keys, step, total.shape[-1]), k, dim=-1).indices
-    return total.gather(1, flat), flat
+def top_candidates(log_probs: torch.Tensor, running: torch.Tensor, k: int, step: int, sample_keys: torch.Tensor | None):
+    """The k best continuations of the beams (``log_probs`` [B, N, V] plus each beam's ``running``
+    score [B, N]), or k drawn without replacement from their softmax when sampling (Gumbel-top-k):
+    (their scores [B, k], flat indices parent * V + token [B, k])."""
+    b, n, vocab = log_probs.shape
+    if sample_keys is not None:
+        total = (log_probs + running[:, :, None]).view(b, n * vocab)
+        flat = torch.topk(total + gumbel(sample_keys, step, total.shape[-1]), k, dim=-1).indices
+        return total.gather(1, flat), flat
+    # The k best of all N*V continuations are among each beam's own k best (adding the beam's
+    # score keeps a beam's order): N top-ks over V and one over N*k, instead of one over N*V,
+    # which measured 6 ms a step for 4 beams x 250880 tokens on 2 CPU cores.
+    best, token = torch.topk(log_probs, k, dim=-1)  # [B, N, k]
+    scores, pick = torch.topk((best + running[:, :, None]).view(b, n * k), k, dim=-1)
+    return scores, (pick // k) * vocab + token.view(b, n * k).gather(1, pick)
 
 
 def beam_search(
@@ -118,10 +126,8 @@ def beam_search(
         log_probs = torch.log_softmax(logits.float(), dim=-1)
         log_probs = processors(log_probs, LoopState(sequence, lengths, positions, step))
         vocab = log_probs.shape[-1]
-        total = (log_probs.view(b, n, vocab) + running[:, :, None]).view(b, n * vocab)
-
         # 2N candidates: enough to keep N running beams even if N of them end here.
-        cand_scores, flat = top_candidates(total, 2 * n, step, sample_keys)
+        cand_scores, flat = top_candidates(log_probs.view(b, n, vocab), running, 2 * n, step, sample_keys)
         parent, token = flat // vocab, flat % vocab  # [B, 2N]
         slot = (batch.lengths + step).clamp(max=k_len - 1)  # [B] where this token goes
         cand_seq = sequence.view(b, n, k_len).gather(1, parent[:, :, None].expand(b, 2 * n, k_len))

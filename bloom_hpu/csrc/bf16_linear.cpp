@@ -20,7 +20,10 @@
 namespace {
 
 constexpr int kRows = 4;                // weight rows per block
-constexpr int64_t kPrefetchAhead = 4096;  // elements: 8 KB, a few blocks ahead of the loads
+#ifndef BLOOM_PREFETCH_AHEAD
+#define BLOOM_PREFETCH_AHEAD 4096
+#endif
+constexpr int64_t kPrefetchAhead = BLOOM_PREFETCH_AHEAD;  // elements: 8 KB, a few blocks ahead of the loads
 
 // acc[r][m] = dot(w row r, x row m) for R weight rows and MB input rows; K a multiple of 32.
 template <int R, int MB>
