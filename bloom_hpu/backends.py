@@ -75,22 +75,24 @@ class Backend:
         return step
 
     def prepare_model(self, model) -> None:
-        """Once per model, on CPU in bf16, where decode is bound by reading the weights: route the
-        products of a few rows through our kernel (``cpu_kernel.py``: reads at about the memory's
-        bandwidth), or where it cannot be had, pack the blocks' weights for oneDNN (``Linear.pack``:
-        about 1.4x faster than plain, bit-identical; not with ``compile_steps``, where inductor
-        packs them itself). ``fast_path`` says which, for the CLI and the benchmark."""
+        """Once per model, on CPU in bf16 or fp32, where decode is bound by reading the weights (or
+        for small models, by the cost of each call): route the products of a few rows through our
+        kernel (``cpu_kernel.py``: reads at about the memory's bandwidth). Where it cannot be had,
+        in bf16, pack the blocks' weights for oneDNN (``Linear.pack``: about 1.4x faster than plain,
+        bit-identical; not with ``compile_steps``, where inductor packs them itself).
+        ``fast_path`` says which, for the CLI and the benchmark."""
         self.fast_path = "none"
-        weight = model.word_embeddings.weight
-        if self.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        dtype = model.word_embeddings.weight.dtype
+        if self.device.type != "cpu" or dtype not in cpu_kernel.STEP:
             return
         kernel = cpu_kernel.load()
         if kernel is not None:
             model.use_few_rows_kernel(kernel)
-            self.fast_path = "bf16 few-rows kernel"
-        elif self.pack_weights and not self.compile_steps and oneDNN_packing_available():
+            self.fast_path = "few-rows kernel"
+        elif (dtype == torch.bfloat16 and self.pack_weights and not self.compile_steps
+              and oneDNN_packing_available()):
             model.pack_linears()
-            self.fast_path = f"oneDNN packed weights (kernel {cpu_kernel.unavailable_reason()})"
+            self.fast_path = f"oneDNN packed weights (no few-rows kernel: {cpu_kernel.unavailable_reason()})"
 
     def run(self, name: str, step, *inputs: torch.Tensor):
         self.signatures.add(signature(name, step, inputs))

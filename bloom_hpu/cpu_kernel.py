@@ -1,10 +1,12 @@
-"""Our one CPU kernel: products of a few bf16 rows with a large bf16 weight (``csrc/bf16_linear.cpp``).
+"""Our one CPU kernel: products of a few rows with a large weight, bf16 or fp32
+(``csrc/few_rows_linear.cpp``).
 
 Decode multiplies one row per sequence by every weight once, so on a CPU its speed is the speed at
 which the weights stream from memory. PyTorch's bf16 kernels read them at about half the memory's
-bandwidth on a Xeon with AVX512-BF16; ours reads at about the bandwidth (see the .cpp file and
-docs/performance.md). It serves products of at most ``FEW_ROWS`` rows: every decode step and the
-prefill's LM head. Larger products (a prefill's blocks) are compute-bound and stay with oneDNN.
+bandwidth on a Xeon with AVX512-BF16; ours reads at about the bandwidth, and for small fp32 models
+it saves PyTorch's ~10 us of overhead per product (see the .cpp file and docs/performance.md). It
+serves products of at most ``FEW_ROWS`` rows: every decode step and the prefill's LM head. Larger
+products (a prefill's blocks) are compute-bound and stay with oneDNN/MKL.
 
 The kernel is compiled on first use with ``torch.utils.cpp_extension`` (g++ and ninja, about 30 s),
 then loaded from PyTorch's extension cache. Where it cannot be had (no AVX512-BF16, no compiler,
@@ -24,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 FEW_ROWS = 16  # up to this many rows the kernel beat oneDNN on every bloom-560m shape measured
-SOURCE = Path(__file__).parent / "csrc" / "bf16_linear.cpp"
+STEP = {torch.bfloat16: 32, torch.float32: 16}  # elements per 64-byte load: K must be a multiple
+SOURCE = Path(__file__).parent / "csrc" / "few_rows_linear.cpp"
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"]
 
 _loaded: Callable | None = None
@@ -62,12 +65,12 @@ def _build() -> Callable:
 
     started = time.perf_counter()
     cpp_extension.load(
-        name="bloom_cpu_bf16_linear", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        name="bloom_cpu_few_rows_linear", sources=[str(SOURCE)], extra_cflags=FLAGS,
         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
     )
     elapsed = time.perf_counter() - started
     if elapsed > 5:  # a real compilation, not a load from the cache: say why the wait
-        print(f"built the CPU bf16 kernel in {elapsed:.0f} s (cached from now on)", file=sys.stderr)
+        print(f"built the CPU few-rows kernel in {elapsed:.0f} s (cached from now on)", file=sys.stderr)
     op = torch.ops.bloom_cpu.few_rows_linear
 
     # The output's shape for torch.compile's tracing (it runs no kernel on fake tensors).
@@ -80,9 +83,10 @@ def _build() -> Callable:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Callable | None):
     """``F.linear(x, weight, bias)``; through ``kernel`` (from ``load()``) when there is one, x
-    [..., K] has at most ``FEW_ROWS`` rows and K is a multiple of 32 (the kernel's step)."""
+    [..., K] has at most ``FEW_ROWS`` rows and K elements fill whole 64-byte loads (the kernel's step)."""
     k = x.shape[-1]
-    if kernel is None or x.numel() > FEW_ROWS * k or k % 32 or not weight.is_contiguous():
+    step = STEP.get(x.dtype)
+    if kernel is None or step is None or x.numel() > FEW_ROWS * k or k % step or not weight.is_contiguous():
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     return kernel(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])

@@ -1,6 +1,6 @@
-"""Our CPU kernel for products of a few bf16 rows (``bloom_hpu/cpu_kernel.py``): where this CPU has
-AVX512-BF16 it must build, agree with an exact reference to one rounding, and leave greedy tokens
-those of transformers; where it cannot be had, the model falls back to oneDNN-packed weights."""
+"""Our CPU kernel for products of a few rows (``bloom_hpu/cpu_kernel.py``): where this CPU has
+AVX512-BF16 it must build, agree with an exact reference (bf16: to one rounding), and leave greedy
+tokens those of transformers; where it cannot be had, bf16 falls back to oneDNN-packed weights."""
 
 from __future__ import annotations
 
@@ -28,18 +28,25 @@ def test_kernel_builds_where_the_cpu_can_run_it():
         assert kernel is None and "AVX512-BF16" in cpu_kernel.unavailable_reason()
 
 
-@needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16])
-@pytest.mark.parametrize("out_features,in_features", [(1027, 64), (256, 96), (64, 1024)])
-def test_kernel_is_the_exact_product_rounded_once(rows, out_features, in_features):
-    """Against the fp32 product rounded to bf16 once: equal, or one bf16 step away where the two
-    sums (different orders of addition) straddle a rounding boundary. Odd row counts exercise the
-    row blocks' remainders, 1027 outputs the output blocks' remainder."""
-    kernel = cpu_kernel.load()
+ROWS = [1, 2, 3, 4, 5, 8, 13, 16]  # odd counts exercise the blocks of 4 input rows' remainders
+SHAPES = [(1027, 64), (256, 96), (64, 1024)]  # 1027 outputs: the blocks of 4 weight rows' remainder
+
+
+def random_product(rows, out_features, in_features, dtype):
     generator = torch.Generator().manual_seed(rows * out_features)
-    x = torch.randn(rows, in_features, generator=generator).bfloat16()
-    w = torch.randn(out_features, in_features, generator=generator).bfloat16()
-    bias = torch.randn(out_features, generator=generator).bfloat16()
+    x = torch.randn(rows, in_features, generator=generator).to(dtype)
+    w = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    return x, w, torch.randn(out_features, generator=generator).to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+def test_bf16_kernel_is_the_exact_product_rounded_once(rows, out_features, in_features):
+    """Against the exact product rounded to bf16 once: equal, or one bf16 step away where the
+    fp32 sums (another order of addition) straddle a rounding boundary."""
+    kernel = cpu_kernel.load()
+    x, w, bias = random_product(rows, out_features, in_features, torch.bfloat16)
     for b in (bias, None):
         exact = F.linear(x.double(), w.double(), None if b is None else b.double()).bfloat16()
         ours = cpu_kernel.linear(x, w, b, kernel)
@@ -50,7 +57,20 @@ def test_kernel_is_the_exact_product_rounded_once(rows, out_features, in_feature
 
 
 @needs_kernel
-def test_kernel_serves_only_few_rows_of_a_multiple_of_32():
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+def test_fp32_kernel_matches_the_exact_product(rows, out_features, in_features):
+    kernel = cpu_kernel.load()
+    x, w, bias = random_product(rows, out_features, in_features, torch.float32)
+    for b in (bias, None):
+        exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+        ours = cpu_kernel.linear(x, w, b, kernel)
+        assert ours.dtype == torch.float32
+        torch.testing.assert_close(ours.double(), exact, rtol=1e-5, atol=1e-5 * in_features**0.5)
+
+
+@needs_kernel
+def test_kernel_serves_only_few_rows_of_whole_64_byte_steps():
     kernel = cpu_kernel.load()
     calls = []
 
@@ -62,7 +82,9 @@ def test_kernel_serves_only_few_rows_of_a_multiple_of_32():
     cpu_kernel.linear(torch.randn(2, 8, 64).bfloat16(), w, None, counting)  # 16 rows: the kernel
     cpu_kernel.linear(torch.randn(17, 64).bfloat16(), w, None, counting)  # 17 rows: oneDNN
     cpu_kernel.linear(torch.randn(1, 48).bfloat16(), torch.randn(8, 48).bfloat16(), None, counting)  # K=48
-    assert calls == [(16, 64)]
+    cpu_kernel.linear(torch.randn(1, 48), torch.randn(8, 48), None, counting)  # fp32: K=48 fills 3 loads
+    cpu_kernel.linear(torch.randn(1, 64).half(), torch.randn(8, 64).half(), None, counting)  # fp16: never
+    assert calls == [(16, 64), (1, 48)]
 
 
 def test_bf16_model_on_cpu_uses_the_kernel_or_packs(make_ckpt):
@@ -76,7 +98,7 @@ def test_bf16_model_on_cpu_uses_the_kernel_or_packs(make_ckpt):
     generator = Generator.from_pretrained(folder, dtype="bf16")
     mlp = generator.model.h[0].mlp.dense_h_to_4h
     if cpu_kernel.load() is not None:
-        assert generator.backend.fast_path == "bf16 few-rows kernel"
+        assert generator.backend.fast_path == "few-rows kernel"
         assert mlp.few_rows is not None and generator.model.few_rows is not None and mlp.packed is None
     else:
         assert generator.backend.fast_path.startswith("oneDNN packed weights")
@@ -99,10 +121,10 @@ def test_kernel_can_be_turned_off(monkeypatch):
     assert "BLOOM_CPU_KERNEL=0" in cpu_kernel.unavailable_reason()
 
 
-def test_fp32_and_other_devices_keep_pytorch_kernels(make_ckpt):
+def test_other_dtypes_keep_pytorch_kernels(make_ckpt):
     from bloom_hpu.loading import load_model
 
-    model, _ = load_model(make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7), torch.float32)
+    model, _ = load_model(make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7), torch.float16)
     backend = Backend("cpu")
     backend.prepare_model(model)
     assert backend.fast_path == "none" and model.few_rows is None
