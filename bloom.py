@@ -207,6 +207,9 @@ def run(args) -> int:
     generator = make_generator(args, opts)
     if generator.load_report is not None:
         log(generator.load_report.describe())
+    fast_path = getattr(getattr(generator, "backend", None), "fast_path", "none")  # vanilla: no backend
+    if fast_path != "none":
+        log(f"CPU products: {fast_path}")
     if args.warmup:
         if args.mode == "vanilla":
             raise UsageError("--warmup runs in --mode optimized only")

@@ -236,12 +236,6 @@ def transformers_variant(folder: Path, args, prompts, device, floor_s) -> Row:
     return row
 
 
-def beams_supported() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("generation.beam") is not None
-
-
 # --------------------------------------------------------------------------- the table
 
 
@@ -345,8 +339,6 @@ def run(args) -> dict:
         log(f"running {variant} ...")
         if variant == "transformers":
             rows.append(transformers_variant(folder, args, prompts, device, floor_s))
-        elif args.num_beams > 1 and not beams_supported():
-            rows.append(Row(variant, note="beam search is not implemented yet (generation/beam.py): pending"))
         else:
             rows.append(ours_variant(base, variant, args, prompts, device, floor_s))
 
@@ -376,6 +368,7 @@ def run(args) -> dict:
     return {
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "fast_path": base.backend.fast_path,
                     "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
         "command": shlex.join([Path(sys.argv[0]).name] + sys.argv[1:]),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
@@ -395,7 +388,8 @@ def main(argv=None) -> int:
     print(f"model {m['n_layer']} layers x {m['hidden_size']} hidden, vocab {m['vocab_size']} "
           f"({m['weights_mb']:.1f} MB of weights, {args.dtype}) on {result['machine']['device']}, "
           f"{result['machine']['threads']} threads; batch {args.batch_size}, prompt {args.prompt_len}, "
-          f"new {args.new_tokens}, beams {args.num_beams}, max_length {args.max_length}, bucket {args.bucket_width}")
+          f"new {args.new_tokens}, beams {args.num_beams}, max_length {args.max_length}, bucket {args.bucket_width}; "
+          f"CPU products: {result['machine']['fast_path']}")
     print(f"floor: {f['bytes_per_decode_step'] / 2**20:.1f} MB read per decode step / "
           f"{f['bandwidth_gb_s']:.1f} GB/s measured = {f['floor_ms']:.3f} ms/token")
     rows = [Row(**r) for r in result["rows"]]

@@ -128,3 +128,17 @@ def test_other_dtypes_keep_pytorch_kernels(make_ckpt):
     backend = Backend("cpu")
     backend.prepare_model(model)
     assert backend.fast_path == "none" and model.few_rows is None
+
+
+def test_cli_says_which_cpu_products_it_uses(tiny_checkpoint, capsys):
+    import bloom
+
+    assert bloom.main(["--weights", str(tiny_checkpoint), "--max_length", "12", "--quiet", "Hello"]) == 0
+    err = capsys.readouterr().err
+    if cpu_kernel.load() is not None:
+        assert "CPU products: few-rows kernel" in err
+    else:
+        assert "CPU products" not in err  # the embedded checkpoint is fp32: nothing to pack
+    assert bloom.main(["--weights", str(tiny_checkpoint), "--max_length", "12", "--quiet", "--mode", "vanilla",
+                       "Hello"]) == 0
+    assert "CPU products" not in capsys.readouterr().err
