@@ -80,11 +80,14 @@ class Backend:
         kernel (``cpu_kernel.py``: reads at about the memory's bandwidth). Where it cannot be had,
         in bf16, pack the blocks' weights for oneDNN (``Linear.pack``: about 1.4x faster than plain,
         bit-identical; not with ``compile_steps``, where inductor packs them itself).
-        ``fast_path`` says which, for the CLI and the benchmark."""
+        In bf16, prefill's MLP GELU also runs inside oneDNN's product. ``fast_path`` says which,
+        for the CLI and the benchmark."""
         self.fast_path = "none"
         dtype = model.word_embeddings.weight.dtype
         if self.device.type != "cpu" or dtype not in cpu_kernel.STEP:
             return
+        if dtype == torch.bfloat16 and not self.compile_steps and oneDNN_packing_available():
+            model.fuse_gelu()  # prefill: the GELU inside oneDNN's product (Linear.forward_gelu)
         kernel = cpu_kernel.load()
         if kernel is not None:
             model.use_few_rows_kernel(kernel)

@@ -81,12 +81,18 @@ def _build() -> Callable:
     return op
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Callable | None):
-    """``F.linear(x, weight, bias)``; through ``kernel`` (from ``load()``) when there is one, x
-    [..., K] has at most ``FEW_ROWS`` rows and K elements fill whole 64-byte loads (the kernel's step)."""
+def takes(x: torch.Tensor, weight: torch.Tensor, kernel: Callable | None) -> bool:
+    """Whether ``linear`` sends this product to the kernel: there is one, x [..., K] has at most
+    ``FEW_ROWS`` rows, and K elements fill whole 64-byte loads (the kernel's step)."""
     k = x.shape[-1]
     step = STEP.get(x.dtype)
-    if kernel is None or step is None or x.numel() > FEW_ROWS * k or k % step or not weight.is_contiguous():
+    return (kernel is not None and step is not None and x.numel() <= FEW_ROWS * k and k % step == 0
+            and weight.is_contiguous())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Callable | None):
+    """``F.linear(x, weight, bias)``, through ``kernel`` (from ``load()``) where it ``takes`` it."""
+    if not takes(x, weight, kernel):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     return kernel(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from bloom_hpu import cpu_kernel
-from bloom_hpu.backends import Backend
+from bloom_hpu.backends import Backend, oneDNN_packing_available
 
 needs_kernel = pytest.mark.skipif(not cpu_kernel.cpu_supports_bf16_dot(), reason="CPU without AVX512-BF16")
 
@@ -142,3 +142,32 @@ def test_cli_says_which_cpu_products_it_uses(tiny_checkpoint, capsys):
     assert bloom.main(["--weights", str(tiny_checkpoint), "--max_length", "12", "--quiet", "--mode", "vanilla",
                        "Hello"]) == 0
     assert "CPU products" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not oneDNN_packing_available(), reason="torch build without oneDNN's linear ops")
+@pytest.mark.parametrize("packed", [False, True])
+def test_gelu_fused_into_onednn_product_is_gelu_of_the_product(packed):
+    """Prefill-sized inputs (more than FEW_ROWS rows) of an MLP's first linear with ``fuse_gelu``:
+    the GELU of the exact product, rounded once, within one bf16 step; the unfused path, which
+    rounds the product and then the GELU, is no closer."""
+    from bloom_hpu.model import Linear
+
+    torch.manual_seed(0)
+    linear = Linear(64, 256).bfloat16().requires_grad_(False)
+    x = torch.randn(2, 24, 64).bfloat16()
+    exact = F.gelu(F.linear(x.double(), linear.weight.double(), linear.bias.double()), approximate="tanh").bfloat16()
+    unfused = linear.forward_gelu(x)
+    linear.fuse_gelu = True
+    if packed:
+        linear.pack()
+    fused = linear.forward_gelu(x)
+    assert fused.shape == (2, 24, 256) and fused.dtype == torch.bfloat16
+    assert bf16_ulps_apart(fused, exact).max() <= 1
+    assert bf16_ulps_apart(unfused, exact).max() >= 1
+
+
+def test_bf16_generator_fuses_the_gelu_where_onednn_can(make_ckpt):
+    from generation.generator import Generator
+
+    generator = Generator.from_pretrained(make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7), dtype="bf16")
+    assert generator.model.h[1].mlp.dense_h_to_4h.fuse_gelu == oneDNN_packing_available()

@@ -1,0 +1,153 @@
+#!/usr/bin/env python3
+"""How fast this CPU can run BLOOM's matrix products, and how close our kernel and PyTorch's get.
+
+Three measurements, the evidence behind docs/performance.md's "why" paragraphs:
+
+1. **Decode products** (memory-bound): one pass over every linear weight of a bloom-560m-shaped
+   model (24 blocks + the tied LM head, 1 GB in bf16: far larger than the caches, as in a real decode
+   step), with M = 1, 4, 8, 16 input rows, through ``F.linear`` and through our few-rows kernel
+   (``bloom_hpu/cpu_kernel.py``); printed as ms per pass and GB/s read, beside the read bandwidth.
+2. **Prefill products** (compute-bound): a 128-token prompt through the four linears of a block,
+   ``F.linear`` (oneDNN) in GFLOP/s.
+3. **The bf16 dot-product peak**: VDPBF16PS on registers only, no memory, on every thread (built
+   with ``torch.utils.cpp_extension``, a few seconds), in GFLOP/s. Prefill cannot beat it.
+
+    OMP_NUM_THREADS=2 python bench/cpu_products_bench.py --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.generate_bench import read_bandwidth  # noqa: E402
+from bloom_hpu import cpu_kernel  # noqa: E402
+
+HIDDEN, LAYERS, VOCAB = 1024, 24, 250880  # bloom-560m
+
+PEAK_SOURCE = textwrap.dedent("""
+    #include <torch/extension.h>
+    #include <ATen/Parallel.h>
+    #include <immintrin.h>
+    // 16 independent VDPBF16PS chains per thread (enough to hide the latency), registers only.
+    double dot_peak(int64_t iterations) {
+      std::atomic<int64_t> threads{0};
+      at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          threads++;
+          __m512 acc[16];
+          for (int i = 0; i < 16; ++i) acc[i] = _mm512_set1_ps(i);
+          __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80), b = (__m512bh)_mm512_set1_epi32(0x3f003f00);
+          for (int64_t it = 0; it < iterations; ++it) {
+    #pragma GCC unroll 16
+            for (int i = 0; i < 16; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+            asm volatile("" : "+v"(a));
+          }
+          volatile float sink = 0;  // keeps the sums, so the loop is not optimised away
+          for (int i = 0; i < 16; ++i) sink = sink + _mm512_reduce_add_ps(acc[i]);
+        }
+      });
+      return double(threads.load());  // threads that ran
+    }
+    PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("dot_peak", &dot_peak); }
+""")
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def decode_weights() -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Every linear weight (and bias) of a bloom-560m-shaped model in bf16, the LM head last."""
+    made = []
+    for _ in range(LAYERS):
+        for out_f, in_f in ((3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (4 * HIDDEN, HIDDEN), (HIDDEN, 4 * HIDDEN)):
+            made.append((torch.randn(out_f, in_f).bfloat16(), torch.randn(out_f).bfloat16()))
+    made.append((torch.randn(VOCAB, HIDDEN).bfloat16(), None))
+    return made
+
+
+def decode_products(repeats: int) -> None:
+    kernel = cpu_kernel.load()
+    weights = decode_weights()
+    total = sum(w.nbytes for w, _ in weights)
+    print(f"decode products: one pass over {total / 1e9:.2f} GB of bf16 weights")
+    print("rows   F.linear ms  GB/s   few-rows kernel ms  GB/s")
+    for rows in (1, 4, 8, 16):
+        inputs = {k: torch.randn(rows, k).bfloat16() for k in (HIDDEN, 4 * HIDDEN)}
+        paths = {"F.linear": lambda x, w, b: F.linear(x, w, b)}
+        if kernel is not None:
+            paths["kernel"] = lambda x, w, b: cpu_kernel.linear(x, w, b, kernel)
+        cells = []
+        for product in paths.values():
+            ms = median_ms(lambda: [product(inputs[w.shape[1]], w, b) for w, b in weights], repeats)
+            cells.append(f"{ms:11.1f}  {total / ms / 1e6:5.1f}")
+        print(f"{rows:4d}  " + "   ".join(cells))
+    if kernel is None:
+        print(f"(no few-rows kernel: {cpu_kernel.unavailable_reason()})")
+
+
+def prefill_products(repeats: int, tokens: int = 128) -> None:
+    flop = 0
+    shapes = ((3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (4 * HIDDEN, HIDDEN), (HIDDEN, 4 * HIDDEN))
+    weights = [(torch.randn(o, i).bfloat16(), torch.randn(o).bfloat16()) for o, i in shapes]
+    inputs = {k: torch.randn(tokens, k).bfloat16() for k in (HIDDEN, 4 * HIDDEN)}
+    flop = sum(2 * tokens * w.numel() for w, _ in weights)
+    ms = median_ms(lambda: [F.linear(inputs[w.shape[1]], w, b) for w, b in weights], repeats)
+    print(f"prefill products: {tokens} tokens x one block's 4 linears, F.linear: {ms:.2f} ms, "
+          f"{flop / ms / 1e6:.1f} GFLOP/s")
+
+
+def dot_peak() -> None:
+    if not cpu_kernel.cpu_supports_bf16_dot():
+        print("bf16 dot-product peak: this CPU has no AVX512-BF16")
+        return
+    from torch.utils import cpp_extension
+
+    folder = Path(tempfile.mkdtemp(prefix="bloom_peak_"))
+    (folder / "peak.cpp").write_text(PEAK_SOURCE)
+    module = cpp_extension.load("bloom_dot_peak", [str(folder / "peak.cpp")],
+                                extra_cflags=["-O3", "-mavx512f", "-mavx512bf16", "-fopenmp"], verbose=False)
+    module.dot_peak(1000)
+    iterations = 20_000_000
+    start = time.perf_counter()
+    threads = module.dot_peak(iterations)
+    seconds = time.perf_counter() - start
+    instructions = iterations * 16 * threads
+    # One VDPBF16PS on 512 bits: 16 lanes x 2 products x (multiply + add) = 64 FLOP.
+    print(f"bf16 dot-product peak: {instructions / seconds / 1e9:.2f} G VDPBF16PS/s on {int(threads)} threads = "
+          f"{instructions * 64 / seconds / 1e9:.1f} GFLOP/s")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"{torch.get_num_threads()} threads; read bandwidth {read_bandwidth(torch.device('cpu')) / 1e9:.1f} GB/s")
+    decode_products(args.repeats)
+    prefill_products(args.repeats)
+    dot_peak()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
