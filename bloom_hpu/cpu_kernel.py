@@ -17,6 +17,7 @@ the model keeps PyTorch's kernels: same results up to the order of float additio
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -39,6 +40,11 @@ def cpu_supports_bf16_dot() -> bool:
     return bool(check and check())
 
 
+def compiler_found() -> bool:
+    """The compiler torch.utils.cpp_extension will call ($CXX, else c++) is on the PATH."""
+    return shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
 def unavailable_reason() -> str | None:
     return _reason
 
@@ -52,6 +58,8 @@ def load() -> Callable | None:
         _reason = "turned off by BLOOM_CPU_KERNEL=0"
     elif not cpu_supports_bf16_dot():
         _reason = "this CPU has no AVX512-BF16"
+    elif not compiler_found():
+        _reason = "no C++ compiler to build it (install g++, or set CXX)"
     else:
         try:
             _loaded = _build()

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from bloom_hpu import cpu_kernel
 from bloom_hpu.backends import Backend, oneDNN_packing_available
 
-needs_kernel = pytest.mark.skipif(not cpu_kernel.cpu_supports_bf16_dot(), reason="CPU without AVX512-BF16")
+needs_kernel = pytest.mark.skipif(not (cpu_kernel.cpu_supports_bf16_dot() and cpu_kernel.compiler_found()),
+                                  reason="CPU without AVX512-BF16, or no C++ compiler")
 
 
 def bf16_ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -22,10 +23,12 @@ def bf16_ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def test_kernel_builds_where_the_cpu_can_run_it():
     kernel = cpu_kernel.load()
-    if cpu_kernel.cpu_supports_bf16_dot():
-        assert kernel is not None, cpu_kernel.unavailable_reason()
-    else:
+    if not cpu_kernel.cpu_supports_bf16_dot():
         assert kernel is None and "AVX512-BF16" in cpu_kernel.unavailable_reason()
+    elif not cpu_kernel.compiler_found():
+        assert kernel is None and "compiler" in cpu_kernel.unavailable_reason()
+    else:
+        assert kernel is not None, cpu_kernel.unavailable_reason()
 
 
 ROWS = [1, 2, 3, 4, 5, 8, 13, 16]  # odd counts exercise the blocks of 4 input rows' remainders
