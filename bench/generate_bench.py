@@ -79,7 +79,6 @@ class Row:
     cache_mb: float | None = None  # KV cache held between requests (ours: pooled, preallocated)
     memory_ratio: float | None = None  # (weights + cache + peak) / (weights + cache)
     runs_ms: list[float] = field(default_factory=list)  # full-request wall times, for the noise
-    note: str = ""
 
 
 # --------------------------------------------------------------------------- weights and prompts
@@ -267,7 +266,7 @@ def markdown_table(rows: list[Row]) -> str:
                  fmt(r.memory_ratio, 3), fmt(r.graphs), fmt(r.x_floor), fmt(r.ttft_vs_hf), fmt(r.decode_vs_hf),
                  fmt(r.tokens_per_s_vs_hf))
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines + [f"\n{r.variant}: {r.note}" for r in rows if r.note])
+    return "\n".join(lines)
 
 
 def table(rows: list[Row]) -> str:
@@ -282,8 +281,7 @@ def table(rows: list[Row]) -> str:
     out = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
            for line in lines]
     out.insert(1, "-" * len(out[0]))
-    notes = [f"  {r.variant}: {r.note}" for r in rows if r.note]
-    return "\n".join(out + notes)
+    return "\n".join(out)
 
 
 def parse_args(argv=None):

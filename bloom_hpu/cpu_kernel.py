@@ -8,7 +8,7 @@ it saves PyTorch's ~10 us of overhead per product (see the .cpp file and docs/pe
 serves products of at most ``FEW_ROWS`` rows: every decode step and the prefill's LM head. Larger
 products (a prefill's blocks) are compute-bound and stay with oneDNN/MKL.
 
-The kernel is compiled on first use with ``torch.utils.cpp_extension`` (g++ and ninja, about 30 s),
+The kernel is compiled on first use with ``torch.utils.cpp_extension`` (g++ and ninja, 15-30 s),
 then loaded from PyTorch's extension cache. Where it cannot be had (no AVX512-BF16, no compiler,
 ``BLOOM_CPU_KERNEL=0``) ``load()`` returns None with the reason in ``unavailable_reason()``, and
 the model keeps PyTorch's kernels: same results up to the order of float additions.
@@ -64,7 +64,8 @@ def load() -> Callable | None:
         try:
             _loaded = _build()
         except Exception as error:  # no compiler, old torch headers...: PyTorch's kernels serve
-            _reason = f"could not be built ({type(error).__name__}: {str(error).strip().splitlines()[-1:]})"
+            last_line = (str(error).strip().splitlines() or [""])[-1]
+            _reason = f"could not be built ({type(error).__name__}: {last_line})"
     return _loaded
 
 

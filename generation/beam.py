@@ -1,6 +1,7 @@
 """Beam search (and beam sampling) entirely on the device, with transformers 4.57's semantics.
 
-B prompts x N beams run as one static batch of R = B*N rows. Per prompt, the device keeps:
+B prompts x N beams decode as one static batch of R = B*N rows (each prompt prefilled once, its
+cache copied to its N rows: ``StepRunner.prefill_shared``). Per prompt, the device keeps:
 
 * the N running beams: their scores [B, N] and token histories (``sequence`` [R, K]); the KV cache
   rows follow their parents through ``KVCache.reorder`` (in place, so captured graphs stay valid);
