@@ -85,23 +85,28 @@ def _build() -> Callable:
     # The output's shape for torch.compile's tracing (it runs no kernel on fake tensors).
     @torch.library.register_fake("bloom_cpu::few_rows_linear")
     def _(x, w, bias):
-        return x.new_empty(x.shape[0], w.shape[0])
+        return x.new_empty(*x.shape[:-1], w.shape[0])
 
     return op
 
 
-def takes(x: torch.Tensor, weight: torch.Tensor, kernel: Callable | None) -> bool:
-    """Whether ``linear`` sends this product to the kernel: there is one, x [..., K] has at most
-    ``FEW_ROWS`` rows, and K elements fill whole 64-byte loads (the kernel's step)."""
-    k = x.shape[-1]
-    step = STEP.get(x.dtype)
-    return (kernel is not None and step is not None and x.numel() <= FEW_ROWS * k and k % step == 0
-            and weight.is_contiguous())
+def suits(weight: torch.Tensor) -> bool:
+    """The kernel can multiply by this weight [N, K]: bf16 or fp32, contiguous, K elements filling
+    whole 64-byte loads (the kernel's step). Decided once per weight, not per call."""
+    step = STEP.get(weight.dtype)
+    return step is not None and weight.dim() == 2 and weight.shape[1] % step == 0 and weight.is_contiguous()
+
+
+def row_limit(weight: torch.Tensor) -> int:
+    """Inputs of at most this many elements (``FEW_ROWS`` rows of K) go to the kernel."""
+    return FEW_ROWS * weight.shape[1]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Callable | None):
-    """``F.linear(x, weight, bias)``, through ``kernel`` (from ``load()``) where it ``takes`` it."""
-    if not takes(x, weight, kernel):
+    """``F.linear(x, weight, bias)``, through ``kernel`` (from ``load()``) when the weight ``suits``
+    it and x [..., K] has at most ``FEW_ROWS`` rows. (The model makes the weight check once, at
+    ``StaticBloom.use_few_rows_kernel``: on small models each check here costs about what the
+    product does.)"""
+    if kernel is None or x.dtype != weight.dtype or not suits(weight) or x.numel() > row_limit(weight):
         return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return kernel(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return kernel(x, weight, bias)

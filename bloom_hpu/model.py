@@ -43,8 +43,18 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
-    few_rows: Callable | None = None
+    few_rows: Callable | None = None  # the kernel, set only where the weight suits it
+    few_rows_limit = 0  # inputs of at most this many elements go to it
     fuse_gelu = False
+
+    def use_few_rows(self, kernel: Callable) -> bool:
+        if self.packed is not None or not cpu_kernel.suits(self.weight):
+            return False
+        self.few_rows, self.few_rows_limit = kernel, cpu_kernel.row_limit(self.weight)
+        return True
+
+    def takes_few_rows(self, x: torch.Tensor) -> bool:
+        return self.few_rows is not None and x.numel() <= self.few_rows_limit
 
     def pack(self) -> None:
         if self.packed is None:
@@ -52,8 +62,10 @@ class Linear(nn.Linear):
             self.weight = nn.Parameter(self.weight.detach().to("meta"), requires_grad=False)
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.takes_few_rows(x):
+            return self.few_rows(x, self.weight, bias)
         if self.packed is None:
-            return cpu_kernel.linear(x, self.weight, bias, self.few_rows)
+            return F.linear(x, self.weight, bias)
         # oneDNN reads the input as dense: make sure it is.
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, bias, "none", [], "")
 
@@ -64,7 +76,7 @@ class Linear(nn.Linear):
         """``gelu_tanh(self(x))``. With ``fuse_gelu``, for inputs the few-rows kernel does not take
         (a prefill), oneDNN applies the GELU to the fp32 sums before rounding once: one pass over
         [rows, 4 * hidden] less (a bloom-560m 128-token prefill: ~1 ms a layer, 24 ms in all)."""
-        if self.fuse_gelu and not cpu_kernel.takes(x, self.weight, self.few_rows):
+        if self.fuse_gelu and not self.takes_few_rows(x):
             weight = self.packed if self.packed is not None else self.weight
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, self.bias, "gelu", [], "tanh")
         return F.gelu(self(x), approximate="tanh")
@@ -180,6 +192,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class StaticBloom(nn.Module):
     few_rows: Callable | None = None  # the LM head's kernel for few rows (``use_few_rows_kernel``)
+    few_rows_limit = 0
 
     def __init__(self, config: BloomConfig, parallel: Parallel = SINGLE):
         super().__init__()
@@ -225,16 +238,22 @@ class StaticBloom(nn.Module):
 
     def use_few_rows_kernel(self, kernel: Callable) -> int:
         """Send every product of at most ``FEW_ROWS`` rows through ``kernel`` (``cpu_kernel.py``):
-        all of decode, and the prefill's LM head. Returns how many linears (with the LM head) use it."""
-        linears = [m for m in self.h.modules() if isinstance(m, Linear)]
-        for linear in linears:
-            linear.few_rows = kernel
-        self.few_rows = kernel
-        return len(linears) + 1
+        all of decode, and the prefill's LM head. Returns how many linears (with the LM head) use
+        it: those whose weights suit it."""
+        used = sum(m.use_few_rows(kernel) for m in self.h.modules() if isinstance(m, Linear))
+        head = self.word_embeddings.weight
+        if cpu_kernel.suits(head):
+            self.few_rows, self.few_rows_limit = kernel, cpu_kernel.row_limit(head)
+            used += 1
+        return used
 
     def lm_head(self, h):
         """Logits over the whole vocabulary [..., V] from final hidden states (tied embeddings)."""
-        logits = cpu_kernel.linear(self.ln_f(h), self.word_embeddings.weight, None, self.few_rows)
+        x = self.ln_f(h)
+        if self.few_rows is not None and x.numel() <= self.few_rows_limit:
+            logits = self.few_rows(x, self.word_embeddings.weight, None)
+        else:
+            logits = F.linear(x, self.word_embeddings.weight)
         return self.parallel.all_gather_last(logits)
 
     def embed(self, ids):

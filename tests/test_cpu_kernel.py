@@ -87,7 +87,7 @@ def test_kernel_serves_only_few_rows_of_whole_64_byte_steps():
     cpu_kernel.linear(torch.randn(1, 48).bfloat16(), torch.randn(8, 48).bfloat16(), None, counting)  # K=48
     cpu_kernel.linear(torch.randn(1, 48), torch.randn(8, 48), None, counting)  # fp32: K=48 fills 3 loads
     cpu_kernel.linear(torch.randn(1, 64).half(), torch.randn(8, 64).half(), None, counting)  # fp16: never
-    assert calls == [(16, 64), (1, 48)]
+    assert calls == [(2, 8, 64), (1, 48)]  # leading dimensions kept: the kernel takes x [..., K]
 
 
 def test_bf16_model_on_cpu_uses_the_kernel_or_packs(make_ckpt):
@@ -174,3 +174,20 @@ def test_bf16_generator_fuses_the_gelu_where_onednn_can(make_ckpt):
 
     generator = Generator.from_pretrained(make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7), dtype="bf16")
     assert generator.model.h[1].mlp.dense_h_to_4h.fuse_gelu == oneDNN_packing_available()
+
+
+@needs_kernel
+def test_only_weights_that_suit_the_kernel_use_it(make_ckpt):
+    """bf16 with hidden 48: 48 elements do not fill whole 64-byte loads, 4 x 48 = 192 do; so of each
+    block only dense_4h_to_h (K = 192) takes the kernel, and not the LM head (K = 48)."""
+    from bloom_hpu.loading import load_model
+
+    model, _ = load_model(make_ckpt(hidden_size=48, n_layer=2, n_head=4, seed=3), torch.bfloat16)
+    assert model.use_few_rows_kernel(cpu_kernel.load()) == 2
+    assert model.few_rows is None and model.h[0].mlp.dense_h_to_4h.few_rows is None
+    assert model.h[0].mlp.dense_4h_to_h.few_rows is not None
+    ids, lengths = torch.randint(5, 500, (1, 6)), torch.tensor([6])
+    with torch.no_grad():  # still runs end to end, both paths mixed
+        logits = model.prefill(ids, lengths, model.allocate_cache(1, 8))
+        logits = model.decode(logits.argmax(-1)[:, None], lengths, model.allocate_cache(1, 8), 8)
+    assert logits.shape == (1, model.config.vocab_size) and torch.isfinite(logits).all()

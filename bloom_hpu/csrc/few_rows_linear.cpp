@@ -85,7 +85,7 @@ inline void output_rows(const T* w, const T* x, const T* bias, T* out, int64_t n
 
 template <typename T>
 void run(const at::Tensor& x, const at::Tensor& w, const T* bias, at::Tensor& out) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t K = w.size(1), N = w.size(0), M = x.numel() / K;
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -98,19 +98,24 @@ void run(const at::Tensor& x, const at::Tensor& w, const T* bias, at::Tensor& ou
   for (int64_t n = blocks * kRows; n < N; ++n) output_rows<T, 1>(wp + n * K, xp, bias, op, n, M, N, K);
 }
 
-at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "few_rows_linear: x [M, K], w [N, K]");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "few_rows_linear: x and w of one dtype");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "few_rows_linear: contiguous inputs only");
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "few_rows_linear: bf16 or fp32 only");
+// x [..., K] (any leading shape, made contiguous if it is not) -> [..., N]: callers pass decode's
+// [B, 1, K] as it is, since every Python-side reshape costs microseconds on small models.
+at::Tensor few_rows_linear(const at::Tensor& input, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.dim() >= 1 && w.dim() == 2 && input.size(-1) == w.size(1), "few_rows_linear: x [..., K], w [N, K]");
+  TORCH_CHECK(input.scalar_type() == w.scalar_type(), "few_rows_linear: x and w of one dtype");
+  TORCH_CHECK(w.is_contiguous(), "few_rows_linear: contiguous weight only");
+  const bool bf16 = input.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || input.scalar_type() == at::kFloat, "few_rows_linear: bf16 or fp32 only");
   TORCH_CHECK(w.size(1) % (bf16 ? 32 : 16) == 0, "few_rows_linear: K must be a multiple of 64 bytes");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
-    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->numel() == w.size(0) && bias->is_contiguous(),
+    TORCH_CHECK(bias->scalar_type() == input.scalar_type() && bias->numel() == w.size(0) && bias->is_contiguous(),
                 "few_rows_linear: bias [N] of x's dtype");
   }
-  auto out = at::empty({x.size(0), w.size(0)}, x.options());
+  const at::Tensor x = input.contiguous();
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() = w.size(0);
+  auto out = at::empty(sizes, x.options());
   if (bf16) {
     run<at::BFloat16>(x, w, has_bias ? bias->data_ptr<at::BFloat16>() : nullptr, out);
   } else {
