@@ -130,10 +130,15 @@ class Attention(nn.Module):
         context = torch.matmul(probs, v)  # [B, H, T, D]
         return context.transpose(1, 2).reshape(b, t, h * d)
 
-    def prefill(self, x, layer: int, cache: KVCache, hidden_mask):
+    def prefill(self, x, layer: int, cache: KVCache, hidden_mask, keep=None):
+        """Keys and values of every position go to the cache; ``keep`` (see ``Block.forward``)
+        limits the queries, and so the output, to the positions kept."""
         q, k, v = self._split_heads(self.query_key_value(x))
         cache.write_prefix(layer, k, v)
         p = x.shape[1]
+        if keep is not None:  # [B, H, P, ...] -> [B, H, kept, ...], picked along the positions
+            q = keep(q.transpose(1, 2)).transpose(1, 2)
+            hidden_mask = keep(hidden_mask.transpose(1, 2)).transpose(1, 2)
         return self.dense(self._attend(q, k, v, cache.alibi[:, :, :p], hidden_mask))
 
     def decode(self, x, layer: int, cache: KVCache, positions, window: int, masked_alibi):
@@ -165,10 +170,13 @@ class Block(nn.Module):
         self.mlp = MLP(config, parallel)
         self.residual_from_ln = config.apply_residual_connection_post_layernorm
 
-    def forward(self, h, attend):
-        """``attend(x)`` runs this block's attention in prefill or decode form."""
+    def forward(self, h, attend, keep=None):
+        """``attend(x)`` runs this block's attention in prefill or decode form. ``keep(t)`` picks
+        the positions ([B, P, ...] -> [B, kept, ...]) whose output is wanted; attention sees every
+        position, the rest of the block runs on the kept ones only."""
         x = self.input_layernorm(h)
-        h = (x if self.residual_from_ln else h) + attend(x)
+        residual = x if self.residual_from_ln else h
+        h = (residual if keep is None else keep(residual)) + attend(x)
         x = self.post_attention_layernorm(h)
         return (x if self.residual_from_ln else h) + self.mlp(x)
 
@@ -259,8 +267,13 @@ class StaticBloom(nn.Module):
     def embed(self, ids):
         return self.word_embeddings_layernorm(self.word_embeddings(ids))
 
-    def _prefill_hidden(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Final hidden states [B, P, hidden] of right-padded prompts; fills cache slots 0..P-1."""
+    def _prefill_hidden(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache,
+                        last_only: bool = False) -> torch.Tensor:
+        """Final hidden states [B, P, hidden] of right-padded prompts; fills cache slots 0..P-1.
+
+        ``last_only``: [B, 1, hidden], each row's last real token only. The last block then runs
+        its attention output, dense and MLP for that token alone: a quarter of a block's
+        products are the keys and values every position needs, the rest would be thrown away."""
         p = input_ids.shape[1]
         slots = torch.arange(p, device=input_ids.device)
         # A query at q sees keys k <= q that are real tokens of its row. Pad queries (q >= length)
@@ -268,16 +281,21 @@ class StaticBloom(nn.Module):
         causal = slots[None, :] > slots[:, None]  # [P(q), P(k)]
         padding = slots[None, :] >= lengths[:, None]  # [B, P(k)]
         hidden_mask = causal[None, None] | padding[:, None, None, :]  # [B, 1, P, P]
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+
+        def keep_last(t):  # [B, P, ...] -> [B, 1, ...]: each row's last real token
+            return t[rows, lengths - 1][:, None]
+
         h = self.embed(input_ids)
         for i, block in enumerate(self.h):
-            h = block(h, lambda x, i=i, block=block: block.self_attention.prefill(x, i, cache, hidden_mask))
+            keep = keep_last if last_only and i == len(self.h) - 1 else None
+            h = block(h, lambda x, i=i, block=block, keep=keep: block.self_attention.prefill(x, i, cache, hidden_mask, keep),
+                      keep)
         return h
 
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """input_ids [B, P] right-padded, lengths [B] real tokens per row -> logits [B, V]."""
-        h = self._prefill_hidden(input_ids, lengths, cache)
-        last = h[torch.arange(h.shape[0], device=h.device), lengths - 1]  # [B, hidden]
-        return self.lm_head(last)
+        return self.lm_head(self._prefill_hidden(input_ids, lengths, cache, last_only=True)[:, 0])
 
     def full_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits at every position [B, P, V]: for scoring prompts (log-probs, perplexity), not
