@@ -13,6 +13,8 @@ length, new tokens, beams...) and prints one table:
 How it measures (what a performance engineer would trust):
 
 * every variant is first run ``--warmup`` times untimed (graph capture, compilation, allocator);
+  then the timed runs go round-robin over the variants (repeat r of each before repeat r+1 of
+  any), so a drift in the machine's load hits every variant alike;
 * time to first token = median wall time of a request with ``max_new_tokens=1`` (tokenize,
   prefill, first token, back on the host); decode ms/token = (median time of the full request
   minus median TTFT) / (new_tokens - 1); both end with a device synchronisation, because every
@@ -45,6 +47,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -180,32 +183,17 @@ def read_bandwidth(device: torch.device, mbytes: int = 512, repeats: int = 5) ->
     return mbytes * 2**20 / best
 
 
-# --------------------------------------------------------------------------- running one variant
+# --------------------------------------------------------------------------- running the variants
 
 
-def measure(name: str, generate, args, device, floor_s: float | None) -> Row:
-    """Warm up, then time TTFT and full requests; ``generate(max_new_tokens)`` runs one request."""
-    for _ in range(args.warmup):
-        generate(1)
-        generate(args.new_tokens)
-    ttft, full = [], []
-    for _ in range(args.repeats):  # interleaved, so that a drift in the machine's load hits both alike
-        ttft.append(timed(lambda: generate(1), device))
-        full.append(timed(lambda: generate(args.new_tokens), device))
-    row = Row(name, runs_ms=[round(t * 1e3, 2) for t in full])
-    row.ttft_ms = statistics.median(ttft) * 1e3
-    full_s = statistics.median(full)
-    if args.new_tokens > 1:
-        row.decode_ms_per_token = max(full_s * 1e3 - row.ttft_ms, 0.0) / (args.new_tokens - 1)
-        if floor_s:
-            row.x_floor = row.decode_ms_per_token / (floor_s * 1e3)
-    # Tokens the request returns per second; beams count the returned sequences only.
-    row.tokens_per_s = args.batch_size * args.new_tokens / full_s
-    row.peak_mb = peak_memory(lambda: generate(args.new_tokens), device) / 2**20
-    return row
+@dataclass
+class Variant:
+    name: str
+    generate: Callable[[int], object]  # generate(max_new_tokens): one request
+    describe: Callable[[Row], None] = lambda row: None  # fill what only the variant knows, free it
 
 
-def ours_variant(base: Generator, variant: str, args, prompts, device, floor_s) -> Row:
+def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
     if variant == "ours+compile":
         # Its own copy of the weights: the shared model may have been packed for eager CPU steps
         # (see Backend.prepare_model), and the compiled step packs its own.
@@ -218,21 +206,54 @@ def ours_variant(base: Generator, variant: str, args, prompts, device, floor_s) 
         max_length=args.max_length, bucket_width=args.bucket_width, num_beams=args.num_beams,
         static_shapes=variant != "static off", use_graphs=variant != "graphs off", ignore_eos=True,
     )
-    row = measure(variant, lambda n: gen.generate(prompts, opts.updated(max_new_tokens=n)), args, device, floor_s)
-    row.graphs = backend.graph_count()
-    row.cache_mb = sum(c.nbytes for c in gen.runner._caches.values()) / 2**20
-    gen.runner.release_caches()
-    return row
+
+    def describe(row: Row) -> None:
+        row.graphs = backend.graph_count()
+        row.cache_mb = sum(c.nbytes for c in gen.runner._caches.values()) / 2**20
+        gen.runner.release_caches()
+
+    return Variant(variant, lambda n: gen.generate(prompts, opts.updated(max_new_tokens=n)), describe)
 
 
-def transformers_variant(folder: Path, args, prompts, device, floor_s) -> Row:
+def transformers_variant(folder: Path, args, prompts, device) -> Variant:
     from generation.vanilla import VanillaGenerator
 
     hf = VanillaGenerator(folder, parse_dtype(args.dtype), str(device))
     opts = build_options(max_length=args.max_length, num_beams=args.num_beams, ignore_eos=True)
-    row = measure("transformers", lambda n: hf.generate(prompts, opts.updated(max_new_tokens=n)), args, device, floor_s)
-    del hf
-    return row
+    return Variant("transformers", lambda n: hf.generate(prompts, opts.updated(max_new_tokens=n)))
+
+
+def measure(variants: list[Variant], args, device, floor_s: float | None) -> list[Row]:
+    """Warm every variant up, then time TTFT and full requests of each, round-robin: repeat r of
+    every variant runs before repeat r+1 of any, so a drift in the machine's load (this shared CPU
+    moved by 30% within minutes) hits every variant alike and the ratios hold. Medians are kept."""
+    for variant in variants:
+        log(f"warming up {variant.name} ...")
+        for _ in range(args.warmup):
+            variant.generate(1)
+            variant.generate(args.new_tokens)
+    ttft = {v.name: [] for v in variants}
+    full = {v.name: [] for v in variants}
+    for repeat in range(args.repeats):
+        log(f"timed round {repeat + 1}/{args.repeats}")
+        for v in variants:
+            ttft[v.name].append(timed(lambda: v.generate(1), device))
+            full[v.name].append(timed(lambda: v.generate(args.new_tokens), device))
+    rows = []
+    for v in variants:
+        row = Row(v.name, runs_ms=[round(t * 1e3, 2) for t in full[v.name]])
+        row.ttft_ms = statistics.median(ttft[v.name]) * 1e3
+        full_s = statistics.median(full[v.name])
+        if args.new_tokens > 1:
+            row.decode_ms_per_token = max(full_s * 1e3 - row.ttft_ms, 0.0) / (args.new_tokens - 1)
+            if floor_s:
+                row.x_floor = row.decode_ms_per_token / (floor_s * 1e3)
+        # Tokens the request returns per second; beams count the returned sequences only.
+        row.tokens_per_s = args.batch_size * args.new_tokens / full_s
+        row.peak_mb = peak_memory(lambda: v.generate(args.new_tokens), device) / 2**20
+        v.describe(row)
+        rows.append(row)
+    return rows
 
 
 # --------------------------------------------------------------------------- the table
@@ -332,13 +353,9 @@ def run(args) -> dict:
     step_bytes = decode_bytes(base.model, args, plan)
     floor_s = step_bytes / bandwidth
 
-    rows = []
-    for variant in args.variants:
-        log(f"running {variant} ...")
-        if variant == "transformers":
-            rows.append(transformers_variant(folder, args, prompts, device, floor_s))
-        else:
-            rows.append(ours_variant(base, variant, args, prompts, device, floor_s))
+    variants = [transformers_variant(folder, args, prompts, device) if name == "transformers"
+                else ours_variant(base, name, args, prompts) for name in args.variants]
+    rows = measure(variants, args, device, floor_s)
 
     hf = next((r for r in rows if r.variant == "transformers" and r.ttft_ms), None)
     for r in rows:
