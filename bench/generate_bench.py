@@ -26,7 +26,8 @@ How it measures (what a performance engineer would trust):
   weights and is compared with the exact cache it needs);
 * the floor: the bytes one decode step must read (every weight once, the LM head included, plus the
   keys and values in the attention window) divided by the memory bandwidth measured in this run
-  (a large read-only reduction); ``x floor`` is decode ms/token divided by that floor.
+  (a large read-only reduction, best of 3 in every timed round, median over the rounds); ``x floor``
+  is decode ms/token divided by that floor.
 
 Usage (the tiny embedded checkpoint, then a bloom-560m-shaped random one in bf16):
 
@@ -223,10 +224,12 @@ def transformers_variant(folder: Path, args, prompts, device) -> Variant:
     return Variant("transformers", lambda n: hf.generate(prompts, opts.updated(max_new_tokens=n)))
 
 
-def measure(variants: list[Variant], args, device, floor_s: float | None) -> list[Row]:
+def measure(variants: list[Variant], args, device) -> tuple[list[Row], list[float]]:
     """Warm every variant up, then time TTFT and full requests of each, round-robin: repeat r of
     every variant runs before repeat r+1 of any, so a drift in the machine's load (this shared CPU
-    moved by 30% within minutes) hits every variant alike and the ratios hold. Medians are kept."""
+    moved by 30% within minutes) hits every variant alike and the ratios hold. Medians are kept.
+    Each round also measures the read bandwidth (best of 3), for a floor taken under the same
+    conditions as the requests: returns (rows, bandwidth of each round in bytes/s)."""
     for variant in variants:
         log(f"warming up {variant.name} ...")
         for _ in range(args.warmup):
@@ -234,8 +237,10 @@ def measure(variants: list[Variant], args, device, floor_s: float | None) -> lis
             variant.generate(args.new_tokens)
     ttft = {v.name: [] for v in variants}
     full = {v.name: [] for v in variants}
+    bandwidths = []
     for repeat in range(args.repeats):
         log(f"timed round {repeat + 1}/{args.repeats}")
+        bandwidths.append(read_bandwidth(device, args.bandwidth_mb, repeats=3))
         for v in variants:
             ttft[v.name].append(timed(lambda: v.generate(1), device))
             full[v.name].append(timed(lambda: v.generate(args.new_tokens), device))
@@ -246,14 +251,12 @@ def measure(variants: list[Variant], args, device, floor_s: float | None) -> lis
         full_s = statistics.median(full[v.name])
         if args.new_tokens > 1:
             row.decode_ms_per_token = max(full_s * 1e3 - row.ttft_ms, 0.0) / (args.new_tokens - 1)
-            if floor_s:
-                row.x_floor = row.decode_ms_per_token / (floor_s * 1e3)
         # Tokens the request returns per second; beams count the returned sequences only.
         row.tokens_per_s = args.batch_size * args.new_tokens / full_s
         row.peak_mb = peak_memory(lambda: v.generate(args.new_tokens), device) / 2**20
         v.describe(row)
         rows.append(row)
-    return rows
+    return rows, bandwidths
 
 
 # --------------------------------------------------------------------------- the table
@@ -349,13 +352,16 @@ def run(args) -> dict:
     prompts = make_prompts(base.tokenizer, args.batch_size, args.prompt_len)
     opts = build_options(max_length=args.max_length, bucket_width=args.bucket_width, max_new_tokens=args.new_tokens)
     plan = make_batch(base.tokenizer, prompts, opts, device).plan
-    bandwidth = read_bandwidth(device, args.bandwidth_mb)
     step_bytes = decode_bytes(base.model, args, plan)
-    floor_s = step_bytes / bandwidth
 
     variants = [transformers_variant(folder, args, prompts, device) if name == "transformers"
                 else ours_variant(base, name, args, prompts) for name in args.variants]
-    rows = measure(variants, args, device, floor_s)
+    rows, bandwidths = measure(variants, args, device)
+    bandwidth = statistics.median(bandwidths)
+    floor_s = step_bytes / bandwidth
+    for r in rows:
+        if r.decode_ms_per_token is not None:
+            r.x_floor = r.decode_ms_per_token / (floor_s * 1e3)
 
     hf = next((r for r in rows if r.variant == "transformers" and r.ttft_ms), None)
     for r in rows:
@@ -391,7 +397,8 @@ def run(args) -> dict:
                   "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "weights_mb": weights / 2**20},
         "shapes": {"prompt_len": plan.prompt_len, "cache_len": plan.cache_len,
                    "windows": sorted({plan.window(s) for s in range(max(args.new_tokens - 1, 1))})},
-        "floor": {"bandwidth_gb_s": bandwidth / 1e9, "bytes_per_decode_step": step_bytes, "floor_ms": floor_s * 1e3},
+        "floor": {"bandwidth_gb_s": bandwidth / 1e9, "bytes_per_decode_step": step_bytes, "floor_ms": floor_s * 1e3,
+                  "bandwidth_per_round_gb_s": [round(b / 1e9, 2) for b in bandwidths]},
         "rows": [asdict(r) for r in rows],
     }
 

@@ -31,6 +31,9 @@ def test_bench_prints_a_table_and_consistent_json(bench_output, capsys):
     assert result["shapes"] == {"prompt_len": 16, "cache_len": 16, "windows": [16]}  # static: max_length
     floor = result["floor"]
     assert floor["bandwidth_gb_s"] > 0
+    # Measured in every timed round (2 here), the median kept.
+    assert len(floor["bandwidth_per_round_gb_s"]) == 2
+    assert floor["bandwidth_gb_s"] == pytest.approx(statistics.median(floor["bandwidth_per_round_gb_s"]), rel=1e-2)
     assert floor["floor_ms"] == pytest.approx(floor["bytes_per_decode_step"] / (floor["bandwidth_gb_s"] * 1e9) * 1e3)
     rows = {r["variant"]: r for r in result["rows"]}
     assert list(rows) == ["ours", "static off", "graphs off", "transformers"]
