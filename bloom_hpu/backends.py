@@ -86,14 +86,14 @@ class Backend:
         dtype = model.word_embeddings.weight.dtype
         if self.device.type != "cpu" or dtype not in cpu_kernel.STEP:
             return
-        if dtype == torch.bfloat16 and not self.compile_steps and oneDNN_packing_available():
+        onednn_bf16 = dtype == torch.bfloat16 and not self.compile_steps and oneDNN_packing_available()
+        if onednn_bf16:
             model.fuse_gelu()  # prefill: the GELU inside oneDNN's product (Linear.forward_gelu)
         kernel = cpu_kernel.load()
         if kernel is not None:
             model.use_few_rows_kernel(kernel)
             self.fast_path = "few-rows kernel"
-        elif (dtype == torch.bfloat16 and self.pack_weights and not self.compile_steps
-              and oneDNN_packing_available()):
+        elif onednn_bf16 and self.pack_weights:
             model.pack_linears()
             self.fast_path = f"oneDNN packed weights (no few-rows kernel: {cpu_kernel.unavailable_reason()})"
 

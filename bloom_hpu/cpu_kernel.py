@@ -50,7 +50,7 @@ def unavailable_reason() -> str | None:
 
 
 def load() -> Callable | None:
-    """``few_rows_linear(x [M, K], w [N, K], bias [N] | None) -> [M, N]``, or None (see above)."""
+    """``few_rows_linear(x [..., K], w [N, K], bias [N] | None) -> [..., N]``, or None (see above)."""
     global _loaded, _reason
     if _loaded is not None or _reason is not None:
         return _loaded
@@ -104,9 +104,9 @@ def row_limit(weight: torch.Tensor) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Callable | None):
     """``F.linear(x, weight, bias)``, through ``kernel`` (from ``load()``) when the weight ``suits``
-    it and x [..., K] has at most ``FEW_ROWS`` rows. (The model makes the weight check once, at
-    ``StaticBloom.use_few_rows_kernel``: on small models each check here costs about what the
-    product does.)"""
+    it and x [..., K] has at most ``FEW_ROWS`` rows. The model's LM head (one product a step) calls
+    this; the blocks' linears make the weight check once (``Linear.use_few_rows``), since on small
+    models each check here costs about what the product does."""
     if kernel is None or x.dtype != weight.dtype or not suits(weight) or x.numel() > row_limit(weight):
         return F.linear(x, weight, bias)
     return kernel(x, weight, bias)

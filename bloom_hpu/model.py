@@ -200,7 +200,6 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class StaticBloom(nn.Module):
     few_rows: Callable | None = None  # the LM head's kernel for few rows (``use_few_rows_kernel``)
-    few_rows_limit = 0
 
     def __init__(self, config: BloomConfig, parallel: Parallel = SINGLE):
         super().__init__()
@@ -249,19 +248,15 @@ class StaticBloom(nn.Module):
         all of decode, and the prefill's LM head. Returns how many linears (with the LM head) use
         it: those whose weights suit it."""
         used = sum(m.use_few_rows(kernel) for m in self.h.modules() if isinstance(m, Linear))
-        head = self.word_embeddings.weight
-        if cpu_kernel.suits(head):
-            self.few_rows, self.few_rows_limit = kernel, cpu_kernel.row_limit(head)
+        if cpu_kernel.suits(self.word_embeddings.weight):
+            self.few_rows = kernel
             used += 1
         return used
 
     def lm_head(self, h):
         """Logits over the whole vocabulary [..., V] from final hidden states (tied embeddings)."""
-        x = self.ln_f(h)
-        if self.few_rows is not None and x.numel() <= self.few_rows_limit:
-            logits = self.few_rows(x, self.word_embeddings.weight, None)
-        else:
-            logits = F.linear(x, self.word_embeddings.weight)
+        # One product per step: the per-call checks of cpu_kernel.linear cost nothing here.
+        logits = cpu_kernel.linear(self.ln_f(h), self.word_embeddings.weight, None, self.few_rows)
         return self.parallel.all_gather_last(logits)
 
     def embed(self, ids):
