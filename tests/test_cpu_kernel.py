@@ -89,6 +89,17 @@ def test_kernel_serves_only_few_rows_of_whole_64_byte_steps():
     cpu_kernel.linear(torch.randn(1, 64).half(), torch.randn(8, 64).half(), None, counting)  # fp16: never
     assert calls == [(2, 8, 64), (1, 48)]  # leading dimensions kept: the kernel takes x [..., K]
 
+    # A block's Linear decides about its weight once, then routes by the row count alone.
+    from bloom_hpu.model import Linear
+
+    calls.clear()
+    linear = Linear(64, 48).bfloat16().requires_grad_(False)
+    assert linear.use_few_rows(counting)
+    linear(torch.randn(16, 64).bfloat16())
+    linear(torch.randn(17, 64).bfloat16())
+    assert calls == [(16, 64)]
+    assert not Linear(48, 8).bfloat16().use_few_rows(counting)  # K=48 does not suit it
+
 
 def test_bf16_model_on_cpu_uses_the_kernel_or_packs(make_ckpt):
     """Greedy tokens of our bf16 generator (kernel, or oneDNN packing where there is none) equal
