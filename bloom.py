@@ -209,7 +209,7 @@ def run(args) -> int:
         log(generator.load_report.describe())
     fast_path = getattr(getattr(generator, "backend", None), "fast_path", "none")  # vanilla: no backend
     if fast_path != "none":
-        log(f"CPU products: {fast_path}")
+        log(f"CPU fast path: {fast_path}")
     if args.warmup:
         if args.mode == "vanilla":
             raise UsageError("--warmup runs in --mode optimized only")

@@ -93,6 +93,9 @@ class Backend:
         if kernel is not None:
             model.use_few_rows_kernel(kernel)
             self.fast_path = "few-rows kernel"
+            # With compile_steps, torch.compile is asked to build the step instead.
+            if not self.compile_steps and model.use_cpu_decode_step(cpu_kernel.decode_step_op()):
+                self.fast_path = "few-rows kernel, decode step in one C++ call"
         elif onednn_bf16 and self.pack_weights:
             model.pack_linears()
             self.fast_path = f"oneDNN packed weights (no few-rows kernel: {cpu_kernel.unavailable_reason()})"

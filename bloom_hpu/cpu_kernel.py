@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 FEW_ROWS = 16  # up to this many rows the kernel beat oneDNN on every bloom-560m shape measured
 STEP = {torch.bfloat16: 32, torch.float32: 16}  # elements per 64-byte load: K must be a multiple
-SOURCE = Path(__file__).parent / "csrc" / "few_rows_linear.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("few_rows_linear.cpp", "decode_step.cpp")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"]
 
 _loaded: Callable | None = None
@@ -74,12 +74,12 @@ def _build() -> Callable:
 
     started = time.perf_counter()
     cpp_extension.load(
-        name="bloom_cpu_few_rows_linear", sources=[str(SOURCE)], extra_cflags=FLAGS,
+        name="bloom_cpu_kernels", sources=[str(path) for path in SOURCES], extra_cflags=FLAGS,
         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
     )
     elapsed = time.perf_counter() - started
     if elapsed > 5:  # a real compilation, not a load from the cache: say why the wait
-        print(f"built the CPU few-rows kernel in {elapsed:.0f} s (cached from now on)", file=sys.stderr)
+        print(f"built the CPU kernels in {elapsed:.0f} s (cached from now on)", file=sys.stderr)
     op = torch.ops.bloom_cpu.few_rows_linear
 
     # The output's shape for torch.compile's tracing (it runs no kernel on fake tensors).
@@ -88,6 +88,15 @@ def _build() -> Callable:
         return x.new_empty(*x.shape[:-1], w.shape[0])
 
     return op
+
+
+def decode_step_op() -> Callable | None:
+    """The whole decode step in one call (``csrc/decode_step.cpp``, see
+    ``StaticBloom.use_cpu_decode_step``), built with the kernel; None where ``load()`` is None or
+    ``BLOOM_CPU_STEP=0`` asks for the op-by-op step."""
+    if load() is None or os.environ.get("BLOOM_CPU_STEP", "1") == "0":
+        return None
+    return torch.ops.bloom_cpu.decode_step
 
 
 def suits(weight: torch.Tensor) -> bool:

@@ -200,6 +200,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class StaticBloom(nn.Module):
     few_rows: Callable | None = None  # the LM head's kernel for few rows (``use_few_rows_kernel``)
+    cpu_decode: Callable | None = None  # the whole decode step in one call (``use_cpu_decode_step``)
 
     def __init__(self, config: BloomConfig, parallel: Parallel = SINGLE):
         super().__init__()
@@ -253,6 +254,32 @@ class StaticBloom(nn.Module):
             used += 1
         return used
 
+    def use_cpu_decode_step(self, op: Callable | None) -> bool:
+        """Run every decode step as one call of ``op`` (``csrc/decode_step.cpp``): the same
+        computation and roundings as ``decode`` below, without ~120 Python-dispatched operations
+        per step (for a small model, most of the step). Only in one process (no all-reduce there),
+        after ``use_few_rows_kernel`` accepted every product's weight. Returns whether it is used."""
+        linears = [m for m in self.h.modules() if isinstance(m, Linear)]
+        if op is None or self.parallel.world_size > 1 or self.few_rows is None or any(m.few_rows is None for m in linears):
+            return False
+        weights = self.cpu_decode_weights()
+        if any(w.dtype != weights[0].dtype or not w.is_contiguous() for w in weights):
+            return False
+        self._cpu_decode_weights = weights
+        self.cpu_decode = op
+        return True
+
+    def cpu_decode_weights(self) -> list[torch.Tensor]:
+        """The weights in the order ``csrc/decode_step.cpp`` reads them."""
+        norm = lambda ln: [ln.weight, ln.bias]  # noqa: E731
+        linear = lambda m: [m.weight, m.bias]  # noqa: E731
+        weights = [self.word_embeddings.weight, *norm(self.word_embeddings_layernorm), *norm(self.ln_f)]
+        for block in self.h:
+            attention, mlp = block.self_attention, block.mlp
+            weights += [*norm(block.input_layernorm), *linear(attention.query_key_value), *linear(attention.dense),
+                        *norm(block.post_attention_layernorm), *linear(mlp.dense_h_to_4h), *linear(mlp.dense_4h_to_h)]
+        return [w.detach() for w in weights]
+
     def lm_head(self, h):
         """Logits over the whole vocabulary [..., V] from final hidden states (tied embeddings)."""
         # One product per step: the per-call checks of cpu_kernel.linear cost nothing here.
@@ -299,6 +326,10 @@ class StaticBloom(nn.Module):
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
         """tokens [B, 1] written at slots positions [B]; attends slots < window -> logits [B, V]."""
+        if self.cpu_decode is not None:
+            return self.cpu_decode(self._cpu_decode_weights, tokens, positions, cache.keys, cache.values, cache.alibi,
+                                   window, self.config.layer_norm_epsilon,
+                                   self.config.apply_residual_connection_post_layernorm)
         b, heads = tokens.shape[0], self.local_heads
         slots = cache.slots[:window]
         hidden = (slots[None, :] > positions[:, None])[:, None, :].expand(b, heads, window).reshape(b * heads, window)

@@ -112,7 +112,7 @@ def test_bf16_model_on_cpu_uses_the_kernel_or_packs(make_ckpt):
     generator = Generator.from_pretrained(folder, dtype="bf16")
     mlp = generator.model.h[0].mlp.dense_h_to_4h
     if cpu_kernel.load() is not None:
-        assert generator.backend.fast_path == "few-rows kernel"
+        assert generator.backend.fast_path == "few-rows kernel, decode step in one C++ call"
         assert mlp.few_rows is not None and generator.model.few_rows is not None and mlp.packed is None
     else:
         assert generator.backend.fast_path.startswith("oneDNN packed weights")
@@ -144,18 +144,18 @@ def test_other_dtypes_keep_pytorch_kernels(make_ckpt):
     assert backend.fast_path == "none" and model.few_rows is None
 
 
-def test_cli_says_which_cpu_products_it_uses(tiny_checkpoint, capsys):
+def test_cli_says_which_cpu_fast_path_it_uses(tiny_checkpoint, capsys):
     import bloom
 
     assert bloom.main(["--weights", str(tiny_checkpoint), "--max_length", "12", "--quiet", "Hello"]) == 0
     err = capsys.readouterr().err
     if cpu_kernel.load() is not None:
-        assert "CPU products: few-rows kernel" in err
+        assert "CPU fast path: few-rows kernel, decode step in one C++ call" in err
     else:
-        assert "CPU products" not in err  # the embedded checkpoint is fp32: nothing to pack
+        assert "CPU fast path" not in err  # the embedded checkpoint is fp32: nothing to pack
     assert bloom.main(["--weights", str(tiny_checkpoint), "--max_length", "12", "--quiet", "--mode", "vanilla",
                        "Hello"]) == 0
-    assert "CPU products" not in capsys.readouterr().err
+    assert "CPU fast path" not in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not oneDNN_packing_available(), reason="torch build without oneDNN's linear ops")

@@ -1,0 +1,196 @@
+// A whole BLOOM decode step in one call (CPU, bf16 or fp32, one process): the CPU's counterpart of
+// replaying a captured graph on an accelerator.
+//
+// On a GPU or a Gaudi a decode step is captured once and replayed, so the host pays for one launch
+// per token. A CPU has no graph to replay: run op by op from Python, a step is ~120 small
+// operations, each costing 1-20 us of dispatch. For a small model (the embedded tiny checkpoint:
+// three blocks of width 128) that overhead is the whole step; here the same step is one call
+// whose loops run straight through. For large models the step stays the time to stream the
+// weights (the products are the few-rows kernel of few_rows.h, as in the op-by-op step).
+//
+// It computes what model.py's StaticBloom.decode computes, with the same roundings: every result
+// that the op-by-op step stores in the model's dtype (layer norms, products, attention scores,
+// probabilities, residual sums, GELU) is rounded to it here too; sums, softmax and norms run in fp32.
+//
+// weights, in this order (the layout StaticBloom.cpu_decode_weights builds):
+//   word_embeddings [V, E] (also the tied LM head), its layer norm (weight, bias), ln_f (weight, bias),
+//   then per block: input_layernorm (w, b), query_key_value (w [3E, E], b), dense (w [E, E], b),
+//   post_attention_layernorm (w, b), dense_h_to_4h (w [F, E], b), dense_4h_to_h (w [E, F], b).
+
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "few_rows.h"
+
+namespace {
+
+using bloom_cpu::linear_rows;
+
+constexpr int kGlobalWeights = 5;
+constexpr int kBlockWeights = 12;
+
+template <typename T>
+inline T round_to(float value) {
+  return T(value);  // bf16: round to nearest even, as PyTorch stores an fp32 result
+}
+
+// out [rows, n] = layer_norm(x [rows, n]) * weight + bias, statistics in fp32.
+template <typename T>
+void layer_norm(const T* x, const T* weight, const T* bias, int64_t rows, int64_t n, float eps, T* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* xr = x + r * n;
+    float mean = 0.0f;
+    for (int64_t i = 0; i < n; ++i) mean += float(xr[i]);
+    mean /= float(n);
+    float var = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float d = float(xr[i]) - mean;
+      var += d * d;
+    }
+    const float rstd = 1.0f / std::sqrt(var / float(n) + eps);
+    for (int64_t i = 0; i < n; ++i)
+      out[r * n + i] = round_to<T>((float(xr[i]) - mean) * rstd * float(weight[i]) + float(bias[i]));
+  }
+}
+
+// x = residual + x, rounded (PyTorch adds two bf16 tensors in fp32 and rounds once).
+template <typename T>
+void add_into(const T* residual, T* x, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) x[i] = round_to<T>(float(residual[i]) + float(x[i]));
+}
+
+// GELU with the tanh approximation (F.gelu(approximate="tanh")), in place.
+template <typename T>
+void gelu_tanh(T* x, int64_t count) {
+  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+  constexpr float kKappa = 0.044715f;
+  for (int64_t i = 0; i < count; ++i) {
+    const float v = float(x[i]);
+    x[i] = round_to<T>(0.5f * v * (1.0f + std::tanh(kBeta * (v + kKappa * v * v * v))));
+  }
+}
+
+struct Shapes {
+  int64_t batch, heads, head_dim, cache_len, window;
+};
+
+// One block's attention for every (row, head), after its query_key_value product.
+// qkv [B, H * 3 * D] (per head [q, k, v]); keys/values this layer's [B, H, cache_len, D];
+// alibi [B * H, cache_len]; out [B, H * D]. The new key and value go to slot positions[b] first;
+// a row sees the slots up to its own position (the rest of the window is masked).
+template <typename T>
+void attend(const T* qkv, const int64_t* positions, T* keys, T* values, const T* alibi, const Shapes& s, T* out) {
+  const int64_t D = s.head_dim, H = s.heads;
+  const float inv_norm = 1.0f / std::sqrt(float(D));
+  at::parallel_for(0, s.batch * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(s.window);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      const T* q = qkv + (b * H + h) * 3 * D;
+      T* k_cache = keys + bh * s.cache_len * D;
+      T* v_cache = values + bh * s.cache_len * D;
+      const int64_t pos = positions[b];
+      std::copy(q + D, q + 2 * D, k_cache + pos * D);
+      std::copy(q + 2 * D, q + 3 * D, v_cache + pos * D);
+      // Scores (baddbmm: alibi + inv_norm * q.k in fp32, stored in T), then an fp32 softmax.
+      const int64_t seen = std::min(pos + 1, s.window);
+      float top = -INFINITY;
+      for (int64_t j = 0; j < seen; ++j) {
+        float dot = 0.0f;
+        for (int64_t d = 0; d < D; ++d) dot += float(q[d]) * float(k_cache[j * D + d]);
+        probs[j] = float(round_to<T>(float(alibi[bh * s.cache_len + j]) + inv_norm * dot));
+        top = std::max(top, probs[j]);
+      }
+      float total = 0.0f;
+      for (int64_t j = 0; j < seen; ++j) total += (probs[j] = std::exp(probs[j] - top));
+      // Probabilities stored in T, then the weighted sum of values in fp32, stored in T.
+      std::vector<float> context(D, 0.0f);
+      for (int64_t j = 0; j < seen; ++j) {
+        const float p = float(round_to<T>(probs[j] / total));
+        for (int64_t d = 0; d < D; ++d) context[d] += p * float(v_cache[j * D + d]);
+      }
+      for (int64_t d = 0; d < D; ++d) out[b * H * D + h * D + d] = round_to<T>(context[d]);
+    }
+  });
+}
+
+template <typename T>
+void decode(const std::vector<at::Tensor>& weights, const int64_t* tokens, const int64_t* positions, at::Tensor& keys,
+            at::Tensor& values, const T* alibi, const Shapes& s, float eps, bool residual_from_ln, T* logits) {
+  auto ptr = [&](size_t i) { return weights[i].data_ptr<T>(); };
+  const int64_t B = s.batch, V = weights[0].size(0), E = weights[0].size(1);
+  const int64_t layers = (int64_t(weights.size()) - kGlobalWeights) / kBlockWeights;
+  const int64_t F = weights[kGlobalWeights + 8].size(0);  // the MLP's width (4 E)
+  std::vector<T> h(B * E), x(B * E), attn(B * E), context(B * E), qkv(B * 3 * E), wide(B * F);
+
+  for (int64_t b = 0; b < B; ++b) std::copy(ptr(0) + tokens[b] * E, ptr(0) + (tokens[b] + 1) * E, x.data() + b * E);
+  layer_norm<T>(x.data(), ptr(1), ptr(2), B, E, eps, h.data());
+
+  const int64_t layer_cache = B * s.heads * s.cache_len * s.head_dim;
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const size_t w = kGlobalWeights + layer * kBlockWeights;
+    layer_norm<T>(h.data(), ptr(w), ptr(w + 1), B, E, eps, x.data());
+    linear_rows<T>(x.data(), B, ptr(w + 2), 3 * E, E, ptr(w + 3), qkv.data());
+    attend<T>(qkv.data(), positions, keys.data_ptr<T>() + layer * layer_cache,
+              values.data_ptr<T>() + layer * layer_cache, alibi, s, context.data());
+    linear_rows<T>(context.data(), B, ptr(w + 4), E, E, ptr(w + 5), attn.data());
+    add_into<T>(residual_from_ln ? x.data() : h.data(), attn.data(), B * E);  // attn = residual + attention
+    layer_norm<T>(attn.data(), ptr(w + 6), ptr(w + 7), B, E, eps, x.data());
+    linear_rows<T>(x.data(), B, ptr(w + 8), F, E, ptr(w + 9), wide.data());
+    gelu_tanh<T>(wide.data(), B * F);
+    linear_rows<T>(wide.data(), B, ptr(w + 10), E, F, ptr(w + 11), h.data());
+    add_into<T>(residual_from_ln ? x.data() : attn.data(), h.data(), B * E);  // h = residual + MLP
+  }
+  layer_norm<T>(h.data(), ptr(3), ptr(4), B, E, eps, x.data());
+  linear_rows<T>(x.data(), B, ptr(0), V, E, nullptr, logits);
+}
+
+// tokens [B, 1] int64, positions [B] int64, keys/values [layers, B, H, cache_len, D],
+// alibi [B * H, 1, cache_len] -> logits [B, V] in the weights' dtype.
+at::Tensor decode_step(const std::vector<at::Tensor>& weights, const at::Tensor& tokens, const at::Tensor& positions,
+                       at::Tensor keys, at::Tensor values, const at::Tensor& alibi, int64_t window, double eps,
+                       bool residual_from_ln) {
+  TORCH_CHECK(weights.size() > kGlobalWeights && (weights.size() - kGlobalWeights) % kBlockWeights == 0,
+              "decode_step: 5 + 12 per block weights");
+  TORCH_CHECK(keys.dim() == 5 && keys.is_contiguous() && values.is_contiguous() && alibi.is_contiguous(),
+              "decode_step: contiguous keys/values [layers, B, H, K, D] and alibi");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong, "decode_step: int64 ids");
+  const auto dtype = weights[0].scalar_type();
+  for (const auto& w : weights)
+    TORCH_CHECK(w.scalar_type() == dtype && w.is_contiguous(), "decode_step: contiguous weights of one dtype");
+  TORCH_CHECK(keys.scalar_type() == dtype && values.scalar_type() == dtype && alibi.scalar_type() == dtype,
+              "decode_step: cache and alibi in the weights' dtype");
+  const Shapes s{keys.size(1), keys.size(2), keys.size(4), keys.size(3), window};
+  TORCH_CHECK(tokens.numel() == s.batch && positions.numel() == s.batch && window <= s.cache_len,
+              "decode_step: one token and one position per cache row, window within the cache");
+  const at::Tensor ids = tokens.contiguous(), slots = positions.contiguous();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < s.batch; ++b) {
+    TORCH_CHECK(id[b] >= 0 && id[b] < weights[0].size(0), "decode_step: token id out of the vocabulary");
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < s.cache_len, "decode_step: position outside the cache");
+  }
+  auto logits = at::empty({s.batch, weights[0].size(0)}, weights[0].options());
+  if (dtype == at::kBFloat16) {
+    using T = at::BFloat16;
+    decode<T>(weights, id, slot, keys, values, alibi.data_ptr<T>(), s, float(eps), residual_from_ln, logits.data_ptr<T>());
+  } else {
+    TORCH_CHECK(dtype == at::kFloat, "decode_step: bf16 or fp32 only");
+    decode<float>(weights, id, slot, keys, values, alibi.data_ptr<float>(), s, float(eps), residual_from_ln,
+                  logits.data_ptr<float>());
+  }
+  return logits;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(bloom_cpu, m) {
+  m.def("decode_step(Tensor[] weights, Tensor tokens, Tensor positions, Tensor(a!) keys, Tensor(b!) values, "
+        "Tensor alibi, int window, float eps, bool residual_from_ln) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(bloom_cpu, CPU, m) {
+  m.impl("decode_step", &decode_step);
+}
