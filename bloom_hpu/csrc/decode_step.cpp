@@ -61,14 +61,17 @@ void add_into(const T* residual, T* x, int64_t count) {
   for (int64_t i = 0; i < count; ++i) x[i] = round_to<T>(float(residual[i]) + float(x[i]));
 }
 
-// GELU with the tanh approximation (F.gelu(approximate="tanh")), in place.
+// GELU with the tanh approximation (F.gelu(approximate="tanh")), in place. Written as
+// x * sigmoid(2u), which equals 0.5 x (1 + tanh(u)) and costs one exp instead of a tanh (libm's
+// tanhf was ~15% of a tiny model's step); both round the same fp32 value to within an fp32 step.
 template <typename T>
 void gelu_tanh(T* x, int64_t count) {
   constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
   constexpr float kKappa = 0.044715f;
   for (int64_t i = 0; i < count; ++i) {
     const float v = float(x[i]);
-    x[i] = round_to<T>(0.5f * v * (1.0f + std::tanh(kBeta * (v + kKappa * v * v * v))));
+    const float u = kBeta * (v + kKappa * v * v * v);
+    x[i] = round_to<T>(v / (1.0f + std::exp(-2.0f * u)));
   }
 }
 
