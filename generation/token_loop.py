@@ -42,7 +42,7 @@ class LoopState:
 
     sequence: torch.Tensor  # [B, K] prompt + generated ids so far (pad beyond each row's end)
     lengths: torch.Tensor  # [B] prompt tokens per row
-    positions: torch.Tensor  # [B] slot of the token being chosen now = lengths + step
+    positions: torch.Tensor  # [B] slot of the token being chosen now = lengths + step (capped at the cache's end)
     step: int  # host int: how many tokens each row has generated so far
 
 
@@ -84,26 +84,30 @@ def run_token_loop(
     cache = runner.cache(b, plan.cache_len)
     sequence = torch.full((b, plan.cache_len), pad_token_id, dtype=torch.long, device=device)
     sequence[:, : plan.prompt_len] = batch.input_ids
-    positions = batch.lengths.clone()
-    out = torch.full((b, batch.steps), pad_token_id, dtype=torch.long, device=device)
+    out = torch.full((batch.steps, b), pad_token_id, dtype=torch.long, device=device)  # [steps, B]
     finish = torch.full((b,), RUNNING, dtype=torch.long, device=device)
+    # What each step needs of the rows' lengths and budgets, made once: a step picks one row of
+    # each ([S, B] -> [B], one cheap view), rather than computing it with a few small ops per token
+    # (on a CPU, each costs microseconds; a small model's whole step is ~100 us).
+    steps = torch.arange(batch.steps, device=device)[:, None]
+    # The slot of the token chosen at step s (= lengths + s); a finished row may run past the cache.
+    slots = (batch.lengths[None, :] + steps).clamp(max=plan.cache_len - 1)  # [S, B]
+    last_step = steps + 1 >= batch.new_limits[None, :]  # [S, B]: the row's budget ends at step s
 
     # Copies of one prompt (sampling's num_return_sequences) share its prefill.
     c = batch.copies
     logits = runner.prefill_shared(batch.input_ids[::c], batch.lengths[::c], cache, c)
     steps_run = 0
     for step in range(batch.steps):
+        slot = slots[step]
         running = finish == RUNNING
-        state = LoopState(sequence, batch.lengths, positions, step)
-        token = torch.where(running, choose(logits.float(), state), pad_token_id)
-        out[:, step] = token
-        sequence.scatter_(1, positions.clamp(max=plan.cache_len - 1)[:, None], token[:, None])
-        # A row ends with EOS (unless EOS is ignored) or when it has used its budget.
-        hit_eos = running & (token == eos_token_id)
-        hit_length = running & (step + 1 >= batch.new_limits)
+        token = torch.where(running, choose(logits.float(), LoopState(sequence, batch.lengths, slot, step)), pad_token_id)
+        out[step] = token
+        sequence.scatter_(1, slot[:, None], token[:, None])
+        # A row ends with EOS (unless EOS is ignored) or when it has used its budget; EOS first.
         if not ignore_eos:
-            finish.masked_fill_(hit_eos, EOS)
-        finish.masked_fill_(hit_length & (finish == RUNNING), LENGTH)
+            finish.masked_fill_(running & (token == eos_token_id), EOS)
+        finish.masked_fill_((finish == RUNNING) & last_step[step], LENGTH)
         steps_run = step + 1
         if on_step is not None:
             on_step(token, finish != RUNNING)
@@ -112,14 +116,12 @@ def run_token_loop(
         if (step + 1) % EOS_CHECK_EVERY == 0 and (stop_check is not None or not ignore_eos):
             if stop_check is not None:
                 # The whole buffer (a fixed shape, no new graph per check); the hook slices on the host.
-                finish.masked_fill_(stop_check(out, step + 1) & (finish == RUNNING), STOP)
+                finish.masked_fill_(stop_check(out.t(), step + 1) & (finish == RUNNING), STOP)
             if bool((finish != RUNNING).all()):
                 break
         if use_kv_cache:
-            slot = positions.clamp(max=plan.cache_len - 1)  # finished rows may run past the end
             logits = runner.decode(token[:, None], slot, cache, plan.window(step))
         else:
             # Recompute the whole sequence (the recipe switch use_kv_cache=false).
-            logits = runner.prefill(sequence[:, : plan.cache_len], (positions + 1).clamp(max=plan.cache_len), cache)
-        positions = positions + 1
-    return LoopOutput(out[:, :steps_run], finish, steps_run)
+            logits = runner.prefill(sequence, slot + 1, cache)
+    return LoopOutput(out[:steps_run].t().contiguous(), finish, steps_run)
