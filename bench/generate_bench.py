@@ -6,6 +6,7 @@ length, new tokens, beams...) and prints one table:
 
 * ``ours``          the recipe: static shapes (or buckets with --bucket_width), graphs on
 * ``ours+compile``  the same with the decode step through ``torch.compile`` (--compile)
+* ``op by op``      CPU: the decode step run op by op from Python, not as one C++ call
 * ``static off``    shapes follow the batch (``static_shapes=false``)
 * ``graphs off``    no graph capture/replay (``use_graphs=false``; on cpu the same as ``ours``)
 * ``transformers``  ``BloomForCausalLM.generate`` on the same checkpoint (the baseline)
@@ -65,7 +66,7 @@ TINY = ROOT / "checkpoints" / "bloom-tiny"
 CORPUS = ROOT / "utils" / "tiny_corpus.txt"
 # Random checkpoints of real model shapes: (vocab, hidden, layers, heads) as in their config.json.
 SHAPES = {"bloom-560m": (250880, 1024, 24, 16), "bloom-1b1": (250880, 1536, 24, 16)}
-VARIANTS = ("ours", "ours+compile", "static off", "graphs off", "transformers")
+VARIANTS = ("ours", "ours+compile", "op by op", "static off", "graphs off", "transformers")
 
 
 @dataclass
@@ -213,7 +214,17 @@ def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
         row.cache_mb = sum(c.nbytes for c in gen.runner._caches.values()) / 2**20
         gen.runner.release_caches()
 
-    return Variant(variant, lambda n: gen.generate(prompts, opts.updated(max_new_tokens=n)), describe)
+    def generate(n: int):
+        if variant != "op by op":
+            return gen.generate(prompts, opts.updated(max_new_tokens=n))
+        # The shared model without its one-call CPU decode step (StaticBloom.use_cpu_decode_step).
+        one_call, gen.model.cpu_decode = gen.model.cpu_decode, None
+        try:
+            return gen.generate(prompts, opts.updated(max_new_tokens=n))
+        finally:
+            gen.model.cpu_decode = one_call
+
+    return Variant(variant, generate, describe)
 
 
 def transformers_variant(folder: Path, args, prompts, device) -> Variant:
