@@ -6,7 +6,8 @@ length, new tokens, beams...) and prints one table:
 
 * ``ours``          the recipe: static shapes (or buckets with --bucket_width), graphs on
 * ``ours+compile``  the same with the decode step through ``torch.compile`` (--compile)
-* ``op by op``      CPU: the decode step run op by op from Python, not as one C++ call
+* ``op by op``      CPU: the decode step and the prompt attention run op by op from Python, not
+                    as one C++ call each
 * ``static off``    shapes follow the batch (``static_shapes=false``)
 * ``graphs off``    no graph capture/replay (``use_graphs=false``; on cpu the same as ``ours``)
 * ``transformers``  ``BloomForCausalLM.generate`` on the same checkpoint (the baseline)
@@ -217,12 +218,15 @@ def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
     def generate(n: int):
         if variant != "op by op":
             return gen.generate(prompts, opts.updated(max_new_tokens=n))
-        # The shared model without its one-call CPU decode step (StaticBloom.use_cpu_decode_step).
-        one_call, gen.model.cpu_decode = gen.model.cpu_decode, None
+        # The shared model without its one-call CPU decode step and prompt attention (see
+        # Backend.prepare_model): both run op by op from Python, as on the other devices.
+        model = gen.model
+        one_call = model.cpu_decode, model.prompt_attention
+        model.cpu_decode = model.prompt_attention = None
         try:
             return gen.generate(prompts, opts.updated(max_new_tokens=n))
         finally:
-            gen.model.cpu_decode = one_call
+            model.cpu_decode, model.prompt_attention = one_call
 
     return Variant(variant, generate, describe)
 

@@ -92,10 +92,14 @@ class Backend:
         kernel = cpu_kernel.load()
         if kernel is not None:
             model.use_few_rows_kernel(kernel)
-            self.fast_path = "few-rows kernel"
-            # With compile_steps, torch.compile is asked to build the step instead.
+            one_call = []
+            # With compile_steps, torch.compile is asked to build the decode step instead.
             if not self.compile_steps and model.use_cpu_decode_step(cpu_kernel.decode_step_op()):
-                self.fast_path = "few-rows kernel, decode step in one C++ call"
+                one_call.append("decode step")
+            model.prompt_attention = cpu_kernel.prompt_attention_op()
+            if model.prompt_attention is not None:
+                one_call.append("prompt attention")
+            self.fast_path = "few-rows kernel" + (f"; one C++ call: {', '.join(one_call)}" if one_call else "")
         elif onednn_bf16 and self.pack_weights:
             model.pack_linears()
             self.fast_path = f"oneDNN packed weights (no few-rows kernel: {cpu_kernel.unavailable_reason()})"

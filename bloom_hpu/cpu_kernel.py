@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 FEW_ROWS = 16  # up to this many rows the kernel beat oneDNN on every bloom-560m shape measured
 STEP = {torch.bfloat16: 32, torch.float32: 16}  # elements per 64-byte load: K must be a multiple
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("few_rows_linear.cpp", "decode_step.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("few_rows_linear.cpp", "decode_step.cpp", "prompt_attention.cpp")]
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"]
 
 _loaded: Callable | None = None
@@ -90,13 +90,21 @@ def _build() -> Callable:
     return op
 
 
+def one_call_steps() -> bool:
+    """The steps' one-call operators can be used: built with the kernel, and not turned off by
+    ``BLOOM_CPU_STEP=0`` (which keeps the op-by-op steps, to compare)."""
+    return load() is not None and os.environ.get("BLOOM_CPU_STEP", "1") != "0"
+
+
 def decode_step_op() -> Callable | None:
     """The whole decode step in one call (``csrc/decode_step.cpp``, see
-    ``StaticBloom.use_cpu_decode_step``), built with the kernel; None where ``load()`` is None or
-    ``BLOOM_CPU_STEP=0`` asks for the op-by-op step."""
-    if load() is None or os.environ.get("BLOOM_CPU_STEP", "1") == "0":
-        return None
-    return torch.ops.bloom_cpu.decode_step
+    ``StaticBloom.use_cpu_decode_step``), or None."""
+    return torch.ops.bloom_cpu.decode_step if one_call_steps() else None
+
+
+def prompt_attention_op() -> Callable | None:
+    """A prefill's attention in one call (``csrc/prompt_attention.cpp``), or None."""
+    return torch.ops.bloom_cpu.prompt_attention if one_call_steps() else None
 
 
 def suits(weight: torch.Tensor) -> bool:

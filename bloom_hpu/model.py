@@ -130,10 +130,17 @@ class Attention(nn.Module):
         context = torch.matmul(probs, v)  # [B, H, T, D]
         return context.transpose(1, 2).reshape(b, t, h * d)
 
-    def prefill(self, x, layer: int, cache: KVCache, hidden_mask, keep=None):
+    def prefill(self, x, layer: int, cache: KVCache, hidden_mask, keep=None, lengths=None, kernel=None):
         """Keys and values of every position go to the cache; ``keep`` (see ``Block.forward``)
-        limits the queries, and so the output, to the positions kept."""
-        q, k, v = self._split_heads(self.query_key_value(x))
+        limits the queries, and so the output, to the positions kept.
+
+        ``kernel`` (CPU, ``csrc/prompt_attention.cpp``): the same attention in one call, masked
+        from ``lengths`` [B]; the only ``keep`` a prefill uses, each row's last real token, is
+        its ``last_only``."""
+        qkv = self.query_key_value(x)
+        if kernel is not None:
+            return self.dense(kernel(qkv, lengths, cache.keys[layer], cache.values[layer], cache.alibi, keep is not None))
+        q, k, v = self._split_heads(qkv)
         cache.write_prefix(layer, k, v)
         p = x.shape[1]
         if keep is not None:  # [B, H, P, ...] -> [B, H, kept, ...], picked along the positions
@@ -201,6 +208,7 @@ class VocabParallelEmbedding(nn.Embedding):
 class StaticBloom(nn.Module):
     few_rows: Callable | None = None  # the LM head's kernel for few rows (``use_few_rows_kernel``)
     cpu_decode: Callable | None = None  # the whole decode step in one call (``use_cpu_decode_step``)
+    prompt_attention: Callable | None = None  # a prefill's attention in one call (CPU, ``csrc/prompt_attention.cpp``)
 
     def __init__(self, config: BloomConfig, parallel: Parallel = SINGLE):
         super().__init__()
@@ -311,8 +319,8 @@ class StaticBloom(nn.Module):
         h = self.embed(input_ids)
         for i, block in enumerate(self.h):
             keep = keep_last if last_only and i == len(self.h) - 1 else None
-            h = block(h, lambda x, i=i, block=block, keep=keep: block.self_attention.prefill(x, i, cache, hidden_mask, keep),
-                      keep)
+            h = block(h, lambda x, i=i, block=block, keep=keep: block.self_attention.prefill(
+                x, i, cache, hidden_mask, keep, lengths, self.prompt_attention), keep)
         return h
 
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -112,7 +112,7 @@ def test_bf16_model_on_cpu_uses_the_kernel_or_packs(make_ckpt):
     generator = Generator.from_pretrained(folder, dtype="bf16")
     mlp = generator.model.h[0].mlp.dense_h_to_4h
     if cpu_kernel.load() is not None:
-        assert generator.backend.fast_path == "few-rows kernel, decode step in one C++ call"
+        assert generator.backend.fast_path == "few-rows kernel; one C++ call: decode step, prompt attention"
         assert mlp.few_rows is not None and generator.model.few_rows is not None and mlp.packed is None
     else:
         assert generator.backend.fast_path.startswith("oneDNN packed weights")
@@ -150,7 +150,7 @@ def test_cli_says_which_cpu_fast_path_it_uses(tiny_checkpoint, capsys):
     assert bloom.main(["--weights", str(tiny_checkpoint), "--max_length", "12", "--quiet", "Hello"]) == 0
     err = capsys.readouterr().err
     if cpu_kernel.load() is not None:
-        assert "CPU fast path: few-rows kernel, decode step in one C++ call" in err
+        assert "CPU fast path: few-rows kernel; one C++ call: decode step, prompt attention" in err
     else:
         assert "CPU fast path" not in err  # the embedded checkpoint is fp32: nothing to pack
     assert bloom.main(["--weights", str(tiny_checkpoint), "--max_length", "12", "--quiet", "--mode", "vanilla",

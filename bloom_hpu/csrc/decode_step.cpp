@@ -22,19 +22,16 @@
 #include <cmath>
 #include <vector>
 
+#include "attention.h"
 #include "few_rows.h"
 
 namespace {
 
 using bloom_cpu::linear_rows;
+using bloom_cpu::round_to;
 
 constexpr int kGlobalWeights = 5;
 constexpr int kBlockWeights = 12;
-
-template <typename T>
-inline T round_to(float value) {
-  return T(value);  // bf16: round to nearest even, as PyTorch stores an fp32 result
-}
 
 // out [rows, n] = layer_norm(x [rows, n]) * weight + bias, statistics in fp32.
 template <typename T>
@@ -88,7 +85,7 @@ void attend(const T* qkv, const int64_t* positions, T* keys, T* values, const T*
   const int64_t D = s.head_dim, H = s.heads;
   const float inv_norm = 1.0f / std::sqrt(float(D));
   at::parallel_for(0, s.batch * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> probs(s.window);
+    std::vector<float> scratch(s.window), context(D);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const T* q = qkv + (b * H + h) * 3 * D;
@@ -97,24 +94,8 @@ void attend(const T* qkv, const int64_t* positions, T* keys, T* values, const T*
       const int64_t pos = positions[b];
       std::copy(q + D, q + 2 * D, k_cache + pos * D);
       std::copy(q + 2 * D, q + 3 * D, v_cache + pos * D);
-      // Scores (baddbmm: alibi + inv_norm * q.k in fp32, stored in T), then an fp32 softmax.
-      const int64_t seen = std::min(pos + 1, s.window);
-      float top = -INFINITY;
-      for (int64_t j = 0; j < seen; ++j) {
-        float dot = 0.0f;
-        for (int64_t d = 0; d < D; ++d) dot += float(q[d]) * float(k_cache[j * D + d]);
-        probs[j] = float(round_to<T>(float(alibi[bh * s.cache_len + j]) + inv_norm * dot));
-        top = std::max(top, probs[j]);
-      }
-      float total = 0.0f;
-      for (int64_t j = 0; j < seen; ++j) total += (probs[j] = std::exp(probs[j] - top));
-      // Probabilities stored in T, then the weighted sum of values in fp32, stored in T.
-      std::vector<float> context(D, 0.0f);
-      for (int64_t j = 0; j < seen; ++j) {
-        const float p = float(round_to<T>(probs[j] / total));
-        for (int64_t d = 0; d < D; ++d) context[d] += p * float(v_cache[j * D + d]);
-      }
-      for (int64_t d = 0; d < D; ++d) out[b * H * D + h * D + d] = round_to<T>(context[d]);
+      bloom_cpu::attend_one<T>(q, k_cache, v_cache, alibi + bh * s.cache_len, std::min(pos + 1, s.window), D, inv_norm,
+                               scratch.data(), context.data(), out + (b * H + h) * D);
     }
   });
 }

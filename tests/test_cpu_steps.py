@@ -31,6 +31,17 @@ CONFIGS = {  # 6 heads: slopes of a non-power of two; residual from the layer no
     "heads4": dict(hidden_size=64, n_layer=2, n_head=4),
     "heads6-residual-from-ln": dict(hidden_size=96, n_layer=3, n_head=6, apply_residual_connection_post_layernorm=True),
 }
+TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rtol=1.6e-2, atol=0.1)}
+
+
+def op_by_op(model: StaticBloom, run):
+    """``run()`` with the model's one-call steps switched off."""
+    saved = model.cpu_decode, model.prompt_attention
+    model.cpu_decode = model.prompt_attention = None
+    try:
+        return run()
+    finally:
+        model.cpu_decode, model.prompt_attention = saved
 
 
 @needs_kernel
@@ -42,23 +53,47 @@ def test_one_call_step_equals_the_op_by_op_step(dtype, config):
     model = random_model(dtype, **config)
     Backend("cpu").prepare_model(model)
     assert model.cpu_decode is not None
-    one_call, op_by_op = model.allocate_cache(3, 40), model.allocate_cache(3, 40)
+    one_call, reference_cache = model.allocate_cache(3, 40), model.allocate_cache(3, 40)
     ids, lengths = torch.randint(4, 1000, (3, 20)), torch.tensor([20, 7, 13])
-    model.prefill(ids, lengths, one_call)
-    model.prefill(ids, lengths, op_by_op)
+    op_by_op(model, lambda: model.prefill(ids, lengths, one_call))
+    op_by_op(model, lambda: model.prefill(ids, lengths, reference_cache))
     tokens, positions = torch.randint(4, 1000, (3, 1)), lengths.clone()
-    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=0.1)
+    tolerance = TOLERANCE[dtype]
     for _ in range(6):
         ours = model.decode(tokens, positions, one_call, 32)
-        step, model.cpu_decode = model.cpu_decode, None
-        reference = model.decode(tokens, positions, op_by_op, 32)
-        model.cpu_decode = step
+        reference = op_by_op(model, lambda: model.decode(tokens, positions, reference_cache, 32))
         assert ours.shape == reference.shape == (3, 1024) and ours.dtype == dtype
         torch.testing.assert_close(ours, reference, **tolerance)
         assert torch.equal(ours.argmax(-1), reference.argmax(-1))
-        torch.testing.assert_close(one_call.keys, op_by_op.keys, **tolerance)
-        torch.testing.assert_close(one_call.values, op_by_op.values, **tolerance)
+        torch.testing.assert_close(one_call.keys, reference_cache.keys, **tolerance)
+        torch.testing.assert_close(one_call.values, reference_cache.values, **tolerance)
         tokens, positions = reference.argmax(-1)[:, None], positions + 1
+
+
+PROMPT_CONFIGS = {**CONFIGS, "head-size-20": dict(hidden_size=80, n_layer=2, n_head=4)}  # 20: not whole vectors
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("config", PROMPT_CONFIGS.values(), ids=PROMPT_CONFIGS.keys())
+def test_one_call_prompt_attention_equals_the_op_by_op_one(dtype, config):
+    """Rows of 20, 7 and 13 real tokens padded to 20, in a cache of 40 slots: the same last-token
+    logits (generation), logits at every position (scoring) and keys/values in the real slots."""
+    model = random_model(dtype, **config)
+    Backend("cpu").prepare_model(model)
+    assert model.prompt_attention is not None
+    ids, lengths = torch.randint(4, 1000, (3, 20)), torch.tensor([20, 7, 13])
+    for prefill in (model.prefill, model.full_logits):
+        one_call, reference_cache = model.allocate_cache(3, 40), model.allocate_cache(3, 40)
+        ours = prefill(ids, lengths, one_call)
+        reference = op_by_op(model, lambda: prefill(ids, lengths, reference_cache))
+        assert ours.shape == reference.shape and ours.dtype == dtype
+        for row, length in enumerate(lengths.tolist()):  # pad positions' outputs are never used
+            torch.testing.assert_close(ours[row, :length], reference[row, :length], **TOLERANCE[dtype])
+            for mine, theirs in ((one_call.keys, reference_cache.keys), (one_call.values, reference_cache.values)):
+                torch.testing.assert_close(mine[:, row, :, :length], theirs[:, row, :, :length], **TOLERANCE[dtype])
+        assert torch.equal(ours[:, -1].argmax(-1) if ours.dim() == 3 else ours.argmax(-1),
+                           reference[:, -1].argmax(-1) if reference.dim() == 3 else reference.argmax(-1))
 
 
 @needs_kernel
@@ -73,17 +108,19 @@ def test_the_step_refuses_positions_outside_the_cache():
 
 
 @needs_kernel
-def test_one_call_step_is_used_where_it_can_be(monkeypatch):
+def test_one_call_steps_are_used_where_they_can_be(monkeypatch):
     def prepared(dtype=torch.float32, parallel=Parallel(), hidden_size=64, **backend):
         model = random_model(dtype, parallel, hidden_size=hidden_size, n_layer=2, n_head=4)
         Backend("cpu", **backend).prepare_model(model)
         return model
 
-    assert prepared().cpu_decode is not None
-    assert prepared(torch.bfloat16).cpu_decode is not None
-    assert prepared(torch.float16).cpu_decode is None  # not a dtype of the kernel
-    assert prepared(torch.bfloat16, hidden_size=48).cpu_decode is None  # 48 bf16 do not fill 64-byte loads
-    assert prepared(compile_steps=True).cpu_decode is None  # torch.compile builds the step instead
-    assert prepared(parallel=Parallel(rank=0, world_size=2)).cpu_decode is None  # its all-reduces stay in Python
+    def used(model):
+        return model.cpu_decode is not None, model.prompt_attention is not None
+
+    assert used(prepared()) == used(prepared(torch.bfloat16)) == (True, True)
+    assert used(prepared(torch.float16)) == (False, False)  # not a dtype of the kernels
+    assert used(prepared(torch.bfloat16, hidden_size=48)) == (False, True)  # 48 bf16 do not fill 64-byte loads
+    assert used(prepared(compile_steps=True)) == (False, True)  # torch.compile builds the decode step instead
+    assert used(prepared(parallel=Parallel(rank=0, world_size=2))) == (False, True)  # all-reduces stay in Python
     monkeypatch.setenv("BLOOM_CPU_STEP", "0")
-    assert prepared().cpu_decode is None
+    assert used(prepared()) == (False, False)
