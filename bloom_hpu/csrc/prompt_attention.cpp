@@ -7,9 +7,11 @@
 // prefill on 2 cores, for 1.6 GFLOP. Here each (row, head) is one task that reads its queries,
 // keys and values where the product left them, with the same roundings (attention.h).
 //
-// Masking, as the op-by-op prefill: a query at slot i of a row with `length` real tokens sees the
-// keys at slots <= i (causal) that are real tokens; a pad query (i >= length) sees every real key,
-// so no softmax row is empty (its output is never used for a real token).
+// Masking: a query at slot i of a row with `length` real tokens sees the keys at slots <= i. A pad
+// query (i >= length) gets zeros: its output is never used for a real token (real queries never
+// see pad keys, and decode overwrites a pad slot before attending it), so with prompts padded to
+// a static length the attention costs what the real tokens need. (The op-by-op prefill lets pad
+// queries attend every real key instead; either way their outputs stay finite.)
 
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -42,9 +44,13 @@ void run(const T* qkv, const int64_t* lengths, T* keys, T* values, const T* alib
       }
       for (int64_t n = 0; n < Q; ++n) {
         const int64_t i = last_only ? length - 1 : n;
-        const int64_t seen = i < length ? i + 1 : length;
-        bloom_cpu::attend_one<T>(head + i * H * 3 * D, k_cache, v_cache, alibi + bh * K, seen, D, inv_norm,
-                                 scratch.data(), context.data(), out + (b * Q + n) * H * D + h * D);
+        T* o = out + (b * Q + n) * H * D + h * D;
+        if (i >= length) {  // a pad query: zeros (finite, like the op-by-op output; never used)
+          std::fill(o, o + D, T(0.0f));
+          continue;
+        }
+        bloom_cpu::attend_one<T>(head + i * H * 3 * D, k_cache, v_cache, alibi + bh * K, i + 1, D, inv_norm,
+                                 scratch.data(), context.data(), o);
       }
     }
   });
