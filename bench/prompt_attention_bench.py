@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""A prefill with the CPU's one-call prompt attention against the op-by-op one, same model.
+
+Times ``StaticBloom.prefill`` of one prompt of ``--real`` tokens padded to ``--padded`` slots, the
+two attentions alternated (so a drift in the machine's load hits both alike), after two untimed
+runs of each; prints the medians and every run. See "One C++ call per step" in
+docs/performance.md.
+
+    OMP_NUM_THREADS=2 python bench/prompt_attention_bench.py --config bloom-560m --dtype bf16 --padded 128 --real 128
+    OMP_NUM_THREADS=2 python bench/prompt_attention_bench.py --config tiny --padded 2048 --real 56
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench.generate_bench import checkpoint_folder  # noqa: E402
+from generation.generator import Generator, parse_dtype  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="tiny", help="tiny, bloom-560m, bloom-1b1 or a checkpoint folder")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--padded", type=int, default=128, help="prompt slots (the static length)")
+    p.add_argument("--real", type=int, default=128, help="real tokens in the prompt")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0)
+    args = p.parse_args(argv)
+    if not 1 <= args.real <= args.padded:
+        p.error("need 1 <= --real <= --padded")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    generator = Generator.from_pretrained(checkpoint_folder(args.config, parse_dtype(args.dtype)), dtype=args.dtype)
+    model = generator.model
+    one_call = model.prompt_attention
+    if one_call is None:
+        print(f"no one-call prompt attention here (CPU fast path: {generator.backend.fast_path})")
+        return 1
+    ids = torch.randint(5, 1000, (1, args.padded))
+    lengths = torch.tensor([args.real])
+    cache = model.allocate_cache(1, args.padded)
+
+    def timed(attention) -> float:
+        model.prompt_attention = attention
+        with torch.no_grad():
+            started = time.perf_counter()
+            model.prefill(ids, lengths, cache)
+            return (time.perf_counter() - started) * 1e3
+
+    for attention in (one_call, None, one_call, None):
+        timed(attention)
+    runs = {"one call": [], "op by op": []}
+    for _ in range(args.repeats):
+        runs["one call"].append(timed(one_call))
+        runs["op by op"].append(timed(None))
+    model.prompt_attention = one_call
+    print(f"prefill of {args.real} real tokens padded to {args.padded}, {args.dtype}, "
+          f"{torch.get_num_threads()} threads ({args.config}):")
+    for name, times in runs.items():
+        print(f"  {name:9s} {statistics.median(times):8.1f} ms  (runs: {', '.join(f'{t:.0f}' for t in times)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
