@@ -80,7 +80,9 @@ class Backend:
         kernel (``cpu_kernel.py``: reads at about the memory's bandwidth). Where it cannot be had,
         in bf16, pack the blocks' weights for oneDNN (``Linear.pack``: about 1.4x faster than plain,
         bit-identical; not with ``compile_steps``, where inductor packs them itself).
-        In bf16, prefill's MLP GELU also runs inside oneDNN's product. ``fast_path`` says which,
+        In bf16, prefill's MLP GELU also runs inside oneDNN's product. With the kernel, the decode
+        step (one process, not ``compile_steps``) and a prefill's attention also run as one C++ call
+        each (``StaticBloom.use_cpu_decode_step``, ``prompt_attention``). ``fast_path`` says which,
         for the CLI and the benchmark."""
         self.fast_path = "none"
         dtype = model.word_embeddings.weight.dtype

@@ -25,7 +25,6 @@
 
 namespace bloom_cpu {
 
-
 constexpr int kRows = 4;                  // weight rows per block
 constexpr int64_t kPrefetchBytes = 8192;  // a few blocks ahead of the loads (measured: 4-16 KB alike)
 
@@ -99,4 +98,5 @@ void linear_rows(const T* x, int64_t M, const T* w, int64_t N, int64_t K, const 
   });
   for (int64_t n = blocks * kRows; n < N; ++n) output_rows<T, 1>(w + n * K, x, bias, out, n, M, N, K);
 }
+
 }  // namespace bloom_cpu

@@ -3,9 +3,11 @@
 //
 // Op by op (model.py, Attention.prefill) the same attention is a dozen PyTorch calls per block:
 // head split and layout copies, a [B*H, P, P] score tensor, a masked copy of it, an fp32 softmax,
-// a bf16 copy of that, a product and another layout copy: about 45 ms of a 128-token bloom-560m
-// prefill on 2 cores, for 1.6 GFLOP. Here each (row, head) is one task that reads its queries,
-// keys and values where the product left them, with the same roundings (attention.h).
+// a bf16 copy of that, a product and another layout copy. Here each (row, head) is one task that
+// reads its queries, keys and values where the product left them, with the same roundings
+// (attention.h). With every position real that is no faster (a 128-token bloom-560m prefill: 573
+// against 582 ms, docs/performance.md): one dot, one exp and two roundings per (query, key) pair,
+// where oneDNN vectorises across keys. What it saves is the work of pad positions (below).
 //
 // Masking: a query at slot i of a row with `length` real tokens sees the keys at slots <= i. A pad
 // query (i >= length) gets zeros: its output is never used for a real token (real queries never
