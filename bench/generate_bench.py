@@ -218,15 +218,8 @@ def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
     def generate(n: int):
         if variant != "op by op":
             return gen.generate(prompts, opts.updated(max_new_tokens=n))
-        # The shared model without its one-call CPU decode step and prompt attention (see
-        # Backend.prepare_model): both run op by op from Python, as on the other devices.
-        model = gen.model
-        one_call = model.cpu_decode, model.prompt_attention
-        model.cpu_decode = model.prompt_attention = None
-        try:
+        with gen.model.op_by_op():  # the shared model without its one-call CPU steps
             return gen.generate(prompts, opts.updated(max_new_tokens=n))
-        finally:
-            model.cpu_decode, model.prompt_attention = one_call
 
     return Variant(variant, generate, describe)
 

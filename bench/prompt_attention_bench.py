@@ -13,6 +13,7 @@ docs/performance.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -41,28 +42,25 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     generator = Generator.from_pretrained(checkpoint_folder(args.config, parse_dtype(args.dtype)), dtype=args.dtype)
     model = generator.model
-    one_call = model.prompt_attention
-    if one_call is None:
+    if model.prompt_attention is None:
         print(f"no one-call prompt attention here (CPU fast path: {generator.backend.fast_path})")
         return 1
     ids = torch.randint(5, 1000, (1, args.padded))
     lengths = torch.tensor([args.real])
     cache = model.allocate_cache(1, args.padded)
 
-    def timed(attention) -> float:
-        model.prompt_attention = attention
-        with torch.no_grad():
+    def timed(one_call: bool) -> float:
+        with torch.no_grad(), (contextlib.nullcontext() if one_call else model.op_by_op()):
             started = time.perf_counter()
             model.prefill(ids, lengths, cache)
             return (time.perf_counter() - started) * 1e3
 
-    for attention in (one_call, None, one_call, None):
-        timed(attention)
+    for one_call in (True, False, True, False):
+        timed(one_call)
     runs = {"one call": [], "op by op": []}
     for _ in range(args.repeats):
-        runs["one call"].append(timed(one_call))
-        runs["op by op"].append(timed(None))
-    model.prompt_attention = one_call
+        runs["one call"].append(timed(True))
+        runs["op by op"].append(timed(False))
     print(f"prefill of {args.real} real tokens padded to {args.padded}, {args.dtype}, "
           f"{torch.get_num_threads()} threads ({args.config}):")
     for name, times in runs.items():

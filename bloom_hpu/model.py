@@ -16,6 +16,7 @@ linears finish with an all-reduce. With one process those calls are no-ops.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -288,6 +289,17 @@ class StaticBloom(nn.Module):
                         *norm(block.post_attention_layernorm), *linear(mlp.dense_h_to_4h), *linear(mlp.dense_4h_to_h)]
         return [w.detach() for w in weights]
 
+    @contextmanager
+    def op_by_op(self):
+        """Within it, the one-call CPU steps (``cpu_decode``, ``prompt_attention``) are off and
+        the steps run op by op from Python, as on the other devices: to compare the two."""
+        saved = self.cpu_decode, self.prompt_attention
+        self.cpu_decode = self.prompt_attention = None
+        try:
+            yield self
+        finally:
+            self.cpu_decode, self.prompt_attention = saved
+
     def lm_head(self, h):
         """Logits over the whole vocabulary [..., V] from final hidden states (tied embeddings)."""
         # One product per step: the per-call checks of cpu_kernel.linear cost nothing here.
@@ -304,13 +316,14 @@ class StaticBloom(nn.Module):
         ``last_only``: [B, 1, hidden], each row's last real token only. The last block then runs
         its attention output, dense and MLP for that token alone: a quarter of a block's
         products are the keys and values every position needs, the rest would be thrown away."""
-        p = input_ids.shape[1]
-        slots = torch.arange(p, device=input_ids.device)
-        # A query at q sees keys k <= q that are real tokens of its row. Pad queries (q >= length)
-        # still see every real key, so no row of the softmax is empty.
-        causal = slots[None, :] > slots[:, None]  # [P(q), P(k)]
-        padding = slots[None, :] >= lengths[:, None]  # [B, P(k)]
-        hidden_mask = causal[None, None] | padding[:, None, None, :]  # [B, 1, P, P]
+        hidden_mask = None  # the one-call prompt attention masks from ``lengths`` itself
+        if self.prompt_attention is None:
+            slots = torch.arange(input_ids.shape[1], device=input_ids.device)
+            # A query at q sees keys k <= q that are real tokens of its row. Pad queries (q >= length)
+            # still see every real key, so no row of the softmax is empty.
+            causal = slots[None, :] > slots[:, None]  # [P(q), P(k)]
+            padding = slots[None, :] >= lengths[:, None]  # [B, P(k)]
+            hidden_mask = causal[None, None] | padding[:, None, None, :]  # [B, 1, P, P]
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
 
         def keep_last(t):  # [B, P, ...] -> [B, 1, ...]: each row's last real token

@@ -36,12 +36,8 @@ TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.bfloat16: dict(rto
 
 def op_by_op(model: StaticBloom, run):
     """``run()`` with the model's one-call steps switched off."""
-    saved = model.cpu_decode, model.prompt_attention
-    model.cpu_decode = model.prompt_attention = None
-    try:
+    with model.op_by_op():
         return run()
-    finally:
-        model.cpu_decode, model.prompt_attention = saved
 
 
 @needs_kernel
