@@ -29,7 +29,7 @@ import torch.nn.functional as F
 FEW_ROWS = 16  # up to this many rows the kernel beat oneDNN on every bloom-560m shape measured
 STEP = {torch.bfloat16: 32, torch.float32: 16}  # elements per 64-byte load: K must be a multiple
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("few_rows_linear.cpp", "decode_step.cpp", "prompt_attention.cpp")]
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512bf16", "-fopenmp"]
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"]
 
 _loaded: Callable | None = None
 _reason: str | None = None  # why it is not loaded, once a load was tried

@@ -1,8 +1,9 @@
-// BLOOM's attention for one query over the first keys of one head's cache, with the roundings of
-// model.py's op-by-op attention (which are transformers'): scores = alibi + q.k / sqrt(D) summed in
-// fp32 and stored in the model's dtype T, softmax in fp32, probabilities stored in T, their
-// weighted sum of values in fp32, stored in T. Shared by the decode step (one query per row) and
-// the prompt attention (every position of a prompt).
+// BLOOM's attention for the queries of one head over the first keys of that head's cache, with the
+// roundings of model.py's op-by-op attention (which are transformers'): scores = alibi + q.k / sqrt(D)
+// summed in fp32 and stored in the model's dtype T, softmax in fp32, probabilities stored in T,
+// their weighted sum of values in fp32, stored in T. The decode step (attend_one: one query per
+// row) and the prompt attention (key-blocked scores for every position, prompt_attention.cpp)
+// share the softmax and the weighted values below.
 
 #pragma once
 
@@ -13,18 +14,9 @@
 #include <cmath>
 #include <cstdint>
 
+#include "vec16.h"
+
 namespace bloom_cpu {
-
-template <typename T>
-inline T round_to(float value) {
-  return T(value);  // bf16: round to nearest even, as PyTorch stores an fp32 result
-}
-
-// 16 elements as fp32 (bf16 widens exactly).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  return _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 
 // sum_d a[d] * b[d] in fp32, for any n (head sizes are 16, 64, 80, 96, 128...).
 template <typename T>
@@ -32,9 +24,46 @@ inline float dot(const T* a, const T* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   int64_t d = 0;
   for (; d + 16 <= n; d += 16) acc = _mm512_fmadd_ps(load16(a + d), load16(b + d), acc);
-  float sum = _mm512_reduce_add_ps(acc);
-  for (; d < n; ++d) sum += float(a[d]) * float(b[d]);
-  return sum;
+  if (d < n) acc = _mm512_fmadd_ps(load_first(a + d, n - d), load_first(b + d, n - d), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+// scores [n] (each already rounded to T) -> probabilities rounded to T, in place:
+// exp(s - max) / sum, in fp32.
+template <typename T>
+inline void softmax_rounded(float* scores, int64_t n) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = first_lanes(n - j);
+    top = _mm512_mask_max_ps(top, lanes, top, _mm512_maskz_loadu_ps(lanes, scores + j));
+  }
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = first_lanes(n - j);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + j), shift));
+    total = _mm512_mask_add_ps(total, lanes, total, e);
+    _mm512_mask_storeu_ps(scores + j, lanes, e);
+  }
+  const __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = first_lanes(n - j);
+    _mm512_mask_storeu_ps(scores + j, lanes, round16<T>(_mm512_div_ps(_mm512_maskz_loadu_ps(lanes, scores + j), sum)));
+  }
+}
+
+// out [D] = sum_j probs[j] * values[j, :] over j < n (values: rows of a head's cache), summed in
+// fp32 in the order of the keys and rounded to T. context: D floats of scratch. (Whole rows per key,
+// so the D / 16 vector sums of a key are independent and run side by side.)
+template <typename T>
+inline void weighted_values(const float* probs, const T* values, int64_t n, int64_t D, float* context, T* out) {
+  std::fill(context, context + D, 0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    const float p = probs[j];
+    const T* v = values + j * D;
+    for (int64_t d = 0; d < D; ++d) context[d] += p * float(v[d]);
+  }
+  for (int64_t d = 0; d < D; ++d) out[d] = round_to<T>(context[d]);
 }
 
 // out [D] = attention of q [D] over keys/values [seen, D] (rows 0..seen-1 of a head's cache),
@@ -42,20 +71,10 @@ inline float dot(const T* a, const T* b, int64_t n) {
 template <typename T>
 void attend_one(const T* q, const T* keys, const T* values, const T* alibi, int64_t seen, int64_t D, float inv_norm,
                 float* scratch, float* context, T* out) {
-  float top = -INFINITY;
-  for (int64_t j = 0; j < seen; ++j) {
+  for (int64_t j = 0; j < seen; ++j)
     scratch[j] = float(round_to<T>(float(alibi[j]) + inv_norm * dot(q, keys + j * D, D)));
-    top = std::max(top, scratch[j]);
-  }
-  float total = 0.0f;
-  for (int64_t j = 0; j < seen; ++j) total += (scratch[j] = std::exp(scratch[j] - top));
-  std::fill(context, context + D, 0.0f);
-  for (int64_t j = 0; j < seen; ++j) {
-    const float p = float(round_to<T>(scratch[j] / total));
-    const T* v = values + j * D;
-    for (int64_t d = 0; d < D; ++d) context[d] += p * float(v[d]);
-  }
-  for (int64_t d = 0; d < D; ++d) out[d] = round_to<T>(context[d]);
+  softmax_rounded<T>(scratch, seen);
+  weighted_values<T>(scratch, values, seen, D, context, out);
 }
 
 }  // namespace bloom_cpu
