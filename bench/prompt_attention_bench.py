@@ -3,10 +3,12 @@
 
 Times ``StaticBloom.prefill`` of one prompt of ``--real`` tokens padded to ``--padded`` slots, the
 two attentions alternated (so a drift in the machine's load hits both alike), after two untimed
-runs of each; prints the medians and every run. See "One C++ call per step" in
-docs/performance.md.
+runs of each; prints the medians and every run. With ``--attention_only``, times one block's
+attention alone (``Attention.attend_prompt`` on a random ``query_key_value`` output, without the
+products around it). See "One C++ call per step" in docs/performance.md.
 
     OMP_NUM_THREADS=2 python bench/prompt_attention_bench.py --config bloom-560m --dtype bf16 --padded 128 --real 128
+    OMP_NUM_THREADS=2 python bench/prompt_attention_bench.py --config bloom-560m --dtype bf16 --padded 512 --real 512 --attention_only
     OMP_NUM_THREADS=2 python bench/prompt_attention_bench.py --config tiny --padded 2048 --real 56
 """
 
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.generate_bench import checkpoint_folder  # noqa: E402
+from bloom_hpu.model import prompt_mask  # noqa: E402
 from generation.generator import Generator, parse_dtype  # noqa: E402
 
 
@@ -35,6 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("--real", type=int, default=128, help="real tokens in the prompt")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--attention_only", action="store_true", help="time one block's attention, not the prefill")
     args = p.parse_args(argv)
     if not 1 <= args.real <= args.padded:
         p.error("need 1 <= --real <= --padded")
@@ -49,10 +53,23 @@ def main(argv=None) -> int:
     lengths = torch.tensor([args.real])
     cache = model.allocate_cache(1, args.padded)
 
+    if args.attention_only:
+        attention, config = model.h[0].self_attention, model.config
+        qkv = torch.randn(1, args.padded, 3 * config.hidden_size).to(next(model.parameters()).dtype)
+        mask = prompt_mask(lengths, args.padded)
+
+        def run(one_call: bool):
+            kernel = model.prompt_attention if one_call else None
+            attention.attend_prompt(qkv, 0, cache, mask, lengths=lengths, kernel=kernel)
+    else:
+        def run(one_call: bool):
+            with contextlib.nullcontext() if one_call else model.op_by_op():
+                model.prefill(ids, lengths, cache)
+
     def timed(one_call: bool) -> float:
-        with torch.no_grad(), (contextlib.nullcontext() if one_call else model.op_by_op()):
+        with torch.no_grad():
             started = time.perf_counter()
-            model.prefill(ids, lengths, cache)
+            run(one_call)
             return (time.perf_counter() - started) * 1e3
 
     for one_call in (True, False, True, False):
@@ -61,10 +78,13 @@ def main(argv=None) -> int:
     for _ in range(args.repeats):
         runs["one call"].append(timed(True))
         runs["op by op"].append(timed(False))
-    print(f"prefill of {args.real} real tokens padded to {args.padded}, {args.dtype}, "
+    what = "one block's attention" if args.attention_only else "prefill"
+    print(f"{what} of {args.real} real tokens padded to {args.padded}, {args.dtype}, "
           f"{torch.get_num_threads()} threads ({args.config}):")
     for name, times in runs.items():
-        print(f"  {name:9s} {statistics.median(times):8.1f} ms  (runs: {', '.join(f'{t:.0f}' for t in times)})")
+        digits = 2 if max(times) < 10 else 0  # one block's attention can take under a millisecond
+        print(f"  {name:9s} {statistics.median(times):8.{max(digits, 1)}f} ms  "
+              f"(runs: {', '.join(f'{t:.{digits}f}' for t in times)})")
     return 0
 
 

@@ -133,21 +133,24 @@ class Attention(nn.Module):
 
     def prefill(self, x, layer: int, cache: KVCache, hidden_mask, keep=None, lengths=None, kernel=None):
         """Keys and values of every position go to the cache; ``keep`` (see ``Block.forward``)
-        limits the queries, and so the output, to the positions kept.
+        limits the queries, and so the output, to the positions kept."""
+        return self.dense(self.attend_prompt(self.query_key_value(x), layer, cache, hidden_mask, keep, lengths, kernel))
+
+    def attend_prompt(self, qkv, layer: int, cache: KVCache, hidden_mask, keep=None, lengths=None, kernel=None):
+        """The attention between a prefill's two products: qkv [B, P, H*3*D] -> context [B, kept, H*D].
 
         ``kernel`` (CPU, ``csrc/prompt_attention.cpp``): the same attention in one call, masked
         from ``lengths`` [B]; the only ``keep`` a prefill uses, each row's last real token, is
         its ``last_only``."""
-        qkv = self.query_key_value(x)
         if kernel is not None:
-            return self.dense(kernel(qkv, lengths, cache.keys[layer], cache.values[layer], cache.alibi, keep is not None))
+            return kernel(qkv, lengths, cache.keys[layer], cache.values[layer], cache.alibi, keep is not None)
         q, k, v = self._split_heads(qkv)
         cache.write_prefix(layer, k, v)
-        p = x.shape[1]
+        p = qkv.shape[1]
         if keep is not None:  # [B, H, P, ...] -> [B, H, kept, ...], picked along the positions
             q = keep(q.transpose(1, 2)).transpose(1, 2)
             hidden_mask = keep(hidden_mask.transpose(1, 2)).transpose(1, 2)
-        return self.dense(self._attend(q, k, v, cache.alibi[:, :, :p], hidden_mask))
+        return self._attend(q, k, v, cache.alibi[:, :, :p], hidden_mask)
 
     def decode(self, x, layer: int, cache: KVCache, positions, window: int, masked_alibi):
         """``masked_alibi`` [B*H, 1, W]: the ALiBi bias with unseen slots at the dtype's minimum."""
@@ -204,6 +207,16 @@ class VocabParallelEmbedding(nn.Embedding):
         local = torch.where(outside, 0, ids - self.vocab_start)
         out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
         return self.parallel.all_reduce(out)
+
+
+def prompt_mask(lengths: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """[B, 1, P, P] bool, True where query q of a right-padded prompt must not see key k."""
+    slots = torch.arange(prompt_len, device=lengths.device)
+    # A query at q sees keys k <= q that are real tokens of its row. Pad queries (q >= length)
+    # still see every real key, so no row of the softmax is empty.
+    causal = slots[None, :] > slots[:, None]  # [P(q), P(k)]
+    padding = slots[None, :] >= lengths[:, None]  # [B, P(k)]
+    return causal[None, None] | padding[:, None, None, :]
 
 
 class StaticBloom(nn.Module):
@@ -316,14 +329,8 @@ class StaticBloom(nn.Module):
         ``last_only``: [B, 1, hidden], each row's last real token only. The last block then runs
         its attention output, dense and MLP for that token alone: a quarter of a block's
         products are the keys and values every position needs, the rest would be thrown away."""
-        hidden_mask = None  # the one-call prompt attention masks from ``lengths`` itself
-        if self.prompt_attention is None:
-            slots = torch.arange(input_ids.shape[1], device=input_ids.device)
-            # A query at q sees keys k <= q that are real tokens of its row. Pad queries (q >= length)
-            # still see every real key, so no row of the softmax is empty.
-            causal = slots[None, :] > slots[:, None]  # [P(q), P(k)]
-            padding = slots[None, :] >= lengths[:, None]  # [B, P(k)]
-            hidden_mask = causal[None, None] | padding[:, None, None, :]  # [B, 1, P, P]
+        # The one-call prompt attention masks from ``lengths`` itself.
+        hidden_mask = prompt_mask(lengths, input_ids.shape[1]) if self.prompt_attention is None else None
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
 
         def keep_last(t):  # [B, P, ...] -> [B, 1, ...]: each row's last real token

@@ -5,9 +5,11 @@
 // head split and layout copies, a [B*H, P, P] score tensor, a masked copy of it, an fp32 softmax,
 // a bf16 copy of that, a product and another layout copy. Here each (row, head) is one task that
 // reads its queries, keys and values where the product left them, with the same roundings
-// (attention.h). The scores are computed in tiles of 4 queries x 16 keys from an fp32 copy of the
-// head's keys laid out key-minor ([D, keys]): one broadcast query element times 16 keys per FMA,
-// each key vector serving 4 queries, no horizontal sums; the softmax's exp is vectorised too.
+// (attention.h). Scores and weighted values are computed in tiles of 4 queries x 16 keys (or 16
+// value dimensions) from the head's keys and values laid out per dtype (Tiles, below): each vector
+// read serves 4 queries, and no horizontal sums are needed; the softmax's exp is vectorised too.
+// A bloom-560m block (16 heads of 64) at 512 tokens: 10 ms against 40 ms op by op, 2 threads
+// (bench/prompt_attention_bench.py --attention_only; docs/performance.md).
 //
 // Masking: a query at slot i of a row with `length` real tokens sees the keys at slots <= i. A pad
 // query (i >= length) gets zeros: its output is never used for a real token (real queries never
@@ -24,105 +26,194 @@
 
 namespace {
 
-using bloom_cpu::load16;
 using bloom_cpu::load_first;
 
 constexpr int64_t kQueries = 4;  // queries per tile: 4 independent sums hide the FMA latency
 
-// Working memory of one task, reused across the (row, head) pairs a thread takes.
-struct Scratch {
-  std::vector<float> keys_t;   // [D, stride]: the head's keys, fp32, key-minor; zero past `length`
-  std::vector<float> alibi;    // [stride]
-  std::vector<float> queries;  // [kQueries, D]
-  std::vector<float> probs;    // [kQueries, stride]: scores, then probabilities
-  int64_t stride = 0;
+inline int64_t whole_vectors(int64_t n) { return (n + 15) / 16 * 16; }
 
-  void resize(int64_t keys, int64_t D) {
-    // Whole vectors of 16 keys, plus one: rows of a power-of-two size would all fall in the same
-    // few L1 sets, and a tile reads one vector from each of the D rows.
-    stride = (keys + 15) / 16 * 16 + 16;
+// The tile's kQueries fp32 sums, one vector of 16 lanes per query, kept in registers.
+struct Sums {
+  __m512 q0 = _mm512_setzero_ps(), q1 = _mm512_setzero_ps(), q2 = _mm512_setzero_ps(), q3 = _mm512_setzero_ps();
+
+  // query r's sum += a_r * v, lane by lane
+  void add(__m512 a0, __m512 a1, __m512 a2, __m512 a3, __m512 v) {
+    q0 = _mm512_fmadd_ps(a0, v, q0), q1 = _mm512_fmadd_ps(a1, v, q1);
+    q2 = _mm512_fmadd_ps(a2, v, q2), q3 = _mm512_fmadd_ps(a3, v, q3);
+  }
+  // query r's sum += both products of the bf16 pair a_r (broadcast) with each lane's pair in v
+  void add_pairs(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, __m512i v) {
+    const __m512bh w = (__m512bh)v;
+    q0 = _mm512_dpbf16_ps(q0, (__m512bh)_mm512_set1_epi32(int(a0)), w);
+    q1 = _mm512_dpbf16_ps(q1, (__m512bh)_mm512_set1_epi32(int(a1)), w);
+    q2 = _mm512_dpbf16_ps(q2, (__m512bh)_mm512_set1_epi32(int(a2)), w);
+    q3 = _mm512_dpbf16_ps(q3, (__m512bh)_mm512_set1_epi32(int(a3)), w);
+  }
+  __m512 operator[](int64_t r) const { return r == 0 ? q0 : r == 1 ? q1 : r == 2 ? q2 : q3; }
+};
+static_assert(kQueries == 4, "Sums keeps one vector per query");
+
+// One head's keys, values and a tile's queries, laid out for the tile products, and those
+// products, per dtype. The driver (attend_prompt_head) is the same for both.
+//
+// fp32: keys copied key-minor ([D, keys]): a score vector is 16 keys, summed over d by FMAs of a
+// broadcast query element; the values are read where they are.
+// bf16: VDPBF16PS multiplies pairs of bf16 and adds both products into one fp32 lane, so every
+// operand is laid out in pairs along the summed dimension: keys as [D / 2, keys] pairs of
+// dimensions, values as [keys / 2, D] pairs of keys, queries and probabilities as pairs. Half the
+// instructions of the fp32 layout. (Products of two bf16 are exact in fp32, as in the FMA; the
+// sums differ from them by the order of additions only.)
+template <typename T>
+struct Tiles;
+
+template <>
+struct Tiles<float> {
+  std::vector<float> keys_t;   // [D, stride]; zero past the real keys
+  std::vector<float> queries;  // [kQueries, D]
+  const float* values = nullptr;  // the cache's [keys, D]
+  const float* probs = nullptr;   // the driver's [kQueries, stride]
+  int64_t D = 0, stride = 0;
+
+  void lay_out(const float* k_cache, const float* v_cache, int64_t length, int64_t stride_, int64_t D_) {
+    D = D_, stride = stride_, values = v_cache;
     keys_t.assign(D * stride, 0.0f);
-    alibi.assign(stride, 0.0f);
+    for (int64_t j = 0; j < length; ++j)
+      for (int64_t d = 0; d < D; ++d) keys_t[d * stride + j] = k_cache[j * D + d];
     queries.resize(kQueries * D);
-    probs.resize(kQueries * stride);
+  }
+
+  // Queries i0..i0 + rows - 1 (position i's at head + i * step); missing rows are zeros.
+  void take_queries(const float* head, int64_t step, int64_t i0, int64_t rows) {
+    std::fill(queries.begin(), queries.end(), 0.0f);
+    for (int64_t r = 0; r < rows; ++r) std::copy(head + (i0 + r) * step, head + (i0 + r) * step + D, queries.data() + r * D);
+  }
+
+  // acc[r] = q_r . k_j for keys j0..j0 + 15.
+  void scores(int64_t j0, Sums& acc) const {
+    const float* q = queries.data();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 keys16 = _mm512_loadu_ps(keys_t.data() + d * stride + j0);
+      acc.add(_mm512_set1_ps(q[d]), _mm512_set1_ps(q[D + d]), _mm512_set1_ps(q[2 * D + d]), _mm512_set1_ps(q[3 * D + d]),
+              keys16);
+    }
+  }
+
+  // The tile's probabilities [kQueries, stride], rounded to T, zero past each query's keys.
+  void take_probs(const float* probs_, int64_t) { probs = probs_; }
+
+  // acc[r] = sum_j probs_r[j] * values[j, c..c + width - 1] over keys j < n.
+  void weighted_values(int64_t n, int64_t c, int64_t width, Sums& acc) const {
+    const float* p = probs;
+    for (int64_t j = 0; j < n; ++j)
+      acc.add(_mm512_set1_ps(p[j]), _mm512_set1_ps(p[stride + j]), _mm512_set1_ps(p[2 * stride + j]),
+              _mm512_set1_ps(p[3 * stride + j]), load_first(values + j * D + c, width));
   }
 };
 
-// Columns c..c + width - 1 of weighted_values_tile (below); load reads `width` values as fp32.
-template <typename T, typename Load>
-inline void weighted_values_tile_part(const float* probs, int64_t stride, const T* values, int64_t n, int64_t D,
-                                      int64_t rows, T* out, int64_t out_step, int64_t c, int64_t width, Load load) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc2 = _mm512_setzero_ps(), acc3 = _mm512_setzero_ps();
-  const float *p0 = probs, *p1 = probs + stride, *p2 = probs + 2 * stride, *p3 = probs + 3 * stride;
-  for (int64_t j = 0; j < n; ++j) {
-    const __m512 v = load(values + j * D + c);
-    acc0 = _mm512_fmadd_ps(_mm512_set1_ps(p0[j]), v, acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_set1_ps(p1[j]), v, acc1);
-    acc2 = _mm512_fmadd_ps(_mm512_set1_ps(p2[j]), v, acc2);
-    acc3 = _mm512_fmadd_ps(_mm512_set1_ps(p3[j]), v, acc3);
-  }
-  const __m512 sums[kQueries] = {acc0, acc1, acc2, acc3};
-  for (int64_t r = 0; r < rows; ++r) bloom_cpu::store_first(out + r * out_step + c, sums[r], width);
-}
+template <>
+struct Tiles<at::BFloat16> {
+  std::vector<uint32_t> key_pairs;    // [ceil(D / 2), stride]: lane j holds (k[j, 2e], k[j, 2e + 1])
+  std::vector<uint32_t> value_pairs;  // [stride / 2, D]: lane d holds (v[2m, d], v[2m + 1, d])
+  std::vector<uint32_t> query_pairs;  // [kQueries, ceil(D / 2)]
+  std::vector<uint16_t> probs;        // [kQueries, stride]: the probabilities' bf16 bits
+  int64_t D = 0, half_D = 0, stride = 0;
 
-// For each query r of a tile: out_r [D] = sum_j probs_r[j] * values[j, :] over j < n, in fp32, rounded
-// to T. Each value vector is read once for the tile's kQueries queries (probabilities of keys past a
-// query's own are 0); each query's sum runs over the keys in order.
-template <typename T>
-void weighted_values_tile(const float* probs, int64_t stride, const T* values, int64_t n, int64_t D, int64_t rows,
-                          T* out, int64_t out_step) {
-  static_assert(kQueries == 4, "weighted_values_tile_part keeps one sum per query");
-  for (int64_t c = 0; c < D; c += 16) {
-    const int64_t width = std::min<int64_t>(16, D - c);
-    if (width == 16)
-      weighted_values_tile_part(probs, stride, values, n, D, rows, out, out_step, c, width,
-                                [](const T* p) { return load16(p); });
-    else  // head sizes that are not whole vectors (20 in the tests)
-      weighted_values_tile_part(probs, stride, values, n, D, rows, out, out_step, c, width,
-                                [width](const T* p) { return load_first(p, width); });
+  static uint32_t pair(uint16_t first, uint16_t second) { return uint32_t(first) | (uint32_t(second) << 16); }
+  static uint16_t bits(at::BFloat16 x) { return x.x; }
+
+  void lay_out(const at::BFloat16* k_cache, const at::BFloat16* v_cache, int64_t length, int64_t stride_, int64_t D_) {
+    D = D_, half_D = (D + 1) / 2, stride = stride_;
+    key_pairs.assign(half_D * stride, 0);
+    for (int64_t j = 0; j < length; ++j)
+      for (int64_t e = 0; e < half_D; ++e) {
+        const at::BFloat16* k = k_cache + j * D + 2 * e;
+        key_pairs[e * stride + j] = pair(bits(k[0]), 2 * e + 1 < D ? bits(k[1]) : 0);
+      }
+    value_pairs.assign(stride / 2 * D, 0);
+    for (int64_t j = 0; j < length; ++j)
+      for (int64_t d = 0; d < D; ++d)
+        value_pairs[(j / 2) * D + d] |= uint32_t(bits(v_cache[j * D + d])) << (16 * (j % 2));
+    query_pairs.resize(kQueries * half_D);
+    probs.resize(kQueries * stride);
   }
-}
+
+  void take_queries(const at::BFloat16* head, int64_t step, int64_t i0, int64_t rows) {
+    std::fill(query_pairs.begin(), query_pairs.end(), 0);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t e = 0; e < half_D; ++e) {
+        const at::BFloat16* q = head + (i0 + r) * step + 2 * e;
+        query_pairs[r * half_D + e] = pair(bits(q[0]), 2 * e + 1 < D ? bits(q[1]) : 0);
+      }
+  }
+
+  void scores(int64_t j0, Sums& acc) const {
+    const uint32_t* q = query_pairs.data();
+    for (int64_t e = 0; e < half_D; ++e)
+      acc.add_pairs(q[e], q[half_D + e], q[2 * half_D + e], q[3 * half_D + e],
+                    _mm512_loadu_si512(key_pairs.data() + e * stride + j0));
+  }
+
+  // As bf16 bits (their top halves: they are rounded to bf16 already). The driver has zeroed
+  // them past n, up to whole vectors, so an odd last key pairs with a zero.
+  void take_probs(const float* probs_f, int64_t n) {
+    for (int64_t r = 0; r < kQueries; ++r)
+      for (int64_t j = 0; j < n; j += 16) {
+        const __m512i top = _mm512_srli_epi32(_mm512_loadu_si512(probs_f + r * stride + j), 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(probs.data() + r * stride + j), _mm512_cvtepi32_epi16(top));
+      }
+  }
+
+  void weighted_values(int64_t n, int64_t c, int64_t width, Sums& acc) const {
+    const __mmask16 lanes = bloom_cpu::first_lanes(width);
+    const uint32_t* p = reinterpret_cast<const uint32_t*>(probs.data());  // pairs of keys
+    const int64_t row = stride / 2;
+    for (int64_t m = 0; m < (n + 1) / 2; ++m)
+      acc.add_pairs(p[m], p[row + m], p[2 * row + m], p[3 * row + m],
+                    _mm512_maskz_loadu_epi32(lanes, value_pairs.data() + m * D + c));
+  }
+};
 
 // Attention of queries first..length-1 of one (row, head) over its keys 0..length-1 (causal).
 // head: position 0's [q, k, v] of this head, position i's at head + i * step; k_cache/v_cache: this
 // head's [K, D] in the cache, already written; alibi [K]. Query i's output goes to out + (i - first) * out_step.
+// probs: the tile's scores, then probabilities; alibi_f: fp32 bias (both reused across calls).
 template <typename T>
 void attend_prompt_head(const T* head, int64_t step, const T* k_cache, const T* v_cache, const T* alibi,
-                        int64_t length, int64_t first, int64_t D, float inv_norm, Scratch& s, T* out,
-                        int64_t out_step) {
-  s.resize(length, D);
-  const int64_t stride = s.stride;
-  for (int64_t j = 0; j < length; ++j) {
-    s.alibi[j] = float(alibi[j]);
-    for (int64_t d = 0; d < D; ++d) s.keys_t[d * stride + j] = float(k_cache[j * D + d]);
-  }
+                        int64_t length, int64_t first, int64_t D, float inv_norm, Tiles<T>& tiles,
+                        std::vector<float>& probs, std::vector<float>& alibi_f, T* out, int64_t out_step) {
+  // Whole vectors of 16 keys, plus one: rows of a power-of-two size would all fall in the same few
+  // L1 sets, and a tile reads one vector from each row of the keys' layout.
+  const int64_t stride = whole_vectors(length) + 16;
+  tiles.lay_out(k_cache, v_cache, length, stride, D);
+  alibi_f.assign(stride, 0.0f);
+  for (int64_t j = 0; j < length; ++j) alibi_f[j] = float(alibi[j]);
+  probs.resize(kQueries * stride);
   const __m512 norm = _mm512_set1_ps(inv_norm);
   for (int64_t i0 = first; i0 < length; i0 += kQueries) {
     const int64_t rows = std::min(kQueries, length - i0), seen_by_last = i0 + rows;
-    std::fill(s.queries.begin(), s.queries.end(), 0.0f);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t d = 0; d < D; ++d) s.queries[r * D + d] = float(head[(i0 + r) * step + d]);
+    tiles.take_queries(head, step, i0, rows);
     // Scores of the tile's queries against every key its last query sees, 16 keys at a time.
     for (int64_t j0 = 0; j0 < seen_by_last; j0 += 16) {
-      __m512 acc[kQueries] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-      const float* k = s.keys_t.data() + j0;
-      for (int64_t d = 0; d < D; ++d) {
-        const __m512 keys16 = _mm512_loadu_ps(k + d * stride);
-        for (int64_t r = 0; r < kQueries; ++r)
-          acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(s.queries[r * D + d]), keys16, acc[r]);
-      }
-      const __m512 bias = _mm512_loadu_ps(s.alibi.data() + j0);
+      Sums acc;
+      tiles.scores(j0, acc);
+      const __m512 bias = _mm512_loadu_ps(alibi_f.data() + j0);
       for (int64_t r = 0; r < kQueries; ++r)  // alibi + q.k / sqrt(D), rounded to T
-        _mm512_storeu_ps(s.probs.data() + r * stride + j0, bloom_cpu::round16<T>(_mm512_fmadd_ps(acc[r], norm, bias)));
+        _mm512_storeu_ps(probs.data() + r * stride + j0, bloom_cpu::round16<T>(_mm512_fmadd_ps(acc[r], norm, bias)));
     }
     for (int64_t r = 0; r < kQueries; ++r) {
-      float* probs = s.probs.data() + r * stride;
+      float* row = probs.data() + r * stride;
       const int64_t seen = r < rows ? i0 + r + 1 : 0;  // query i0 + r sees keys 0..i0 + r
-      if (seen) bloom_cpu::softmax_rounded<T>(probs, seen);
-      std::fill(probs + seen, probs + seen_by_last, 0.0f);  // keys it does not see; missing queries
+      if (seen) bloom_cpu::softmax_rounded<T>(row, seen);
+      std::fill(row + seen, row + whole_vectors(seen_by_last), 0.0f);  // keys it does not see; missing queries
     }
-    weighted_values_tile<T>(s.probs.data(), stride, v_cache, seen_by_last, D, rows, out + (i0 - first) * out_step,
-                            out_step);
+    // Each value vector read serves the tile's queries; keys past a query's own weigh 0.
+    tiles.take_probs(probs.data(), seen_by_last);
+    for (int64_t c = 0; c < D; c += 16) {
+      const int64_t width = std::min<int64_t>(16, D - c);
+      Sums acc;
+      tiles.weighted_values(seen_by_last, c, width, acc);
+      for (int64_t r = 0; r < rows; ++r) bloom_cpu::store_first(out + (i0 - first + r) * out_step + c, acc[r], width);
+    }
   }
 }
 
@@ -135,7 +226,8 @@ void run(const T* qkv, const int64_t* lengths, T* keys, T* values, const T* alib
   const float inv_norm = 1.0f / std::sqrt(float(D));
   const int64_t Q = last_only ? 1 : P;
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    Scratch scratch;
+    Tiles<T> tiles;  // working memory, reused across the (row, head) pairs this thread takes
+    std::vector<float> probs, alibi_f;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H, length = lengths[b];
       T* k_cache = keys + bh * K * D;
@@ -150,7 +242,7 @@ void run(const T* qkv, const int64_t* lengths, T* keys, T* values, const T* alib
       for (int64_t n = last_only ? Q : length; n < Q; ++n)  // pad queries: zeros (finite, never used)
         std::fill(o + n * H * D, o + n * H * D + D, T(0.0f));
       attend_prompt_head<T>(head, H * 3 * D, k_cache, v_cache, alibi + bh * K, length, last_only ? length - 1 : 0, D,
-                            inv_norm, scratch, o, H * D);
+                            inv_norm, tiles, probs, alibi_f, o, H * D);
     }
   });
 }
