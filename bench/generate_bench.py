@@ -16,7 +16,8 @@ How it measures (what a performance engineer would trust):
 
 * every variant is first run ``--warmup`` times untimed (graph capture, compilation, allocator);
   then the timed runs go round-robin over the variants (repeat r of each before repeat r+1 of
-  any), so a drift in the machine's load hits every variant alike;
+  any, each round starting with the next variant), so a drift in the machine's load hits every
+  variant alike;
 * time to first token = median wall time of a request with ``max_new_tokens=1`` (tokenize,
   prefill, first token, back on the host); decode ms/token = (median time of the full request
   minus median TTFT) / (new_tokens - 1); both end with a device synchronisation, because every
@@ -235,7 +236,8 @@ def transformers_variant(folder: Path, args, prompts, device) -> Variant:
 def measure(variants: list[Variant], args, device) -> tuple[list[Row], list[float]]:
     """Warm every variant up, then time TTFT and full requests of each, round-robin: repeat r of
     every variant runs before repeat r+1 of any, so a drift in the machine's load (this shared CPU
-    moved by 30% within minutes) hits every variant alike and the ratios hold. Medians are kept.
+    moved by 30% within minutes) hits every variant alike and the ratios hold; the order rotates
+    from round to round. Medians are kept.
     Each round also measures the read bandwidth (best of 3), for a floor taken under the same
     conditions as the requests: returns (rows, bandwidth of each round in bytes/s)."""
     for variant in variants:
@@ -249,7 +251,8 @@ def measure(variants: list[Variant], args, device) -> tuple[list[Row], list[floa
     for repeat in range(args.repeats):
         log(f"timed round {repeat + 1}/{args.repeats}")
         bandwidths.append(read_bandwidth(device, args.bandwidth_mb, repeats=3))
-        for v in variants:
+        # Each round starts with the next variant, so none always runs first (after the bandwidth pass).
+        for v in variants[repeat % len(variants):] + variants[: repeat % len(variants)]:
             ttft[v.name].append(timed(lambda: v.generate(1), device))
             full[v.name].append(timed(lambda: v.generate(args.new_tokens), device))
     rows = []
