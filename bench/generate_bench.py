@@ -67,7 +67,10 @@ from generation.options import build_options  # noqa: E402
 TINY = ROOT / "checkpoints" / "bloom-tiny"
 CORPUS = ROOT / "utils" / "tiny_corpus.txt"
 # Random checkpoints of real model shapes: (vocab, hidden, layers, heads) as in their config.json.
-SHAPES = {"bloom-560m": (250880, 1024, 24, 16), "bloom-1b1": (250880, 1536, 24, 16)}
+SHAPES = {"bloom-560m": (250880, 1024, 24, 16), "bloom-1b1": (250880, 1536, 24, 16),
+          # The GPU target (one H100, bf16, batch 1). Drawing it takes ~60 GB of host memory
+          # once (fp32 draws, then the bf16 copy written); 14 GB on disk.
+          "bloom-7b1": (250880, 4096, 30, 32)}
 VARIANTS = ("ours", "ours+compile", "op by op", "static off", "graphs off", "transformers")
 
 
