@@ -101,6 +101,17 @@ def test_kernel_serves_only_few_rows_of_whole_64_byte_steps():
     assert not Linear(48, 8).bfloat16().use_few_rows(counting)  # K=48 does not suit it
 
 
+@needs_kernel
+def test_the_operator_refuses_what_it_cannot_compute():
+    """Called directly (the model never does this), the operator says why rather than computing garbage."""
+    kernel = cpu_kernel.load()
+    with pytest.raises(RuntimeError, match="bf16 or fp32 only"):
+        kernel(torch.ones(1, 64, dtype=torch.float16), torch.ones(8, 64, dtype=torch.float16), None)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 64 bytes"):
+        kernel(torch.ones(1, 48, dtype=torch.bfloat16), torch.ones(8, 48, dtype=torch.bfloat16), None)
+    assert kernel(torch.ones(1, 64), torch.ones(8, 64), None).shape == (1, 8)  # 64 fp32 = four 64-byte steps
+
+
 def test_bf16_model_on_cpu_uses_the_kernel_or_packs(make_ckpt):
     """Greedy tokens of our bf16 generator (kernel, or oneDNN packing where there is none) equal
     transformers' bf16 ``generate``."""

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "dtypes.h"
 #include "few_rows.h"
 
 namespace {
@@ -159,14 +160,10 @@ at::Tensor decode_step(const std::vector<at::Tensor>& weights, const at::Tensor&
     TORCH_CHECK(slot[b] >= 0 && slot[b] < s.cache_len, "decode_step: position outside the cache");
   }
   auto logits = at::empty({s.batch, weights[0].size(0)}, weights[0].options());
-  if (dtype == at::kBFloat16) {
-    using T = at::BFloat16;
+  bloom_cpu::with_element_type(dtype, "decode_step", [&](auto zero) {
+    using T = decltype(zero);
     decode<T>(weights, id, slot, keys, values, alibi.data_ptr<T>(), s, float(eps), residual_from_ln, logits.data_ptr<T>());
-  } else {
-    TORCH_CHECK(dtype == at::kFloat, "decode_step: bf16 or fp32 only");
-    decode<float>(weights, id, slot, keys, values, alibi.data_ptr<float>(), s, float(eps), residual_from_ln,
-                  logits.data_ptr<float>());
-  }
+  });
   return logits;
 }
 

@@ -3,6 +3,7 @@
 
 #include <torch/library.h>
 
+#include "dtypes.h"
 #include "few_rows.h"
 
 namespace {
@@ -15,9 +16,6 @@ at::Tensor few_rows_linear(const at::Tensor& input, const at::Tensor& w, const s
   TORCH_CHECK(input.dim() >= 1 && w.dim() == 2 && input.size(-1) == w.size(1), "few_rows_linear: x [..., K], w [N, K]");
   TORCH_CHECK(input.scalar_type() == w.scalar_type(), "few_rows_linear: x and w of one dtype");
   TORCH_CHECK(w.is_contiguous(), "few_rows_linear: contiguous weight only");
-  const bool bf16 = input.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(bf16 || input.scalar_type() == at::kFloat, "few_rows_linear: bf16 or fp32 only");
-  TORCH_CHECK(w.size(1) % (bf16 ? 32 : 16) == 0, "few_rows_linear: K must be a multiple of 64 bytes");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
     TORCH_CHECK(bias->scalar_type() == input.scalar_type() && bias->numel() == w.size(0) && bias->is_contiguous(),
@@ -28,13 +26,11 @@ at::Tensor few_rows_linear(const at::Tensor& input, const at::Tensor& w, const s
   sizes.back() = w.size(0);
   auto out = at::empty(sizes, x.options());
   const int64_t K = w.size(1), N = w.size(0), M = x.numel() / K;
-  if (bf16) {
-    using T = at::BFloat16;
+  bloom_cpu::with_element_type(x.scalar_type(), "few_rows_linear", [&](auto zero) {
+    using T = decltype(zero);
+    TORCH_CHECK(K * int64_t(sizeof(T)) % 64 == 0, "few_rows_linear: K must be a multiple of 64 bytes");
     linear_rows<T>(x.data_ptr<T>(), M, w.data_ptr<T>(), N, K, has_bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>());
-  } else {
-    linear_rows<float>(x.data_ptr<float>(), M, w.data_ptr<float>(), N, K, has_bias ? bias->data_ptr<float>() : nullptr,
-                       out.data_ptr<float>());
-  }
+  });
   return out;
 }
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "dtypes.h"
 
 namespace {
 
@@ -265,15 +266,11 @@ at::Tensor prompt_attention(const at::Tensor& qkv_in, const at::Tensor& lengths_
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(length[b] >= 1 && length[b] <= P, "prompt_attention: every row needs 1..P real tokens");
   auto out = at::empty({B, last_only ? 1 : P, H * D}, qkv.options());
-  if (dtype == at::kBFloat16) {
-    using T = at::BFloat16;
+  bloom_cpu::with_element_type(dtype, "prompt_attention", [&](auto zero) {
+    using T = decltype(zero);
     run<T>(qkv.data_ptr<T>(), length, keys.data_ptr<T>(), values.data_ptr<T>(), alibi.data_ptr<T>(), B, P, H, K, D,
            last_only, out.data_ptr<T>());
-  } else {
-    TORCH_CHECK(dtype == at::kFloat, "prompt_attention: bf16 or fp32 only");
-    run<float>(qkv.data_ptr<float>(), length, keys.data_ptr<float>(), values.data_ptr<float>(), alibi.data_ptr<float>(),
-               B, P, H, K, D, last_only, out.data_ptr<float>());
-  }
+  });
   return out;
 }
 
