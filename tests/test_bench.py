@@ -93,3 +93,18 @@ def test_packed_bf16_weights_change_no_logit(make_ckpt):
             b = packed.decode(token, positions, caches[1], 24)
             assert torch.equal(a, b)
             positions += 1
+
+
+@pytest.mark.parametrize("mode", [[], ["--attention_only"]], ids=["prefill", "attention-only"])
+def test_prompt_attention_bench_runs_both_ways(mode, capsys):
+    from bench import prompt_attention_bench
+    from bloom_hpu import cpu_kernel
+
+    code = prompt_attention_bench.main(["--config", "tiny", "--padded", "24", "--real", "9", "--repeats", "2", *mode])
+    printed = capsys.readouterr().out
+    if cpu_kernel.prompt_attention_op() is None:  # no kernel on this CPU: it says so and fails
+        assert code == 1 and "no one-call prompt attention" in printed
+        return
+    assert code == 0
+    assert ("one block's attention" if mode else "prefill") + " of 9 real tokens padded to 24" in printed
+    assert "one call" in printed and "op by op" in printed
