@@ -223,6 +223,7 @@ class StaticBloom(nn.Module):
     few_rows: Callable | None = None  # the LM head's kernel for few rows (``use_few_rows_kernel``)
     cpu_decode: Callable | None = None  # the whole decode step in one call (``use_cpu_decode_step``)
     prompt_attention: Callable | None = None  # a prefill's attention in one call (CPU, ``csrc/prompt_attention.cpp``)
+    trim_prefill = False  # a prefill stops at the longest real prompt (CPU; see ``prefill``)
 
     def __init__(self, config: BloomConfig, parallel: Parallel = SINGLE):
         super().__init__()
@@ -344,7 +345,16 @@ class StaticBloom(nn.Module):
         return h
 
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """input_ids [B, P] right-padded, lengths [B] real tokens per row -> logits [B, V]."""
+        """input_ids [B, P] right-padded, lengths [B] real tokens per row -> logits [B, V].
+
+        With ``trim_prefill`` (set by the CPU backend) it runs over the first max(lengths) slots
+        only. The static P is what a captured graph needs; an eager prefill gains nothing from the
+        pad slots past the longest prompt: their keys and values are never attended (a row's
+        decode writes each slot before it attends it), and the logits come from real tokens. A
+        16-token prompt padded to 128 then costs a 16-token prefill. The step's signature (the
+        shapes it is called with) stays [B, P]."""
+        if self.trim_prefill:
+            input_ids = input_ids[:, : int(lengths.max())]
         return self.lm_head(self._prefill_hidden(input_ids, lengths, cache, last_only=True)[:, 0])
 
     def full_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
