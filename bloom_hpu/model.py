@@ -3,8 +3,8 @@
 Two entry points, both with shapes fixed in advance:
 
 * ``prefill(input_ids [B, P], lengths [B], cache)``: prompts right-padded to P; writes the KV cache
-  slots 0..P-1 and returns the logits of each row's last real token only ([B, V]; the full
-  [B, P, V] logits are never built).
+  slots 0..P-1 (on CPU only those up to the longest prompt, ``trim_prefill``) and returns the
+  logits of each row's last real token only ([B, V]; the full [B, P, V] logits are never built).
 * ``decode(tokens [B, 1], positions [B], cache, window)``: one new token per row, written into the
   cache at the row's own slot; attends over the first ``window`` slots ([B, V] logits).
 
