@@ -353,9 +353,12 @@ class StaticBloom(nn.Module):
         decode writes each slot before it attends it), and the logits come from real tokens. A
         16-token prompt padded to 128 then costs a 16-token prefill. The step's signature (the
         shapes it is called with) stays [B, P]."""
-        if self.trim_prefill:
-            input_ids = input_ids[:, : int(lengths.max())]
-        return self.lm_head(self._prefill_hidden(input_ids, lengths, cache, last_only=True)[:, 0])
+        return self.lm_head(self._prefill_hidden(self.real_span(input_ids, lengths), lengths, cache, last_only=True)[:, 0])
+
+    def real_span(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """[B, P] right-padded ids cut to the longest real row [B, max(lengths)] where
+        ``trim_prefill`` allows it (see ``prefill``); as they are otherwise."""
+        return input_ids[:, : int(lengths.max())] if self.trim_prefill else input_ids
 
     def full_logits(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Logits at every position [B, P, V]: for scoring prompts (log-probs, perplexity), not

@@ -60,12 +60,18 @@ def score_rows(runner, rows: list[list[int]], top_k: int = 0, length: int | None
     # The pooled cache of this shape: a scoring pass right after a generation of the same shape
     # reuses the generation's cache instead of allocating another one.
     cache = runner.cache(len(rows), length)
-    hidden = model._prefill_hidden(ids, lengths, cache)  # [R, L, hidden]
+    # On CPU the pass stops at the longest row (StaticBloom.real_span): positions past it, blocks
+    # and LM head alike, would only be thrown away.
+    ids = model.real_span(ids, lengths)
+    span = ids.shape[1]
+    if span < 2:  # one token per row: nothing before it to score it by
+        return [RowScores(token_logprobs=[], top_ids=[], top_logprobs=[], greedy=[]) for _ in rows]
+    hidden = model._prefill_hidden(ids, lengths, cache)  # [R, span, hidden]
 
     target = ids[:, 1:]  # position t predicts token t+1
     chosen, is_top, top_vals, top_idx = [], [], [], []
-    for start in range(0, length - 1, POSITIONS_PER_SLICE):
-        end = min(start + POSITIONS_PER_SLICE, length - 1)
+    for start in range(0, span - 1, POSITIONS_PER_SLICE):
+        end = min(start + POSITIONS_PER_SLICE, span - 1)
         logp = torch.log_softmax(model.lm_head(hidden[:, start:end]).float(), dim=-1)  # [R, S, V]
         tgt = target[:, start:end, None]
         picked = logp.gather(-1, tgt)[..., 0]  # [R, S]

@@ -49,6 +49,29 @@ def test_score_rows_top_k_and_echo_positions_match_transformers(scoring_setup):
             assert s.greedy[t - 1] == (idx[0].item() == row[t])
 
 
+def test_scoring_on_cpu_stops_at_the_longest_row_with_the_same_scores(scoring_setup):
+    """A pass padded to 64 computes the longest row's positions only (CPU: ``trim_prefill``), and
+    scores exactly what the full padded pass scores. Rows of one token have nothing to score."""
+    _, gen, _ = scoring_setup
+    model = gen.runner.model
+    rows = [gen.tokenizer.encode(p) for p in PROMPTS[:2]]
+    widths = []
+    embed = model.embed
+    model.embed = lambda t: widths.append(t.shape[1]) or embed(t)
+    try:
+        assert model.trim_prefill
+        trimmed = score_rows(gen.runner, rows, top_k=2, length=64)
+        model.trim_prefill = False
+        full = score_rows(gen.runner, rows, top_k=2, length=64)
+    finally:
+        model.trim_prefill = True
+        del model.embed
+    assert widths == [max(len(r) for r in rows), 64]
+    for a, b in zip(trimmed, full):
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, rel=1e-5, abs=1e-5) and a.top_ids == b.top_ids
+    assert [s.token_logprobs for s in score_rows(gen.runner, [[5], [7]])] == [[], []]
+
+
 def test_token_pieces_join_to_the_decoded_text_and_offsets_index_it(scoring_setup):
     _, gen, _ = scoring_setup
     text_of = TokenText(gen.tokenizer)
