@@ -86,10 +86,11 @@ class Backend:
         for the CLI and the benchmark."""
         self.fast_path = "none"
         dtype = model.word_embeddings.weight.dtype
-        if self.device.type != "cpu":
-            return
-        model.trim_prefill = True  # nothing is captured on CPU: prefill skips the pad slots (StaticBloom.prefill)
-        if dtype not in cpu_kernel.STEP:
+        # Prefill runs eagerly on CPU and CUDA (only decode steps are captured there), so it may
+        # skip the pad slots past the longest prompt (StaticBloom.prefill). Not on a Gaudi, where
+        # every new shape is a new graph to compile.
+        model.trim_prefill = self.device.type in ("cpu", "cuda")
+        if self.device.type != "cpu" or dtype not in cpu_kernel.STEP:
             return
         onednn_bf16 = dtype == torch.bfloat16 and not self.compile_steps and oneDNN_packing_available()
         if onednn_bf16:

@@ -146,3 +146,16 @@ def test_cpu_prefill_stops_at_the_longest_prompt_with_the_same_results(dtype):
         a, b = runner.decode(tokens, positions, trimmed, 40), runner.decode(tokens, positions, full, 40)
         torch.testing.assert_close(a, b, **tolerance)
         tokens, positions = b.argmax(-1)[:, None], positions + 1
+
+
+def test_prefill_trimming_is_left_off_where_every_shape_is_a_graph(fake_habana):
+    """A Gaudi compiles a graph per shape, so its prefill keeps the static [B, P]; CPU and CUDA run
+    prefill eagerly and trim it (CUDA is only constructed here: nothing runs on it)."""
+    from bloom_hpu.config import BloomConfig
+    from bloom_hpu.model import StaticBloom
+
+    fake_habana()
+    model = StaticBloom(BloomConfig(vocab_size=256, hidden_size=32, n_layer=1, n_head=2))
+    for backend, trims in ((HpuBackend(device="hpu"), False), (Backend("cuda"), True), (Backend("cpu"), True)):
+        backend.prepare_model(model)
+        assert model.trim_prefill is trims, backend.device
