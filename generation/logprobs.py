@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-POSITIONS_PER_SLICE = 64  # positions whose [rows, slice, vocab] log-probs exist at once
+POSITIONS_PER_SLICE = 64  # positions whose [rows, slice, vocab] logits exist at once
+FP32_CHUNK_BYTES = 16 * 2**20  # fp32 logits converted at once: small enough to stay in the caches
 
 
 @dataclass
@@ -72,16 +73,14 @@ def score_rows(runner, rows: list[list[int]], top_k: int = 0, length: int | None
     chosen, is_top, top_vals, top_idx = [], [], [], []
     for start in range(0, span - 1, POSITIONS_PER_SLICE):
         end = min(start + POSITIONS_PER_SLICE, span - 1)
-        logp = torch.log_softmax(model.lm_head(hidden[:, start:end]).float(), dim=-1)  # [R, S, V]
-        tgt = target[:, start:end, None]
-        picked = logp.gather(-1, tgt)[..., 0]  # [R, S]
-        chosen.append(picked)
-        # Greedy means nothing beats the token (a tie counts: argmax cannot tell them apart).
-        is_top.append(picked >= logp.max(dim=-1).values)
+        logits = model.lm_head(hidden[:, start:end])  # [R, S, V] in the model's dtype
+        picked, top, vals, idx = _scores_of(logits.flatten(0, 1), target[:, start:end].flatten(), top_k)
+        r, s = logits.shape[:2]
+        chosen.append(picked.view(r, s))
+        is_top.append(top.view(r, s))
         if top_k:
-            vals, idx = logp.topk(top_k, dim=-1)
-            top_vals.append(vals)
-            top_idx.append(idx)
+            top_vals.append(vals.view(r, s, top_k))
+            top_idx.append(idx.view(r, s, top_k))
     # One copy to the host for the whole pass.
     chosen_h = torch.cat(chosen, 1).cpu().tolist()
     top_h = torch.cat(is_top, 1).cpu().tolist()
@@ -97,6 +96,30 @@ def score_rows(runner, rows: list[list[int]], top_k: int = 0, length: int | None
             greedy=top_h[i][:n],
         ))
     return out
+
+
+def _scores_of(logits: torch.Tensor, targets: torch.Tensor, top_k: int):
+    """For logits [N, V] (any dtype) and targets [N]: log p(target) [N], whether the target is the
+    argmax [N] (a tie counts: argmax cannot tell them apart), and the top_k log-probs and ids
+    [N, top_k] (None without top_k), in fp32 as ``log_softmax(logits.float())`` gives them.
+
+    log p = logit - logsumexp(logits), taken a few rows at a time: the [N, V] fp32 log-softmax
+    would be written and read again for a handful of values per row (for a pass over a bloom-560m
+    vocabulary, hundreds of MB per slice, which cost a third of a scoring pass)."""
+    rows_at_once = max(1, FP32_CHUNK_BYTES // (4 * logits.shape[-1]))
+    picked, is_top, vals, idx = [], [], [], []
+    for a in range(0, logits.shape[0], rows_at_once):
+        x = logits[a : a + rows_at_once].float()
+        total = torch.logsumexp(x, dim=-1, keepdim=True)  # [n, 1]
+        target_logit = x.gather(-1, targets[a : a + rows_at_once, None])
+        picked.append((target_logit - total)[:, 0])
+        is_top.append(target_logit[:, 0] >= x.max(dim=-1).values)
+        if top_k:
+            v, i = x.topk(top_k, dim=-1)
+            vals.append(v - total)
+            idx.append(i)
+    return (torch.cat(picked), torch.cat(is_top), torch.cat(vals) if top_k else None,
+            torch.cat(idx) if top_k else None)
 
 
 # --- tokens as text -----------------------------------------------------------------------------
