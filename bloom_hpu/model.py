@@ -3,7 +3,7 @@
 Two entry points, both with shapes fixed in advance:
 
 * ``prefill(input_ids [B, P], lengths [B], cache)``: prompts right-padded to P; writes the KV cache
-  slots 0..P-1 (on CPU only those up to the longest prompt, ``trim_prefill``) and returns the
+  slots 0..P-1 (on CPU and CUDA only those up to the longest prompt, ``trim_prefill``) and returns the
   logits of each row's last real token only ([B, V]; the full [B, P, V] logits are never built).
 * ``decode(tokens [B, 1], positions [B], cache, window)``: one new token per row, written into the
   cache at the row's own slot; attends over the first ``window`` slots ([B, V] logits).
@@ -223,7 +223,7 @@ class StaticBloom(nn.Module):
     few_rows: Callable | None = None  # the LM head's kernel for few rows (``use_few_rows_kernel``)
     cpu_decode: Callable | None = None  # the whole decode step in one call (``use_cpu_decode_step``)
     prompt_attention: Callable | None = None  # a prefill's attention in one call (CPU, ``csrc/prompt_attention.cpp``)
-    trim_prefill = False  # a prefill stops at the longest real prompt (CPU; see ``prefill``)
+    trim_prefill = False  # a prefill stops at the longest real prompt (CPU, CUDA; see ``prefill``)
 
     def __init__(self, config: BloomConfig, parallel: Parallel = SINGLE):
         super().__init__()
@@ -347,8 +347,8 @@ class StaticBloom(nn.Module):
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """input_ids [B, P] right-padded, lengths [B] real tokens per row -> logits [B, V].
 
-        With ``trim_prefill`` (set by the CPU backend) it runs over the first max(lengths) slots
-        only. The static P is what a captured graph needs; an eager prefill gains nothing from the
+        With ``trim_prefill`` (set by the backend on CPU and CUDA, where prefill is not captured)
+        it runs over the first max(lengths) slots only. The static P is what a captured graph needs; an eager prefill gains nothing from the
         pad slots past the longest prompt: their keys and values are never attended (a row's
         decode writes each slot before it attends it), and the logits come from real tokens. A
         16-token prompt padded to 128 then costs a 16-token prefill. The step's signature (the

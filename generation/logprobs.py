@@ -4,8 +4,9 @@ Scores come from one teacher-forced pass over prompt + generated tokens (``score
 the search loop. That keeps every search (greedy, sampling, beams) untouched and gives the same
 numbers for all of them: the model's own log-probabilities, ``log_softmax`` of the raw logits,
 before repetition penalties, temperature, top-k or top-p reshape them (what OpenAI reports). The
-pass has a static shape ([rows, length] with length fixed by the caller) and reads the logits in
-slices of positions, so the full [rows, length, vocab] tensor never exists at once.
+pass has a static shape ([rows, length] with length fixed by the caller; on CPU and CUDA it
+computes up to the longest row only) and reads the logits in slices of positions, so the full
+[rows, length, vocab] tensor never exists at once, nor the fp32 log-softmax of a slice.
 
 ``token_pieces`` splits a decoded text into one piece per token, so that ``text_offset`` indexes
 the text: byte-level BPE tokens may hold part of a UTF-8 character; a piece is the characters that
@@ -61,7 +62,7 @@ def score_rows(runner, rows: list[list[int]], top_k: int = 0, length: int | None
     # The pooled cache of this shape: a scoring pass right after a generation of the same shape
     # reuses the generation's cache instead of allocating another one.
     cache = runner.cache(len(rows), length)
-    # On CPU the pass stops at the longest row (StaticBloom.real_span): positions past it, blocks
+    # On CPU and CUDA the pass stops at the longest row (StaticBloom.real_span): positions past it, blocks
     # and LM head alike, would only be thrown away.
     ids = model.real_span(ids, lengths)
     span = ids.shape[1]
@@ -75,12 +76,12 @@ def score_rows(runner, rows: list[list[int]], top_k: int = 0, length: int | None
         end = min(start + POSITIONS_PER_SLICE, span - 1)
         logits = model.lm_head(hidden[:, start:end])  # [R, S, V] in the model's dtype
         picked, top, vals, idx = _scores_of(logits.flatten(0, 1), target[:, start:end].flatten(), top_k)
-        r, s = logits.shape[:2]
-        chosen.append(picked.view(r, s))
-        is_top.append(top.view(r, s))
+        shape = logits.shape[:2]  # [R, S]
+        chosen.append(picked.view(shape))
+        is_top.append(top.view(shape))
         if top_k:
-            top_vals.append(vals.view(r, s, top_k))
-            top_idx.append(idx.view(r, s, top_k))
+            top_vals.append(vals.view(*shape, top_k))
+            top_idx.append(idx.view(*shape, top_k))
     # One copy to the host for the whole pass.
     chosen_h = torch.cat(chosen, 1).cpu().tolist()
     top_h = torch.cat(is_top, 1).cpu().tolist()
