@@ -107,10 +107,17 @@ class Batch:
 
 
 def make_batch(
-    tokenizer: BloomTokenizer, prompts: list[str], options: GenerationOptions, device: torch.device
+    tokenizer: BloomTokenizer, prompts: list[str], options: GenerationOptions, device: torch.device,
+    max_new_tokens_each: list[int] | None = None,
 ) -> Batch:
+    """``max_new_tokens_each``: a budget per prompt, under ``options.max_new_tokens`` and
+    ``max_length`` (requests of different lengths in one batch: each row stops at its own)."""
     if not prompts:
         raise InputError("no prompts to generate from")
+    if max_new_tokens_each is not None and (
+            len(max_new_tokens_each) != len(prompts) or min(max_new_tokens_each) < 1):
+        raise InputError(f"max_new_tokens_each needs one budget of at least 1 per prompt ({len(prompts)}), "
+                         f"got {max_new_tokens_each}")
     prompt_ids = tokenizer.encode_batch(list(prompts))
     for i, (text, ids) in enumerate(zip(prompts, prompt_ids)):
         if not ids:
@@ -124,6 +131,8 @@ def make_batch(
     lengths = [len(ids) for ids in prompt_ids]
     room = [options.max_length - n for n in lengths]
     limits = [r if options.max_new_tokens is None else min(r, options.max_new_tokens) for r in room]
+    if max_new_tokens_each is not None:
+        limits = [min(limit, own) for limit, own in zip(limits, max_new_tokens_each)]
     plan = plan_shapes(lengths, [n + k for n, k in zip(lengths, limits)], options)
     padded = torch.full((len(prompts), plan.prompt_len), tokenizer.pad_token_id, dtype=torch.long)
     for row, ids in enumerate(prompt_ids):

@@ -84,7 +84,8 @@ class Generator:
         return build_options(options or "", **kwargs)
 
     def generate(self, prompts: str | list[str], options: GenerationOptions | str | None = None, *,
-                 stop=None, logprobs: bool = False, on_step=None, **kwargs):
+                 stop=None, logprobs: bool = False, on_step=None, max_new_tokens_each: list[int] | None = None,
+                 **kwargs):
         """Continue each prompt; returns one ``GenerationResult`` per prompt, in order.
 
         Keyword arguments are generation options (see ``generation.options.OPTIONS``), e.g.
@@ -93,13 +94,15 @@ class Generator:
         text excludes it and the finish reason is "stop". ``logprobs``: fill each sequence's
         ``token_logprobs`` (the model's log-probabilities, see ``generation/logprobs.py``).
         ``on_step(tokens [B], done [B])``: called with device tensors after each token of greedy
-        search or sampling (streaming, see ``generation/streaming.py``).
+        search or sampling (streaming, see ``generation/streaming.py``). ``max_new_tokens_each``: a
+        budget of new tokens per prompt, under ``max_new_tokens`` (one batch for requests that want
+        different lengths: each row stops at its own; the batch runs to the largest).
         """
         opts = self.options(options, **kwargs)
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         stops = stops_per_prompt(stop, len(prompts))
         start = time.perf_counter()
-        batch = make_batch(self.tokenizer, prompts, opts, self.device)
+        batch = make_batch(self.tokenizer, prompts, opts, self.device, max_new_tokens_each)
         checker = StopChecker(self.tokenizer, stops) if any(stops) else None
         sequences = self._search(batch, opts, LoopHooks(on_step=on_step, stop_check=checker))
         sequences = [[cut_at_stop(s, row_stops, self.tokenizer) for s in seqs]

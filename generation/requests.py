@@ -56,8 +56,10 @@ class Request:
 
     @property
     def group(self) -> tuple:
-        """Requests with the same group share one generate call's options."""
-        return tuple(sorted(self.search.items())) + (("max_tokens", self.max_tokens),)
+        """Requests with the same group share one generate call's options. Their max_tokens may
+        differ (each row stops at its own budget), but scoring-only requests (max_tokens 0, echo)
+        make no generate call and go apart."""
+        return tuple(sorted(self.search.items())) + (("generates", self.max_tokens > 0),)
 
     @property
     def sampling(self) -> bool:
@@ -175,10 +177,15 @@ class RequestBatch:
     def rows(self) -> int:
         return sum(len(r.prompts) * r.rows_per_prompt for r in self.requests)
 
+    @property
+    def max_tokens(self) -> int:
+        """The largest budget of the batch: its static length makes room for it."""
+        return max(r.max_tokens for r in self.requests)
+
     def options(self) -> GenerationOptions:
-        first = self.requests[0]
-        extra = {"max_new_tokens": first.max_tokens} if first.max_tokens else {}
-        return GenerationOptions().updated(max_length=self.length, ignore_eos=False, **extra, **first.search)
+        extra = {"max_new_tokens": self.max_tokens} if self.max_tokens else {}
+        return GenerationOptions().updated(max_length=self.length, ignore_eos=False, **extra,
+                                           **self.requests[0].search)
 
 
 def batch_length(longest_prompt: int, max_tokens: int) -> int:
@@ -200,7 +207,7 @@ def plan_batches(requests: list[Request], prompt_lengths: dict[int, list[int]], 
             trial = current + [r]
             longest = max(max(prompt_lengths[q.line]) for q in trial)
             rows = sum(len(q.prompts) * q.rows_per_prompt for q in trial)
-            if current and rows * batch_length(longest, r.max_tokens) > budget:
+            if current and rows * batch_length(longest, max(q.max_tokens for q in trial)) > budget:
                 batches.append(_batch(current, prompt_lengths, budget))
                 trial = [r]
             current = trial
@@ -211,7 +218,8 @@ def plan_batches(requests: list[Request], prompt_lengths: dict[int, list[int]], 
 
 def _batch(requests: list[Request], prompt_lengths: dict[int, list[int]], budget: int) -> RequestBatch:
     lengths = [prompt_lengths[r.line] for r in requests]
-    return RequestBatch(requests, lengths, batch_length(max(max(x) for x in lengths), requests[0].max_tokens), budget)
+    longest = max(max(x) for x in lengths)
+    return RequestBatch(requests, lengths, batch_length(longest, max(r.max_tokens for r in requests)), budget)
 
 
 # --- result records -----------------------------------------------------------------------------

@@ -212,8 +212,10 @@ def test_batches_share_options_and_stay_within_the_budget():
         assert b.rows * b.length <= budget
         assert b.length % 32 == 0
     together = [sorted(r.line for r in b.requests) for b in batches]
-    assert [1, 3] in together  # 3 rows: fills the budget; 4 and 6 follow in the next batch
-    assert [4, 6] in together
+    assert [1, 3] in together  # 3 rows: fills the budget; 4, 5 and 6 follow in the next batch
+    assert [4, 5, 6] in together  # 5 wants 4 tokens, the others 8: one batch, each row its own budget
+    mixed = next(b for b in batches if len(b.requests) == 3)
+    assert mixed.max_tokens == 8 and mixed.options().max_new_tokens == 8 and mixed.length == 32
     # A request bigger than the budget alone still runs, in a batch of its own.
     (alone,) = plan_batches([requests[2]], lengths, 10)
     assert alone.requests == [requests[2]]
@@ -284,3 +286,34 @@ def test_line_numbers_and_resume_survive_unicode_line_separators(scoring_setup, 
     assert (first.answered, [e["line"] for e in errors]) == (1, [2])
     again = run_requests(gen, tmp_path / "in.jsonl", tmp_path / "out.jsonl", progress=False)
     assert (again.skipped, again.answered) == (1, 0)
+
+
+def test_requests_of_different_lengths_share_a_batch_and_stop_at_their_own(scoring_setup, tmp_path):
+    from generation.jobs import run_requests
+
+    _, gen, hf = scoring_setup
+    wanted = {P0: 3, P1: 9, P2: 5}
+    requests = tmp_path / "in.jsonl"
+    requests.write_text("".join(json.dumps({"prompt": p, "max_tokens": n, "temperature": 0}) + "\n"
+                                for p, n in wanted.items()))
+    summary = run_requests(gen, requests, tmp_path / "out.jsonl", budget=4096, progress=False)
+    assert summary.answered == 3
+    for line in (tmp_path / "out.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        prompt, result = record["request"]["prompt"], record["result"]
+        assert result["request_time"]["batch_size"] == 3  # all three in one generate call
+        new_ids, text = hf_greedy(hf, gen.tokenizer, prompt, wanted[prompt])
+        (choice,) = result["choices"]
+        assert choice["text"] == text
+        assert result["usage"]["completion_tokens"] == len(new_ids) <= wanted[prompt]
+        assert choice["finish_reason"] == ("stop" if 2 in new_ids else "length")
+
+
+def test_a_budget_per_prompt_must_fit_the_prompts(scoring_setup):
+    from generation.batch import InputError
+
+    _, gen, _ = scoring_setup
+    with pytest.raises(InputError, match="one budget of at least 1 per prompt"):
+        gen.generate([P0, P1], max_new_tokens_each=[3])
+    with pytest.raises(InputError, match="one budget of at least 1 per prompt"):
+        gen.generate([P0], max_new_tokens_each=[0])
