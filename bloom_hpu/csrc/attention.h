@@ -52,27 +52,70 @@ inline void softmax_rounded(float* scores, int64_t n) {
   }
 }
 
+// Decode reads a long cache once per step, from memory: the rows kAhead keys ahead (or the last
+// ones) are asked for while these are summed.
+constexpr int64_t kAhead = 64;
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t count) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < count * int64_t(sizeof(T)); b += 64) _mm_prefetch(bytes + b, _MM_HINT_T0);
+}
+
 // out [D] = sum_j probs[j] * values[j, :] over j < n (values: rows of a head's cache), summed in
-// fp32 in the order of the keys and rounded to T. context: D floats of scratch. (Whole rows per key,
-// so the D / 16 vector sums of a key are independent and run side by side.)
+// fp32 in the order of the keys and rounded to T. context: D floats of scratch. Four keys per pass
+// over the context, so that its D / 16 vectors stay in registers across them and the loads of four
+// rows of values are in flight at once (decode over a long cache reads them from memory).
 template <typename T>
 inline void weighted_values(const float* probs, const T* values, int64_t n, int64_t D, float* context, T* out) {
-  std::fill(context, context + D, 0.0f);
-  for (int64_t j = 0; j < n; ++j) {
-    const float p = probs[j];
+  std::fill(context, context + (D + 15) / 16 * 16, 0.0f);
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
     const T* v = values + j * D;
-    for (int64_t d = 0; d < D; ++d) context[d] += p * float(v[d]);
+    prefetch_rows(values + std::min(j + kAhead, n - 4) * D, 4 * D);
+    for (int64_t c = 0; c < D; c += 16) {
+      const int64_t width = std::min<int64_t>(16, D - c);
+      __m512 sum = _mm512_loadu_ps(context + c);  // context has room for whole vectors (see attend_one)
+      for (int u = 0; u < 4; ++u) sum = _mm512_fmadd_ps(_mm512_set1_ps(probs[j + u]), load_first(v + u * D + c, width), sum);
+      _mm512_storeu_ps(context + c, sum);
+    }
   }
-  for (int64_t d = 0; d < D; ++d) out[d] = round_to<T>(context[d]);
+  for (; j < n; ++j)
+    for (int64_t c = 0; c < D; c += 16) {
+      const int64_t width = std::min<int64_t>(16, D - c);
+      const __m512 sum = _mm512_fmadd_ps(_mm512_set1_ps(probs[j]), load_first(values + j * D + c, width),
+                                         _mm512_loadu_ps(context + c));
+      _mm512_storeu_ps(context + c, sum);
+    }
+  for (int64_t c = 0; c < D; c += 16) store_first(out + c, _mm512_loadu_ps(context + c), std::min<int64_t>(16, D - c));
+}
+
+// scores [seen] = alibi + q . k_j / sqrt(D), rounded to T, for the keys [seen, D] of a head's cache.
+// Four keys at a time: four independent sums, whose loads are in flight together.
+template <typename T>
+inline void decode_scores(const T* q, const T* keys, const T* alibi, int64_t seen, int64_t D, float inv_norm,
+                          float* scores) {
+  int64_t j = 0;
+  for (; j + 4 <= seen; j += 4) {
+    prefetch_rows(keys + std::min(j + kAhead, seen - 4) * D, 4 * D);
+    __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t d = 0; d < D; d += 16) {
+      const int64_t width = std::min<int64_t>(16, D - d);
+      const __m512 query = load_first(q + d, width);
+      for (int u = 0; u < 4; ++u) sum[u] = _mm512_fmadd_ps(query, load_first(keys + (j + u) * D + d, width), sum[u]);
+    }
+    for (int u = 0; u < 4; ++u)
+      scores[j + u] = float(round_to<T>(float(alibi[j + u]) + inv_norm * _mm512_reduce_add_ps(sum[u])));
+  }
+  for (; j < seen; ++j) scores[j] = float(round_to<T>(float(alibi[j]) + inv_norm * dot(q, keys + j * D, D)));
 }
 
 // out [D] = attention of q [D] over keys/values [seen, D] (rows 0..seen-1 of a head's cache),
-// alibi [seen] the head's bias per key slot. scratch: at least `seen` floats; context: D floats.
+// alibi [seen] the head's bias per key slot. scratch: at least `seen` floats; context: D floats
+// rounded up to whole vectors of 16.
 template <typename T>
 void attend_one(const T* q, const T* keys, const T* values, const T* alibi, int64_t seen, int64_t D, float inv_norm,
                 float* scratch, float* context, T* out) {
-  for (int64_t j = 0; j < seen; ++j)
-    scratch[j] = float(round_to<T>(float(alibi[j]) + inv_norm * dot(q, keys + j * D, D)));
+  decode_scores<T>(q, keys, alibi, seen, D, inv_norm, scratch);
   softmax_rounded<T>(scratch, seen);
   weighted_values<T>(scratch, values, seen, D, context, out);
 }

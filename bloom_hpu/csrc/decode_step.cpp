@@ -88,7 +88,7 @@ void attend(const T* qkv, const int64_t* positions, T* keys, T* values, const T*
   const int64_t D = s.head_dim, H = s.heads;
   const float inv_norm = 1.0f / std::sqrt(float(D));
   at::parallel_for(0, s.batch * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(s.window), context(D);
+    std::vector<float> scratch(s.window), context((D + 15) / 16 * 16);  // whole vectors (attend_one)
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       const T* q = qkv + (b * H + h) * 3 * D;
