@@ -1,9 +1,9 @@
 // BLOOM's attention for the queries of one head over the first keys of that head's cache, with the
 // roundings of model.py's op-by-op attention (which are transformers'): scores = alibi + q.k / sqrt(D)
 // summed in fp32 and stored in the model's dtype T, softmax in fp32, probabilities stored in T,
-// their weighted sum of values in fp32, stored in T. The decode step (attend_one: one query per
-// row) and the prompt attention (key-blocked scores for every position, prompt_attention.cpp)
-// share the softmax and the weighted values below.
+// their weighted sum of values in fp32, stored in T. Here: the decode step's attention (attend_one:
+// one query per row, over a cache read from memory) and the softmax that the prompt attention
+// (tiles of queries and keys, prompt_attention.cpp) shares with it.
 
 #pragma once
 
