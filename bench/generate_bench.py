@@ -295,27 +295,26 @@ def fmt(value, digits=2) -> str:
     return f"{value:.{digits}f}"
 
 
+HEADER = ("variant", "TTFT ms", "decode ms/tok", "tok/s", "peak MB", "mem x", "graphs", "x floor",
+          "TTFT/HF", "decode/HF", "tok/s vs HF")
+
+
+def cells(r: Row, ttft_digits: int = 2) -> tuple[str, ...]:
+    """One row's cells, in HEADER's order."""
+    return (r.variant, fmt(r.ttft_ms, ttft_digits), fmt(r.decode_ms_per_token), fmt(r.tokens_per_s, 1),
+            fmt(r.peak_mb, 1), fmt(r.memory_ratio, 3), fmt(r.graphs), fmt(r.x_floor), fmt(r.ttft_vs_hf),
+            fmt(r.decode_vs_hf), fmt(r.tokens_per_s_vs_hf))
+
+
 def markdown_table(rows: list[Row]) -> str:
-    header = ("variant", "TTFT ms", "decode ms/tok", "tok/s", "peak MB", "mem x", "graphs", "x floor",
-              "TTFT/HF", "decode/HF", "tok/s vs HF")
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for r in rows:
-        cells = (r.variant, fmt(r.ttft_ms, 1), fmt(r.decode_ms_per_token), fmt(r.tokens_per_s, 1), fmt(r.peak_mb, 1),
-                 fmt(r.memory_ratio, 3), fmt(r.graphs), fmt(r.x_floor), fmt(r.ttft_vs_hf), fmt(r.decode_vs_hf),
-                 fmt(r.tokens_per_s_vs_hf))
-        lines.append("| " + " | ".join(cells) + " |")
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + " --- |" * len(HEADER)]
+    lines += ["| " + " | ".join(cells(r, ttft_digits=1)) + " |" for r in rows]
     return "\n".join(lines)
 
 
 def table(rows: list[Row]) -> str:
-    header = ("variant", "TTFT ms", "decode ms/tok", "tok/s", "peak MB", "mem x", "graphs", "x floor",
-              "TTFT/HF", "decode/HF", "tok/s vs HF")
-    lines = [header]
-    for r in rows:
-        lines.append((r.variant, fmt(r.ttft_ms), fmt(r.decode_ms_per_token), fmt(r.tokens_per_s, 1),
-                      fmt(r.peak_mb, 1), fmt(r.memory_ratio, 3), fmt(r.graphs), fmt(r.x_floor), fmt(r.ttft_vs_hf), fmt(r.decode_vs_hf),
-                      fmt(r.tokens_per_s_vs_hf)))
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    lines = [HEADER] + [cells(r) for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADER))]
     out = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
            for line in lines]
     out.insert(1, "-" * len(out[0]))
