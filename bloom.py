@@ -100,7 +100,7 @@ def make_generator(args, opts):
         log(f"no --weights given: using the embedded default checkpoint {DEFAULT_CHECKPOINT.relative_to(ROOT)} "
             "(tiny, random weights: the output is gibberish; pass --weights for a real model)")
     if args.mode == "vanilla":
-        from bloom_hpu.backends import make_backend
+        from bloom_hpu.runtime.backends import make_backend
         from bloom_hpu.checkpoint import resolve_checkpoint
         from generation.vanilla import VanillaGenerator
 
@@ -240,7 +240,7 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from bloom_hpu.backends import DeviceError
+    from bloom_hpu.runtime.backends import DeviceError
     from bloom_hpu.checkpoint import CheckpointError
     from generation.batch import InputError
     from bloom_hpu.distributed import ParallelError, shutdown

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.generate_bench import read_bandwidth  # noqa: E402
-from bloom_hpu import cpu_kernel  # noqa: E402
+from bloom_hpu.runtime.cpu import kernels as cpu_kernel  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB = 1024, 24, 250880  # bloom-560m
 

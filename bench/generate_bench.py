@@ -58,8 +58,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bloom_hpu.backends import make_backend  # noqa: E402
-from bloom_hpu.steps import StepRunner  # noqa: E402
+from bloom_hpu.runtime.backends import make_backend  # noqa: E402
+from bloom_hpu.runtime.steps import StepRunner  # noqa: E402
 from generation.batch import make_batch  # noqa: E402
 from generation.generator import Generator, parse_dtype  # noqa: E402
 from generation.options import build_options  # noqa: E402

@@ -91,7 +91,7 @@ def init_parallel(device: str | None = None, environ=None) -> Parallel:
     info = launch_info(environ)
     if info is None:
         return SINGLE
-    from .backends import HPU_ENV_DEFAULTS, DeviceError, default_device
+    from .runtime.backends import HPU_ENV_DEFAULTS, DeviceError, default_device
 
     kind = (device or default_device()).split(":")[0]
     if kind not in COLLECTIVE_BACKENDS:

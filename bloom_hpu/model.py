@@ -25,7 +25,7 @@ from torch import nn
 
 from .alibi import alibi_slopes
 from .config import BloomConfig
-from . import cpu_kernel
+from .runtime.cpu import kernels as cpu_kernel
 from .kv_cache import KVCache
 from .parallel import Parallel, SINGLE
 

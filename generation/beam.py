@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bloom_hpu.steps import StepRunner
+from bloom_hpu.runtime.steps import StepRunner
 
 from .batch import Batch
 from .sampling import gumbel

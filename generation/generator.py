@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from bloom_hpu.backends import make_backend
+from bloom_hpu.runtime.backends import make_backend
 from bloom_hpu.checkpoint import resolve_checkpoint
 from bloom_hpu.loading import LoadReport, load_model
 from bloom_hpu.parallel import Parallel, SINGLE
-from bloom_hpu.steps import StepRunner
+from bloom_hpu.runtime.steps import StepRunner
 
 from .batch import Batch, BloomTokenizer, make_batch
 from .options import GenerationOptions, build_options

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from bloom_hpu.steps import StepRunner
+from bloom_hpu.runtime.steps import StepRunner
 
 from .batch import Batch
 

@@ -10,10 +10,10 @@ import types
 import pytest
 import torch
 
-from bloom_hpu import backends
-from bloom_hpu.backends import Backend, DeviceError, HpuBackend, make_backend
+from bloom_hpu.runtime import backends
+from bloom_hpu.runtime.backends import Backend, DeviceError, HpuBackend, make_backend
 from bloom_hpu.loading import load_model
-from bloom_hpu.steps import StepRunner
+from bloom_hpu.runtime.steps import StepRunner
 from generation.generator import Generator
 
 

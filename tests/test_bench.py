@@ -98,7 +98,7 @@ def test_packed_bf16_weights_change_no_logit(make_ckpt):
 @pytest.mark.parametrize("mode", [[], ["--attention_only"]], ids=["prefill", "attention-only"])
 def test_prompt_attention_bench_runs_both_ways(mode, capsys):
     from bench import prompt_attention_bench
-    from bloom_hpu import cpu_kernel
+    from bloom_hpu.runtime.cpu import kernels as cpu_kernel
 
     code = prompt_attention_bench.main(["--config", "tiny", "--padded", "24", "--real", "9", "--repeats", "2", *mode])
     printed = capsys.readouterr().out

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bloom_hpu import cpu_kernel
-from bloom_hpu.backends import Backend, oneDNN_packing_available
+from bloom_hpu.runtime.cpu import kernels as cpu_kernel
+from bloom_hpu.runtime.backends import Backend, oneDNN_packing_available
 
 needs_kernel = pytest.mark.skipif(not (cpu_kernel.cpu_supports_bf16_dot() and cpu_kernel.compiler_found()),
                                   reason="CPU without AVX512-BF16, or no C++ compiler")

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bloom_hpu import cpu_kernel
-from bloom_hpu.backends import Backend
+from bloom_hpu.runtime.cpu import kernels as cpu_kernel
+from bloom_hpu.runtime.backends import Backend
 from bloom_hpu.config import BloomConfig
 from bloom_hpu.model import StaticBloom
 from bloom_hpu.parallel import Parallel

@@ -8,9 +8,9 @@ import transformers
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 
 from bloom_hpu.alibi import alibi_slopes
-from bloom_hpu.backends import make_backend
+from bloom_hpu.runtime.backends import make_backend
 from bloom_hpu.loading import load_model
-from bloom_hpu.steps import StepRunner
+from bloom_hpu.runtime.steps import StepRunner
 from utils.random_checkpoint import make_random_checkpoint
 
 CONFIGS = [  # (n_head, hidden_size, n_layer): powers of two and not (12, 14)

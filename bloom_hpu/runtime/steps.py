@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from .backends import Backend
-from .kv_cache import KVCache
-from .model import StaticBloom
+from ..kv_cache import KVCache
+from ..model import StaticBloom
 
 
 class PrefillStep(nn.Module):

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from . import cpu_kernel
+from .cpu import kernels as cpu_kernel
 
 
 class DeviceError(Exception):
