@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--options", default="", help='generation options "k=v,k:int=3,flag,!flag" (see --help_options)')
     p.add_argument("--help_options", action="store_true", help="list every generation option and exit")
     p.add_argument("--compile", action="store_true", help="cpu: run the decode step through torch.compile")
+    p.add_argument("--cpu_path", default="auto", choices=["auto", "avx512_bf16", "avx2", "onednn", "plain"],
+                   help="cpu: auto (default) takes the fastest this CPU can run; avx512_bf16 / avx2 force "
+                   "our kernels for that ISA; onednn: no kernels; plain: PyTorch's public operations only")
     p.add_argument("--quiet", action="store_true", help="print only the generated texts")
     p.add_argument("--warmup", action="store_true", help="run every step shape (each bucket) once before the "
                    "first prompt, so no request meets a first-time capture or compile; prints the time taken")
@@ -106,9 +109,11 @@ def make_generator(args, opts):
 
         folder = resolve_checkpoint(weights, args.model)
         return VanillaGenerator(folder, parse_dtype(args.dtype), str(make_backend(args.device, use_graphs=False).device))
+    from bloom_hpu.runtime.cpu import CpuOptions
+
     return Generator.from_pretrained(
         weights, args.model, dtype=args.dtype, device=args.device, use_graphs=opts.use_graphs,
-        compile_steps=args.compile, parallel=PARALLEL,
+        compile_steps=args.compile, parallel=PARALLEL, cpu=CpuOptions(path=args.cpu_path),
     )
 
 
@@ -125,7 +130,7 @@ def log(message: str) -> None:
 def setup_parallel(args):
     """Join the launcher's process group (a no-op without one); only rank 0 prints from now on."""
     global PARALLEL, SHOWS_OUTPUT
-    from bloom_hpu.distributed import ParallelError, init_parallel, route_output, sync_random_seed
+    from bloom_hpu.tp import ParallelError, init_parallel, route_output, sync_random_seed
 
     PARALLEL = init_parallel(args.device)
     SHOWS_OUTPUT = route_output(PARALLEL, args.all_ranks)
@@ -135,7 +140,7 @@ def setup_parallel(args):
 
 
 def check_ranks_agree(args, prompts) -> None:
-    from bloom_hpu.distributed import check_agreement
+    from bloom_hpu.tp import check_agreement
 
     values = {k: v for k, v in vars(args).items() if k not in ("local_rank", "all_ranks", "prompts")}
     check_agreement(PARALLEL, {**values, "prompts": prompts})
@@ -241,14 +246,16 @@ def run(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from bloom_hpu.runtime.backends import DeviceError
+    from bloom_hpu.runtime.cpu import CpuPathError
     from bloom_hpu.checkpoint import CheckpointError
     from generation.batch import InputError
-    from bloom_hpu.distributed import ParallelError, shutdown
+    from bloom_hpu.tp import ParallelError, shutdown
     from generation.options import OptionError
 
     try:
         return run(args)
-    except (UsageError, CheckpointError, InputError, OptionError, DeviceError, ValueError, OSError) as error:
+    except (UsageError, CheckpointError, InputError, OptionError, DeviceError, CpuPathError, ValueError,
+            OSError) as error:
         # Everything the user can fix: one line, no traceback. A ParallelError is raised alike on
         # every rank, so only rank 0 says it; any other error may be this rank's alone.
         if SHOWS_OUTPUT or not isinstance(error, ParallelError):

@@ -31,7 +31,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.generate_bench import read_bandwidth  # noqa: E402
-from bloom_hpu.runtime.cpu import kernels as cpu_kernel  # noqa: E402
+from bloom_hpu.runtime.cpu import capability  # noqa: E402
+from bloom_hpu.runtime.cpu.kernels import KernelsUnavailable, load  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB = 1024, 24, 250880  # bloom-560m
 
@@ -84,23 +85,27 @@ def decode_weights() -> list[tuple[torch.Tensor, torch.Tensor | None]]:
 
 
 def decode_products(repeats: int) -> None:
-    kernel = cpu_kernel.load()
+    paths = {"F.linear": lambda x, w, b: F.linear(x, w, b)}
+    cap = capability.detect()
+    for isa in ("avx512_bf16", "avx2"):
+        if not cap.can_run(isa):
+            print(f"(no {isa} kernels: {cap.why})")
+            continue
+        try:
+            paths[f"{isa} kernel"] = load(isa).few_rows_linear
+        except KernelsUnavailable as error:
+            print(f"(no {isa} kernels: {error})")
     weights = decode_weights()
     total = sum(w.nbytes for w, _ in weights)
-    print(f"decode products: one pass over {total / 1e9:.2f} GB of bf16 weights")
-    print("rows   F.linear ms  GB/s   few-rows kernel ms  GB/s")
+    print(f"decode products: one pass over {total / 1e9:.2f} GB of bf16 weights (ms, GB/s)")
+    print("rows  " + "".join(f"{name:>24s}" for name in paths))
     for rows in (1, 4, 8, 16):
         inputs = {k: torch.randn(rows, k).bfloat16() for k in (HIDDEN, 4 * HIDDEN)}
-        paths = {"F.linear": lambda x, w, b: F.linear(x, w, b)}
-        if kernel is not None:
-            paths["kernel"] = lambda x, w, b: cpu_kernel.linear(x, w, b, kernel)
         cells = []
         for product in paths.values():
             ms = median_ms(lambda: [product(inputs[w.shape[1]], w, b) for w, b in weights], repeats)
-            cells.append(f"{ms:11.1f}  {total / ms / 1e6:5.1f}")
-        print(f"{rows:4d}  " + "   ".join(cells))
-    if kernel is None:
-        print(f"(no few-rows kernel: {cpu_kernel.unavailable_reason()})")
+            cells.append(f"{ms:15.1f}  {total / ms / 1e6:5.1f}")
+        print(f"{rows:4d}  " + "  ".join(cells))
 
 
 def prefill_products(repeats: int, tokens: int = 128) -> None:
@@ -115,7 +120,7 @@ def prefill_products(repeats: int, tokens: int = 128) -> None:
 
 
 def dot_peak() -> None:
-    if not cpu_kernel.cpu_supports_bf16_dot():
+    if capability.detect().isa != "avx512_bf16":
         print("bf16 dot-product peak: this CPU has no AVX512-BF16")
         return
     from torch.utils import cpp_extension

@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bloom_hpu.runtime.backends import make_backend  # noqa: E402
+from bloom_hpu.runtime.cpu import PATHS, CpuOptions  # noqa: E402
 from bloom_hpu.runtime.steps import StepRunner  # noqa: E402
 from generation.batch import make_batch  # noqa: E402
 from generation.generator import Generator, parse_dtype  # noqa: E402
@@ -204,10 +205,11 @@ def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
     if variant == "ours+compile":
         # Its own copy of the weights: the shared model may have been packed for eager CPU steps
         # (see Backend.prepare_model), and the compiled step packs its own.
-        gen = Generator.from_pretrained(base.folder, dtype=args.dtype, device=args.device, compile_steps=True)
+        gen = Generator.from_pretrained(base.folder, dtype=args.dtype, device=args.device, compile_steps=True,
+                                        cpu=CpuOptions(path=args.cpu_path))
         backend = gen.backend
     else:
-        backend = make_backend(args.device, use_graphs=variant != "graphs off")
+        backend = make_backend(args.device, use_graphs=variant != "graphs off", cpu=CpuOptions(path=args.cpu_path))
         gen = Generator(base.model, base.tokenizer, StepRunner(base.model, backend), base.folder)
     opts = build_options(
         max_length=args.max_length, bucket_width=args.bucket_width, num_beams=args.num_beams,
@@ -222,7 +224,7 @@ def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
     def generate(n: int):
         if variant != "op by op":
             return gen.generate(prompts, opts.updated(max_new_tokens=n))
-        with gen.model.op_by_op():  # the shared model without its one-call CPU steps
+        with gen.backend.cpu_plan.op_by_op():  # the shared model without its one-call CPU steps
             return gen.generate(prompts, opts.updated(max_new_tokens=n))
 
     return Variant(variant, generate, describe)
@@ -332,6 +334,9 @@ def parse_args(argv=None):
     p.add_argument("--bucket_width", type=int, default=0, help="pad and size in multiples of this (0: off)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--cpu_path", default="auto", choices=PATHS,
+                   help="cpu: the fast path of our variants (auto: the fastest this CPU runs; avx2 on an "
+                   "AVX-512 CPU times the AVX2 kernels)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per variant before timing")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per variant (medians are reported)")
@@ -360,7 +365,7 @@ def run(args) -> dict:
         torch.set_num_threads(args.threads)
     dtype = parse_dtype(args.dtype)
     folder = checkpoint_folder(args.config, dtype)
-    base = Generator.from_pretrained(folder, dtype=dtype, device=args.device)
+    base = Generator.from_pretrained(folder, dtype=dtype, device=args.device, cpu=CpuOptions(path=args.cpu_path))
     device = base.device
     prompts = make_prompts(base.tokenizer, args.batch_size, args.prompt_len)
     opts = build_options(max_length=args.max_length, bucket_width=args.bucket_width, max_new_tokens=args.new_tokens)

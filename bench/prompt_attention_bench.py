@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from bench.generate_bench import checkpoint_folder  # noqa: E402
-from bloom_hpu.model import prompt_mask  # noqa: E402
+from bloom_hpu.model import Prompt  # noqa: E402
+from bloom_hpu.runtime.cpu import CpuOptions  # noqa: E402
 from generation.generator import Generator, parse_dtype  # noqa: E402
 
 
@@ -39,14 +40,16 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--attention_only", action="store_true", help="time one block's attention, not the prefill")
+    p.add_argument("--cpu_path", default="auto", help="auto, avx512_bf16 or avx2 (the kernel build to time)")
     args = p.parse_args(argv)
     if not 1 <= args.real <= args.padded:
         p.error("need 1 <= --real <= --padded")
     if args.threads:
         torch.set_num_threads(args.threads)
-    generator = Generator.from_pretrained(checkpoint_folder(args.config, parse_dtype(args.dtype)), dtype=args.dtype)
-    model = generator.model
-    if model.prompt_attention is None:
+    generator = Generator.from_pretrained(checkpoint_folder(args.config, parse_dtype(args.dtype)), dtype=args.dtype,
+                                          cpu=CpuOptions(path=args.cpu_path))
+    model, plan = generator.model, generator.backend.cpu_plan
+    if not plan.prompt_attention:
         print(f"no one-call prompt attention here (CPU fast path: {generator.backend.fast_path})")
         return 1
     ids = torch.randint(5, 1000, (1, args.padded))
@@ -56,14 +59,14 @@ def main(argv=None) -> int:
     if args.attention_only:
         attention, config = model.h[0].self_attention, model.config
         qkv = torch.randn(1, args.padded, 3 * config.hidden_size).to(next(model.parameters()).dtype)
-        mask = prompt_mask(lengths, args.padded)
 
         def run(one_call: bool):
-            kernel = model.prompt_attention if one_call else None
-            attention.attend_prompt(qkv, 0, cache, mask, lengths=lengths, kernel=kernel)
+            prompt = Prompt(lengths, args.padded)
+            with contextlib.nullcontext() if one_call else plan.op_by_op():
+                attention.attend_prompt(qkv, 0, cache, prompt)
     else:
         def run(one_call: bool):
-            with contextlib.nullcontext() if one_call else model.op_by_op():
+            with contextlib.nullcontext() if one_call else plan.op_by_op():
                 model.prefill(ids, lengths, cache)
 
     def timed(one_call: bool) -> float:

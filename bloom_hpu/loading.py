@@ -16,9 +16,8 @@ import torch
 from .alibi import alibi_slopes
 from .checkpoint import CheckpointReader
 from .config import BloomConfig
-from .distributed import check_splittable
 from .model import StaticBloom
-from .parallel import Parallel, SINGLE
+from .tp import SINGLE, Parallel, check_splittable, shard_slices
 
 
 @dataclass
@@ -42,35 +41,6 @@ def _human(n: int) -> str:
         if n < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-
-
-def shard_slices(name: str, model: StaticBloom) -> tuple[slice | None, slice | None]:
-    """(rows, cols) of checkpoint tensor ``name`` that this rank holds; None means all.
-
-    Column-parallel weights (fused QKV by whole heads, dense_h_to_4h) split their output rows;
-    row-parallel ones (attention dense, dense_4h_to_h) split their input columns and keep the bias
-    whole; the word embeddings split vocabulary rows. Everything else is replicated.
-    """
-    par, cfg = model.parallel, model.config
-    if par.world_size == 1:
-        return None, None
-
-    def block(total: int) -> slice:
-        per = total // par.world_size
-        return slice(par.rank * per, (par.rank + 1) * per)
-
-    if name == "word_embeddings.weight":
-        return slice(*par.vocab_range(cfg.vocab_size)), None
-    if ".self_attention.query_key_value." in name:
-        # Rows are laid out [head, (q, k, v), head_dim]: whole heads are contiguous row blocks.
-        return block(3 * cfg.hidden_size), None
-    if ".mlp.dense_h_to_4h." in name:
-        return block(4 * cfg.hidden_size), None
-    if name.endswith(".self_attention.dense.weight"):
-        return None, block(cfg.hidden_size)
-    if name.endswith(".mlp.dense_4h_to_h.weight"):
-        return None, block(4 * cfg.hidden_size)
-    return None, None
 
 
 def load_model(

@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from bloom_hpu.runtime.backends import make_backend
+from bloom_hpu.runtime.cpu import CpuOptions
 from bloom_hpu.checkpoint import resolve_checkpoint
 from bloom_hpu.loading import LoadReport, load_model
-from bloom_hpu.parallel import Parallel, SINGLE
+from bloom_hpu.tp import Parallel, SINGLE
 from bloom_hpu.runtime.steps import StepRunner
 
 from .batch import Batch, BloomTokenizer, make_batch
@@ -59,9 +60,12 @@ class Generator:
         use_graphs: bool = True,
         compile_steps: bool = False,
         parallel: Parallel = SINGLE,
+        cpu: CpuOptions = CpuOptions(),
     ) -> "Generator":
+        """``cpu``: the CPU fast path (``CpuOptions``: which kernels, one-call steps, packing);
+        by default the fastest this CPU can run."""
         folder = resolve_checkpoint(str(weights) if weights is not None else None, model)
-        backend = make_backend(device, use_graphs=use_graphs, compile_steps=compile_steps)
+        backend = make_backend(device, use_graphs=use_graphs, compile_steps=compile_steps, cpu=cpu)
         if parallel.world_size > 1 and backend.device.type != "cpu" and backend.device.index is None:
             backend.device = torch.device(backend.device.type, parallel.local_rank)
         bloom, report = load_model(folder, parse_dtype(dtype), backend.device, parallel)

@@ -62,19 +62,18 @@ def score_rows(runner, rows: list[list[int]], top_k: int = 0, length: int | None
     # The pooled cache of this shape: a scoring pass right after a generation of the same shape
     # reuses the generation's cache instead of allocating another one.
     cache = runner.cache(len(rows), length)
-    # On CPU and CUDA the pass stops at the longest row (StaticBloom.real_span): positions past it, blocks
-    # and LM head alike, would only be thrown away.
-    ids = model.real_span(ids, lengths)
-    span = ids.shape[1]
-    if span < 2:  # one token per row: nothing before it to score it by
+    if longest < 2:  # one token per row: nothing before it to score it by
         return [RowScores(token_logprobs=[], top_ids=[], top_logprobs=[], greedy=[]) for _ in rows]
-    hidden = model._prefill_hidden(ids, lengths, cache)  # [R, span, hidden]
+    # On CPU and CUDA the pass stops at the longest row (steps.real_span): positions past it, blocks
+    # and LM head alike, would only be thrown away.
+    hidden = runner.hidden_states(ids, lengths, cache)  # [R, span, hidden]
+    span = hidden.shape[1]
 
     target = ids[:, 1:]  # position t predicts token t+1
     chosen, is_top, top_vals, top_idx = [], [], [], []
     for start in range(0, span - 1, POSITIONS_PER_SLICE):
         end = min(start + POSITIONS_PER_SLICE, span - 1)
-        logits = model.lm_head(hidden[:, start:end])  # [R, S, V] in the model's dtype
+        logits = runner.logits(hidden[:, start:end])  # [R, S, V] in the model's dtype
         picked, top, vals, idx = _scores_of(logits.flatten(0, 1), target[:, start:end].flatten(), top_k)
         shape = logits.shape[:2]  # [R, S]
         chosen.append(picked.view(shape))

@@ -123,8 +123,7 @@ def test_cpu_prefill_stops_at_the_longest_prompt_with_the_same_results(dtype):
     model.load_state_dict(random_weights(config, live_vocab=1000, seed=3, weight_scale=1.0))
     model = model.to(dtype).eval().requires_grad_(False)
     backend = Backend("cpu")
-    backend.prepare_model(model)
-    assert model.trim_prefill
+    assert backend.trim_prefill
     runner = StepRunner(model, backend)
     ids, lengths = torch.randint(4, 1000, (3, 32)), torch.tensor([20, 7, 13])  # padded to 32, longest 20
     positions_seen = []
@@ -132,7 +131,7 @@ def test_cpu_prefill_stops_at_the_longest_prompt_with_the_same_results(dtype):
     model.embed = lambda t: positions_seen.append(t.shape[1]) or embed(t)
     trimmed, full = model.allocate_cache(3, 40), model.allocate_cache(3, 40)
     ours = runner.prefill(ids, lengths, trimmed)
-    model.trim_prefill = False
+    backend.trim_prefill = False
     reference = runner.prefill(ids, lengths, full)
     assert positions_seen == [20, 32]
     assert {s[1] for s in backend.signatures_of("prefill")} == {(((3, 32), "torch.int64"), ((3,), "torch.int64"))}
@@ -155,7 +154,5 @@ def test_prefill_trimming_is_left_off_where_every_shape_is_a_graph(fake_habana):
     from bloom_hpu.model import StaticBloom
 
     fake_habana()
-    model = StaticBloom(BloomConfig(vocab_size=256, hidden_size=32, n_layer=1, n_head=2))
     for backend, trims in ((HpuBackend(device="hpu"), False), (Backend("cuda"), True), (Backend("cpu"), True)):
-        backend.prepare_model(model)
-        assert model.trim_prefill is trims, backend.device
+        assert backend.trim_prefill is trims, backend.device

@@ -50,7 +50,7 @@ def test_score_rows_top_k_and_echo_positions_match_transformers(scoring_setup):
 
 
 def test_scoring_on_cpu_stops_at_the_longest_row_with_the_same_scores(scoring_setup):
-    """A pass padded to 64 computes the longest row's positions only (CPU: ``trim_prefill``), and
+    """A pass padded to 64 computes the longest row's positions only (CPU: ``Backend.trim_prefill``), and
     scores exactly what the full padded pass scores. Rows of one token have nothing to score."""
     _, gen, _ = scoring_setup
     model = gen.runner.model
@@ -59,12 +59,12 @@ def test_scoring_on_cpu_stops_at_the_longest_row_with_the_same_scores(scoring_se
     embed = model.embed
     model.embed = lambda t: widths.append(t.shape[1]) or embed(t)
     try:
-        assert model.trim_prefill
+        assert gen.backend.trim_prefill
         trimmed = score_rows(gen.runner, rows, top_k=2, length=64)
-        model.trim_prefill = False
+        gen.backend.trim_prefill = False
         full = score_rows(gen.runner, rows, top_k=2, length=64)
     finally:
-        model.trim_prefill = True
+        gen.backend.trim_prefill = True
         del model.embed
     assert widths == [max(len(r) for r in rows), 64]
     for a, b in zip(trimmed, full):

@@ -24,11 +24,11 @@ if str(ROOT) not in sys.path:  # when launched as a script by deepspeed
 
 from bloom_hpu.alibi import alibi_slopes  # noqa: E402
 from bloom_hpu.config import BloomConfig  # noqa: E402
-from bloom_hpu.distributed import (  # noqa: E402
+from bloom_hpu.tp import (  # noqa: E402
     ParallelError, _RankPrefixed, check_splittable, launch_info,
 )
 from bloom_hpu.loading import load_model  # noqa: E402
-from bloom_hpu.parallel import Parallel  # noqa: E402
+from bloom_hpu.tp import Parallel  # noqa: E402
 
 CKPT = dict(hidden_size=64, n_layer=2, n_head=4, seed=7)  # vocab 1024
 PROMPTS = ["Hello", "The quick brown fox jumps over the", "A b"]  # mixed lengths, one batch
@@ -267,7 +267,7 @@ def test_cli_under_deepspeed_matches_one_process(two_rank_run, single):
 
 def _worker(folder: str, out: str) -> int:
     import bloom
-    from bloom_hpu.distributed import check_agreement, init_parallel, sync_random_seed
+    from bloom_hpu.tp import check_agreement, init_parallel, sync_random_seed
     from generation.generator import Generator
 
     parallel = init_parallel("cpu")

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .cpu import kernels as cpu_kernel
+from .cpu import CpuOptions, CpuPlan, accelerate
 
 
 class DeviceError(Exception):
@@ -41,27 +41,29 @@ def signature(name: str, step, inputs) -> tuple:
     return (name, tuple((tuple(t.shape), str(t.dtype)) for t in inputs), getattr(step, "static_shape", ()))
 
 
-def oneDNN_packing_available() -> bool:
-    """The two (private) oneDNN ops ``Linear.pack`` uses exist in this torch build."""
-    ops = torch.ops.mkldnn
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise"))
-
-
 class Backend:
     """Eager execution with shape bookkeeping; the base of the other backends."""
 
     name = "cpu"
 
-    def __init__(self, device: str = "cpu", use_graphs: bool = True, compile_steps: bool = False):
+    def __init__(self, device: str = "cpu", use_graphs: bool = True, compile_steps: bool = False,
+                 cpu: CpuOptions = CpuOptions()):
         self.device = torch.device(device)
         self.use_graphs = use_graphs
         self.compile_steps = compile_steps
-        # BLOOM_PACK_WEIGHTS=0 turns the CPU weight packing off (to measure what it brings).
-        self.pack_weights = os.environ.get("BLOOM_PACK_WEIGHTS", "1") != "0"
-        self.fast_path = "none"  # set by prepare_model
+        self.cpu_options = cpu
+        self.cpu_plan: CpuPlan | None = None  # set by prepare_model on the CPU
+        # A prefill may stop at the longest real prompt (``steps.real_span``): where prefill runs
+        # eagerly (CPU, and CUDA, where only decode steps are captured), not on a Gaudi, where
+        # every new shape is a new graph to compile.
+        self.trim_prefill = self.device.type in ("cpu", "cuda")
         self.signatures: set[tuple] = set()
         self._compiled: dict[int, object] = {}
+
+    @property
+    def fast_path(self) -> str:
+        """The CPU fast path in words (``cpu/accelerate.py``), or 'none' off the CPU."""
+        return self.cpu_plan.description if self.cpu_plan is not None else "none"
 
     def graph_count(self) -> int:
         """Distinct step signatures seen (the original scripts printed this as hpu_graphs)."""
@@ -75,40 +77,9 @@ class Backend:
         return step
 
     def prepare_model(self, model) -> None:
-        """Once per model, on CPU in bf16 or fp32, where decode is bound by reading the weights (or
-        for small models, by the cost of each call): route the products of a few rows through our
-        kernel (``cpu_kernel.py``: reads at about the memory's bandwidth). Where it cannot be had,
-        in bf16, pack the blocks' weights for oneDNN (``Linear.pack``: about 1.4x faster than plain,
-        bit-identical; not with ``compile_steps``, where inductor packs them itself).
-        In bf16, prefill's MLP GELU also runs inside oneDNN's product. With the kernel, the decode
-        step (one process, not ``compile_steps``) and a prefill's attention also run as one C++ call
-        each (``StaticBloom.use_cpu_decode_step``, ``prompt_attention``). ``fast_path`` says which,
-        for the CLI and the benchmark."""
-        self.fast_path = "none"
-        dtype = model.word_embeddings.weight.dtype
-        # Prefill runs eagerly on CPU and CUDA (only decode steps are captured there), so it may
-        # skip the pad slots past the longest prompt (StaticBloom.prefill). Not on a Gaudi, where
-        # every new shape is a new graph to compile.
-        model.trim_prefill = self.device.type in ("cpu", "cuda")
-        if self.device.type != "cpu" or dtype not in cpu_kernel.STEP:
-            return
-        onednn_bf16 = dtype == torch.bfloat16 and not self.compile_steps and oneDNN_packing_available()
-        if onednn_bf16:
-            model.fuse_gelu()  # prefill: the GELU inside oneDNN's product (Linear.forward_gelu)
-        kernel = cpu_kernel.load()
-        if kernel is not None:
-            model.use_few_rows_kernel(kernel)
-            one_call = []
-            # With compile_steps, torch.compile is asked to build the decode step instead.
-            if not self.compile_steps and model.use_cpu_decode_step(cpu_kernel.decode_step_op()):
-                one_call.append("decode step")
-            model.prompt_attention = cpu_kernel.prompt_attention_op()
-            if model.prompt_attention is not None:
-                one_call.append("prompt attention")
-            self.fast_path = "few-rows kernel" + (f"; one C++ call: {', '.join(one_call)}" if one_call else "")
-        elif onednn_bf16 and self.pack_weights:
-            model.pack_linears()
-            self.fast_path = f"oneDNN packed weights (no few-rows kernel: {cpu_kernel.unavailable_reason()})"
+        """Once per model: on the CPU, its fast path (``cpu/accelerate.py``)."""
+        if self.device.type == "cpu":
+            self.cpu_plan = accelerate(model, self.cpu_options, self.compile_steps)
 
     def run(self, name: str, step, *inputs: torch.Tensor):
         self.signatures.add(signature(name, step, inputs))
@@ -138,7 +109,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
 
-    def __init__(self, device: str = "cuda", use_graphs: bool = True, compile_steps: bool = False):
+    def __init__(self, device: str = "cuda", use_graphs: bool = True, compile_steps: bool = False, cpu=None):
         if not torch.cuda.is_available():
             raise DeviceError("--device cuda was asked for, but no CUDA device is available")
         super().__init__(device, use_graphs, compile_steps)
@@ -198,7 +169,7 @@ class HpuBackend(Backend):
 
     name = "hpu"
 
-    def __init__(self, device: str = "hpu", use_graphs: bool = True, compile_steps: bool = False):
+    def __init__(self, device: str = "hpu", use_graphs: bool = True, compile_steps: bool = False, cpu=None):
         for key, value in HPU_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         try:
@@ -223,12 +194,14 @@ class HpuBackend(Backend):
         self._hthpu.synchronize()
 
 
-def make_backend(device: str | None = None, use_graphs: bool = True, compile_steps: bool = False) -> Backend:
-    """The backend for ``device`` ('cpu', 'cuda', 'cuda:1', 'hpu'; None: the best available)."""
+def make_backend(device: str | None = None, use_graphs: bool = True, compile_steps: bool = False,
+                 cpu: CpuOptions = CpuOptions()) -> Backend:
+    """The backend for ``device`` ('cpu', 'cuda', 'cuda:1', 'hpu'; None: the best available).
+    ``cpu``: the CPU fast path's options (used on the CPU only)."""
     device = device or default_device()
     kind = device.split(":")[0]
     if kind == "cpu":
-        return Backend("cpu", use_graphs, compile_steps)
+        return Backend("cpu", use_graphs, compile_steps, cpu)
     if kind == "cuda":
         return CudaBackend(device, use_graphs, compile_steps)
     if kind == "hpu":

@@ -1,9 +1,14 @@
-"""The model's two steps as small modules bound to one KV cache, and the runner that owns them.
+"""The model's steps as small modules bound to one KV cache, and the runner that owns them.
 
 A step module's only inputs are the tensors that change per call (token ids, lengths, positions);
 the weights and the cache are fixed attributes. That is what graph capture needs: the same step
 object always touches the same memory. ``StepRunner`` keeps one cache per (batch, length) shape and
-one step module per (cache, window), so repeated calls reuse both and never re-capture.
+one step module per (kind, cache, window), so repeated calls reuse both and never re-capture.
+
+Steps: ``prefill`` (prompts -> logits of each row's last token), ``decode`` (one token per row),
+and for scoring prompts (log-probs, evaluation) ``hidden`` (final hidden states at every position)
+and ``head`` (logits of a slice of them). Every one goes through the backend, which records its
+shape signature and, on a Gaudi, captures it and ends it with ``mark_step``.
 """
 
 from __future__ import annotations
@@ -11,42 +16,73 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .backends import Backend
 from ..kv_cache import KVCache
 from ..model import StaticBloom
+from .backends import Backend
+
+
+def real_span(input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """[B, P] right-padded ids cut to the longest real row [B, max(lengths)].
+
+    The static P is what a captured graph needs; an eager prefill gains nothing from the pad slots
+    past the longest prompt: their keys and values are never attended (a row's decode writes each
+    slot before it attends it), and the logits come from real tokens. A 16-token prompt padded to
+    128 then costs a 16-token prefill. The step's signature stays [B, P]."""
+    return input_ids[:, : int(lengths.max())]
 
 
 class PrefillStep(nn.Module):
-    def __init__(self, model: StaticBloom, cache: KVCache):
+    def __init__(self, model: StaticBloom, cache: KVCache, backend: Backend, hidden_only: bool = False):
         super().__init__()
         self.model = model
         self.cache = cache
+        self.backend = backend  # its ``trim_prefill``: stop at the longest real prompt (``real_span``)
+        self.hidden_only = hidden_only  # scoring: hidden states at every position, not logits
 
     @property
     def static_shape(self) -> tuple:
         return (self.cache.batch_size, self.cache.length)
 
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        if self.backend.trim_prefill:
+            input_ids = real_span(input_ids, lengths)
+        if self.hidden_only:
+            return self.model.hidden_states(input_ids, lengths, self.cache)
         return self.model.prefill(input_ids, lengths, self.cache)
 
 
 class DecodeStep(nn.Module):
-    def __init__(self, model: StaticBloom, cache: KVCache, window: int):
+    def __init__(self, model: StaticBloom, cache: KVCache, window: int, backend: Backend):
         super().__init__()
         self.model = model
         self.cache = cache
         self.window = window
+        self.backend = backend
 
     @property
     def static_shape(self) -> tuple:
         return (self.cache.batch_size, self.cache.length, self.window)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        plan = self.backend.cpu_plan
+        if plan is not None and plan.decode is not None:  # the CPU's one-call step (cpu/accelerate.py)
+            return plan.decode(tokens, positions, self.cache, self.window)
         return self.model.decode(tokens, positions, self.cache, self.window)
 
 
+class HeadStep(nn.Module):
+    """Logits [R, S, V] of final hidden states [R, S, hidden] (a slice of a scoring pass)."""
+
+    def __init__(self, model: StaticBloom):
+        super().__init__()
+        self.model = model
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden)
+
+
 class StepRunner:
-    """Runs prefill and decode steps of one model on one backend."""
+    """Runs the steps of one model on one backend."""
 
     def __init__(self, model: StaticBloom, backend: Backend):
         self.model = model
@@ -66,10 +102,15 @@ class StepRunner:
         self._caches.clear()
         self._steps.clear()
 
-    def _step(self, kind: str, cache: KVCache, window: int | None = None) -> nn.Module:
+    def _step(self, kind: str, cache: KVCache | None = None, window: int | None = None) -> nn.Module:
         key = (kind, id(cache), window)
         if key not in self._steps:
-            step = PrefillStep(self.model, cache) if kind == "prefill" else DecodeStep(self.model, cache, window)
+            step = {
+                "prefill": lambda: PrefillStep(self.model, cache, self.backend),
+                "hidden": lambda: PrefillStep(self.model, cache, self.backend, hidden_only=True),
+                "decode": lambda: DecodeStep(self.model, cache, window, self.backend),
+                "head": lambda: HeadStep(self.model),
+            }[kind]()
             self._steps[key] = self.backend.prepare(step)
         return self._steps[key]
 
@@ -92,3 +133,14 @@ class StepRunner:
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
         return self.backend.run("decode", self._step("decode", cache, window), tokens, positions)
+
+    @torch.no_grad()
+    def hidden_states(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Final hidden states [B, span, hidden] of right-padded prompts [B, P] (scoring); span is
+        P, or the longest real row where the backend trims prefills."""
+        return self.backend.run("hidden", self._step("hidden", cache), input_ids, lengths)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [R, S, V] of hidden states [R, S, hidden] (a scoring pass, a slice at a time)."""
+        return self.backend.run("head", self._step("head"), hidden)

@@ -1,0 +1,160 @@
+"""Choosing and applying the CPU fast path of a finished model.
+
+``accelerate(model, options)`` picks, from what this CPU and this torch build can do
+(``capability.py``) and what ``CpuOptions`` allow, one of:
+
+* our kernels for the CPU's ISA (``kernels.py``: AVX512-BF16, or AVX2+FMA+F16C): the products of a
+  few rows, and in one process the whole decode step and a prefill's attention as one call each;
+* oneDNN (PyTorch's private mkldnn operations, used only where a probe call showed they work):
+  bf16 weights packed in oneDNN's layout, the MLP's GELU inside its product;
+* PyTorch's public operations alone (other architectures, or ``path='plain'``).
+
+It swaps the model's layers for their CPU variants (``layers.py``) and returns a ``CpuPlan``: what
+was chosen and why (for the load line and the benchmark), and the one-call decode step, if any.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ...model import Attention, Linear, StaticBloom
+from . import capability
+from .kernels import Kernels, KernelsUnavailable, load
+from .layers import (CPU_LINEAR, FEW_ROWS, CpuTiedHead, OneCallPromptAttention, kernel_suits, swap, unswap)
+
+PATHS = ("auto", "avx512_bf16", "avx2", "onednn", "plain")
+
+
+class CpuPathError(Exception):
+    """The CPU path asked for cannot run here (one line for the user)."""
+
+
+@dataclass(frozen=True)
+class CpuOptions:
+    """``path``: 'auto' (the fastest this CPU can run), a kernel build ('avx512_bf16', 'avx2': an
+    error where it cannot run), 'onednn' (no kernels) or 'plain' (PyTorch's public operations only).
+    ``one_call_steps``: with kernels, the decode step and a prefill's attention as one C++ call each.
+    ``pack_weights``: without kernels, bf16 weights packed for oneDNN."""
+
+    path: str = "auto"
+    one_call_steps: bool = True
+    pack_weights: bool = True
+
+    def __post_init__(self):
+        if self.path not in PATHS:
+            raise CpuPathError(f"unknown CPU path {self.path!r}: choose one of {', '.join(PATHS)}")
+
+
+@dataclass
+class CpuPlan:
+    """What ``accelerate`` chose. ``decode``: the one-call decode step (``OneCallDecode``) or None."""
+
+    description: str
+    kernels: Kernels | None = None
+    decode: Callable | None = None
+    prompt_attention: list[Attention] = field(default_factory=list)
+
+    @contextmanager
+    def op_by_op(self):
+        """Within it, the one-call steps are off and the steps run op by op from Python, as on the
+        other devices: to compare the two."""
+        decode, self.decode = self.decode, None
+        for attention in self.prompt_attention:
+            unswap(attention)
+        try:
+            yield self
+        finally:
+            self.decode = decode
+            for attention in self.prompt_attention:
+                swap(attention, OneCallPromptAttention)
+
+
+class OneCallDecode:
+    """The model's ``decode`` as one call of ``csrc/decode_step.cpp``: the same computation and
+    roundings without ~120 Python-dispatched operations per step (for a small model, most of it)."""
+
+    def __init__(self, model: StaticBloom, op: Callable):
+        self.op = op
+        self.weights = decode_weights(model)
+        self.eps = model.config.layer_norm_epsilon
+        self.residual_from_ln = model.config.apply_residual_connection_post_layernorm
+
+    def __call__(self, tokens, positions, cache, window: int) -> torch.Tensor:
+        return self.op(self.weights, tokens, positions, cache.keys, cache.values, cache.alibi, window, self.eps,
+                       self.residual_from_ln)
+
+
+def decode_weights(model: StaticBloom) -> list[torch.Tensor]:
+    """The weights in the order ``csrc/decode_step.cpp`` reads them."""
+    norm = lambda ln: [ln.weight, ln.bias]  # noqa: E731
+    linear = lambda m: [m.weight, m.bias]  # noqa: E731
+    weights = [model.word_embeddings.weight, *norm(model.word_embeddings_layernorm), *norm(model.ln_f)]
+    for block in model.h:
+        attention, mlp = block.self_attention, block.mlp
+        weights += [*norm(block.input_layernorm), *linear(attention.query_key_value), *linear(attention.dense),
+                    *norm(block.post_attention_layernorm), *linear(mlp.dense_h_to_4h), *linear(mlp.dense_4h_to_h)]
+    return [w.detach() for w in weights]
+
+
+def choose_kernels(path: str, cap: capability.Capability) -> tuple[Kernels | None, str]:
+    """The kernel build for ``path`` and, where there is none, why."""
+    if path in ("onednn", "plain"):
+        return None, f"--cpu_path {path}"
+    isa = cap.kernel_isa if path == "auto" else path
+    if path != "auto" and not cap.can_run(path):
+        raise CpuPathError(f"CPU path {path} cannot run on this CPU ({cap.why})")
+    if isa is None:
+        return None, f"no kernels for this CPU ({cap.why})"
+    try:
+        return load(isa), cap.why
+    except KernelsUnavailable as error:
+        if path != "auto":
+            raise CpuPathError(f"the {path} CPU kernels {error}") from None
+        return None, f"no kernels: {error}"
+
+
+def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_steps: bool = False) -> CpuPlan:
+    """Apply the CPU fast path to ``model`` (on the CPU, its weights loaded); see the module doc.
+    With ``compile_steps`` torch.compile builds the decode step (and packs the weights) itself."""
+    dtype = model.word_embeddings.weight.dtype
+    cap = capability.detect()
+    kernels, why = choose_kernels(options.path, cap)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for linear in linears:
+        swap(linear, CPU_LINEAR[getattr(linear, "plain_class", type(linear))])
+    used = []
+    if kernels is not None:
+        for linear in linears:
+            if kernel_suits(linear.weight):
+                linear.kernel, linear.few_rows_limit = kernels.few_rows_linear, FEW_ROWS * linear.weight.shape[1]
+        if kernel_suits(model.word_embeddings.weight):
+            swap(model.head, CpuTiedHead, kernel=kernels.few_rows_linear,
+                 few_rows_limit=FEW_ROWS * model.word_embeddings.weight.shape[1])
+        used.append("few-rows products")
+    onednn = options.path != "plain" and not compile_steps and dtype == torch.bfloat16
+    if onednn and capability.onednn_fuses_gelu(dtype):
+        for block in model.h:
+            block.mlp.dense_h_to_4h.fused_gelu = True
+            block.mlp.gelu = torch.nn.Identity()
+        used.append("oneDNN GELU in the prefill's MLP")
+    if kernels is None and onednn and options.pack_weights and capability.onednn_packs(dtype):
+        for linear in linears:
+            linear.pack()
+        used.append("oneDNN packed weights")
+    plan = CpuPlan("", kernels)
+    if kernels is not None and options.one_call_steps:
+        all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
+        if not compile_steps and model.parallel.world_size == 1 and all_kernel:
+            plan.decode = OneCallDecode(model, kernels.decode_step)
+            used.append("one-call decode step")
+        for block in model.h:
+            swap(block.self_attention, OneCallPromptAttention, op=kernels.prompt_attention)
+            plan.prompt_attention.append(block.self_attention)
+        used.append("one-call prompt attention")
+    source = "PyTorch operations" if kernels is None else f"{capability.ISA_NAMES[kernels.isa]} kernels"
+    plan.description = f"{source}{': ' + ', '.join(used) if used else ''} ({why})"
+    return plan

@@ -1,0 +1,131 @@
+"""What this CPU and this torch build can really do: the instruction set our kernels are built
+for, and whether the oneDNN operations a fallback path relies on work here.
+
+Nothing is assumed from the presence of an attribute: the ISA comes from the CPU's own flags,
+capped by the level PyTorch itself dispatches to (``torch.backends.cpu.get_cpu_capability()``,
+which ``ATEN_CPU_CAPABILITY=avx2`` lowers: that is how an AVX-512 machine is made to run as an
+AVX2 one, PyTorch's kernels included), and each oneDNN operation is called once on a small input
+and its result compared with ``F.linear``'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# Kernel builds, fastest first, and the CPU flags each needs.
+KERNEL_ISAS = {
+    "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma", "f16c"),
+    "avx2": ("avx2", "fma", "f16c"),
+}
+ISA_NAMES = {"avx512_bf16": "AVX512-BF16", "avx512": "AVX-512", "avx2": "AVX2", "other": "no AVX2"}
+# Each level of torch's dispatch and the most our kernels may use under it.
+TORCH_LEVELS = {"AVX512": "avx512_bf16", "AVX2": "avx2"}
+
+
+@dataclass(frozen=True)
+class Capability:
+    """``isa``: 'avx512_bf16', 'avx512' (AVX-512 without BF16: runs the AVX2 kernels), 'avx2' or
+    'other' (another architecture, or an x86 CPU without AVX2+FMA+F16C). ``why``: how it was found."""
+
+    isa: str
+    why: str
+
+    @property
+    def kernel_isa(self) -> str | None:
+        """The kernel build this CPU runs best, or None (PyTorch's operations only)."""
+        return {"avx512_bf16": "avx512_bf16", "avx512": "avx2", "avx2": "avx2"}.get(self.isa)
+
+    def can_run(self, kernel_isa: str) -> bool:
+        order = ["other", "avx2", "avx512", "avx512_bf16"]
+        needed = "avx512_bf16" if kernel_isa == "avx512_bf16" else "avx2"
+        return order.index(self.isa) >= order.index(needed)
+
+    @property
+    def name(self) -> str:
+        return ISA_NAMES[self.isa]
+
+
+def cpu_flags() -> set[str] | None:
+    """The flags of the first CPU in /proc/cpuinfo (Linux), or None where there is none."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags") and ":" in line:
+            return set(line.split(":", 1)[1].split())
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def detect() -> Capability:
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return Capability("other", f"{machine} CPU: PyTorch's operations")
+    torch_level = torch.backends.cpu.get_cpu_capability()
+    flags = cpu_flags()
+    if flags is None:  # no /proc/cpuinfo: trust torch's level, without AVX512-BF16 (it cannot tell)
+        isa = "avx2" if torch_level in TORCH_LEVELS else "other"
+        return Capability(isa, f"torch dispatches to {torch_level}; CPU flags unreadable")
+    hardware = "other"
+    if all(f in flags for f in KERNEL_ISAS["avx2"]):
+        hardware = "avx2"
+    if "avx512f" in flags and hardware == "avx2":
+        hardware = "avx512"
+    if all(f in flags for f in KERNEL_ISAS["avx512_bf16"]):
+        hardware = "avx512_bf16"
+    ceiling = TORCH_LEVELS.get(torch_level, "other")
+    order = ["other", "avx2", "avx512", "avx512_bf16"]
+    isa = hardware if order.index(hardware) <= order.index(ceiling) else ceiling
+    why = f"CPU flags: {ISA_NAMES[hardware]}"
+    if isa != hardware:
+        why += f", capped by torch's {torch_level} dispatch"
+    return Capability(isa, why)
+
+
+def _agrees(run, dtype: torch.dtype, gelu: bool = False) -> bool:
+    """``run(x, w, bias) -> y`` gives F.linear's result (its tanh GELU with ``gelu``) for a small
+    input in ``dtype``, without raising."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(20, 64, generator=g).to(dtype)
+    w = torch.randn(48, 64, generator=g).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype)
+    try:
+        with torch.no_grad():
+            got = run(x, w, b)
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return False
+    want = F.linear(x.float(), w.float(), b.float())
+    if gelu:
+        want = F.gelu(want, approximate="tanh")
+    return got.shape == want.shape and torch.allclose(got.float(), want, rtol=2e-2, atol=0.25)
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """oneDNN's packed-weight linear (``mkldnn._reorder_linear_weight`` + ``_linear_pointwise``,
+    private operations) exists and computes F.linear in ``dtype`` here. On a CPU without AVX-512 it
+    refuses bf16 weights."""
+    ops = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")):
+        return False
+
+    def packed(x, w, b):
+        return ops._linear_pointwise(x, ops._reorder_linear_weight(w, x.shape[0]), b, "none", [], "")
+
+    return _agrees(packed, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_fuses_gelu(dtype: torch.dtype) -> bool:
+    """oneDNN applies a tanh GELU inside a product of plain weights in ``dtype`` here."""
+    ops = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")):
+        return False
+    return _agrees(lambda x, w, b: ops._linear_pointwise(x, w, b, "gelu", [], "tanh"), dtype, gelu=True)

@@ -1,0 +1,22 @@
+"""Which of our kernel builds this machine's tests run: every ISA the CPU can execute (an AVX-512
+CPU runs the AVX2 build too), so both builds are tested wherever both can run; a test of a build
+the CPU lacks is skipped, and says so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bloom_hpu.runtime.cpu import capability
+from bloom_hpu.runtime.cpu.kernels import compiler_found
+
+ROOT = Path(__file__).resolve().parent.parent
+ALL_KERNEL_ISAS = ("avx512_bf16", "avx2")
+KERNEL_ISAS = [isa for isa in ALL_KERNEL_ISAS if capability.detect().can_run(isa) and compiler_found()]
+
+
+def needs_isa(isa: str) -> None:
+    """Skip the calling test where this CPU (or a missing compiler) rules out ``isa``'s build."""
+    if isa not in KERNEL_ISAS:
+        pytest.skip(f"{isa} kernels cannot run here ({capability.detect().why}; compiler found: {compiler_found()})")
