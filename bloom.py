@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 def read_prompts(args) -> list[str]:
     prompts = list(args.prompts)
     if args.input_file:
-        from generation.inputs import read_prompt_file
+        from generation.jobs.inputs import read_prompt_file
 
         prompts += read_prompt_file(args.input_file)
     if not prompts:
@@ -159,7 +159,7 @@ def run_file_job(args, opts) -> int:
     generator = make_generator(args, opts)
     writes = PARALLEL.rank == 0  # tensor parallel: every rank computes, rank 0 writes
     if args.requests:
-        from generation.jobs import run_requests
+        from generation.jobs.runner import run_requests
 
         summary = run_requests(generator, args.requests, args.results, errors_path=args.errors,
                                budget=args.budget, progress=not args.quiet, write=writes)
@@ -168,7 +168,7 @@ def run_file_job(args, opts) -> int:
         return 1 if summary.errors else 0
     import json
 
-    from generation.evaluate import evaluate, read_passages
+    from generation.jobs.evaluate import evaluate, read_passages
 
     result = evaluate(generator, read_passages(args.eval), budget=args.budget)
     print(f"passages: {result.passages}  accuracy: {result.accuracy:.4f}  perplexity: {result.perplexity:.3f}  "
@@ -218,7 +218,7 @@ def run(args) -> int:
         log(warm_up(generator, opts, [1] if args.stream else chunk_sizes(len(prompts), args.batch_size)).describe())
     if args.stream:
         return stream_prompts(args, generator, prompts, opts)
-    from generation.outputs import ResultWriter
+    from generation.jobs.outputs import ResultWriter
 
     writer = ResultWriter(rank_output_file(args.output_file)) if args.output_file and SHOWS_OUTPUT else None
     for first in range(0, len(prompts), args.batch_size):

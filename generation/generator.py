@@ -20,11 +20,11 @@ from bloom_hpu.runtime.steps import StepRunner
 from .batch import Batch, BloomTokenizer, make_batch
 from .options import GenerationOptions, build_options
 from .results import BatchStats, GenerationResult, Sequence, make_sequence
-from .stopping import StopChecker, cut_at_stop, stops_per_prompt
-from .token_loop import FINISH_REASONS, LoopHooks, greedy_chooser, run_token_loop
-from .beam import beam_search
-from .processors import LogitsProcessors
-from .sampling import greedy_with, repeat_rows, resolve_seed, row_keys, sampling_chooser
+from .search.beam import beam_search
+from .search.processors import LogitsProcessors
+from .search.sampling import greedy_with, repeat_rows, resolve_seed, row_keys, sampling_chooser
+from .search.stopping import StopChecker, cut_at_stop, stops_per_prompt
+from .search.token_loop import FINISH_REASONS, LoopHooks, greedy_chooser, run_token_loop
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 
 from .logprobs import TokenText
-from .stopping import first_stop, normalize_stops
+from .search.stopping import first_stop, normalize_stops
 
 _DONE = object()
 

@@ -9,7 +9,7 @@ import torch
 
 import bloom
 from generation.logprobs import TokenText
-from generation.requests import RequestError, parse_request, plan_batches
+from generation.jobs.requests import RequestError, parse_request, plan_batches
 
 P0, P1, P2 = "Hello world", "The cat sat on the mat and then", "A dog"
 
@@ -223,7 +223,7 @@ def test_batches_share_options_and_stay_within_the_budget():
 
 def test_batches_of_a_group_share_one_static_shape(scoring_setup, tmp_path):
     from generation.generator import Generator
-    from generation.jobs import run_requests
+    from generation.jobs.runner import run_requests
 
     folder = scoring_setup[0]
     gen = Generator.from_pretrained(folder, device="cpu")  # fresh: its own shape signatures
@@ -240,7 +240,7 @@ def test_batches_of_a_group_share_one_static_shape(scoring_setup, tmp_path):
 def test_progress_line_shows_requests_and_tokens_per_second():
     import io
 
-    from generation.jobs import Progress
+    from generation.jobs.runner import Progress
 
     out = io.StringIO()
     bar = Progress(10, stream=out)
@@ -251,7 +251,7 @@ def test_progress_line_shows_requests_and_tokens_per_second():
 
 
 def test_best_of_keeps_the_n_samples_with_the_highest_logprob_per_token(scoring_setup, tmp_path):
-    from generation.jobs import run_requests
+    from generation.jobs.runner import run_requests
 
     _, gen, hf = scoring_setup
     request = {"prompt": P0, "max_tokens": 6, "temperature": 1.5, "n": 2, "best_of": 4, "seed": 3}
@@ -274,7 +274,7 @@ def test_best_of_keeps_the_n_samples_with_the_highest_logprob_per_token(scoring_
 
 
 def test_line_numbers_and_resume_survive_unicode_line_separators(scoring_setup, tmp_path):
-    from generation.jobs import run_requests
+    from generation.jobs.runner import run_requests
 
     _, gen, _ = scoring_setup
     prompt = "one\u2028two\x85three"  # raw in the file: JSON allows them, str.splitlines splits on them
@@ -289,7 +289,7 @@ def test_line_numbers_and_resume_survive_unicode_line_separators(scoring_setup, 
 
 
 def test_requests_of_different_lengths_share_a_batch_and_stop_at_their_own(scoring_setup, tmp_path):
-    from generation.jobs import run_requests
+    from generation.jobs.runner import run_requests
 
     _, gen, hf = scoring_setup
     wanted = {P0: 3, P1: 9, P2: 5}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from generation.stopping import StopError, cut_at_stop, stops_per_prompt
-from generation.token_loop import EOS_CHECK_EVERY
+from generation.search.stopping import StopError, cut_at_stop, stops_per_prompt
+from generation.search.token_loop import EOS_CHECK_EVERY
 
 PROMPTS = ["Hello world", "The cat sat on the mat and then"]
 MAX_LENGTH = 32

@@ -22,9 +22,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from .batch import InputError
-from .logprobs import TokenText, score_rows
-from .options import OptionError
+from ..batch import InputError
+from ..logprobs import TokenText, score_rows
+from ..options import OptionError
 from .requests import (Choice, Request, RequestBatch, RequestError, choice_record, parse_request, plan_batches,
                        request_key, result_record)
 

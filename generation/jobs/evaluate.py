@@ -23,8 +23,8 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .batch import InputError
-from .logprobs import score_rows, static_length
+from ..batch import InputError
+from ..logprobs import score_rows, static_length
 
 
 @dataclass
@@ -42,7 +42,7 @@ class EvalResult:
 def read_passages(path: str | Path) -> list[str]:
     """Texts of a ``{"text": ...}`` JSONL file; a bad line is an InputError naming it."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").split("\n")  # not splitlines: see jobs.jsonl_lines
+        lines = Path(path).read_text(encoding="utf-8").split("\n")  # not splitlines: see runner.jsonl_lines
     except FileNotFoundError:
         raise InputError(f"evaluation file {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as error:

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from .results import Sequence
+from ..results import Sequence
 
 
 class StopError(ValueError):
