@@ -11,10 +11,11 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
+# Run as a script, this file's folder (the repository root) is first on sys.path: bloom_hpu/ and
+# generation/ import from the clone, installed or not. Light imports first; the rest when needed.
+from generation.options import parse_bool
 
-from generation.options import parse_bool  # noqa: E402  (light imports first)
+ROOT = Path(__file__).resolve().parent
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "bloom-tiny"
 
