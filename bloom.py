@@ -123,6 +123,12 @@ def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+def shows_progress(args) -> bool:
+    """Progress on stderr (generation/progress.py): not with --quiet, and from rank 0 only, since
+    the ranks of a tensor-parallel run share one terminal."""
+    return not args.quiet and PARALLEL.rank == 0
+
+
 def setup_parallel(args):
     """Join the launcher's process group (a no-op without one); only rank 0 prints from now on."""
     global PARALLEL, SHOWS_OUTPUT
@@ -163,7 +169,7 @@ def run_file_job(args, opts) -> int:
         from generation.jobs.runner import run_requests
 
         summary = run_requests(generator, args.requests, args.results, errors_path=args.errors,
-                               budget=args.budget, progress=not args.quiet, write=writes)
+                               budget=args.budget, progress=shows_progress(args), write=writes)
         log(f"{summary.answered} requests answered, {summary.skipped} already done, {summary.errors} failed, "
             f"{summary.completion_tokens} tokens in {summary.seconds:.1f} s")
         return 1 if summary.errors else 0
@@ -171,7 +177,7 @@ def run_file_job(args, opts) -> int:
 
     from generation.jobs.evaluate import evaluate, read_passages
 
-    result = evaluate(generator, read_passages(args.eval), budget=args.budget)
+    result = evaluate(generator, read_passages(args.eval), budget=args.budget, progress=shows_progress(args))
     print(f"passages: {result.passages}  accuracy: {result.accuracy:.4f}  perplexity: {result.perplexity:.3f}  "
           f"last-word perplexity: {result.last_word_perplexity:.3f}")
     if args.results and writes:
@@ -216,7 +222,8 @@ def run(args) -> int:
             raise UsageError("--warmup runs in --mode optimized only")
         from generation.warmup import chunk_sizes, warm_up
 
-        log(warm_up(generator, opts, [1] if args.stream else chunk_sizes(len(prompts), args.batch_size)).describe())
+        sizes = [1] if args.stream else chunk_sizes(len(prompts), args.batch_size)
+        log(warm_up(generator, opts, sizes, progress=shows_progress(args)).describe())
     if args.stream:
         return stream_prompts(args, generator, prompts, opts)
     from generation.jobs.outputs import ResultWriter

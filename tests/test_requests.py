@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import bloom
-from generation.logprobs import TokenText
 from generation.jobs.requests import RequestError, parse_request, plan_batches
+from generation.logprobs import TokenText
 
 P0, P1, P2 = "Hello world", "The cat sat on the mat and then", "A dog"
 
@@ -237,17 +237,24 @@ def test_batches_of_a_group_share_one_static_shape(scoring_setup, tmp_path):
     assert len(gen.backend.signatures_of("prefill")) == 1
 
 
-def test_progress_line_shows_requests_and_tokens_per_second():
-    import io
+def test_a_request_job_with_stderr_not_a_terminal_prints_plain_progress_lines(scoring_setup, tmp_path, capsys,
+                                                                            monkeypatch):
+    from generation import progress
 
-    from generation.jobs.runner import Progress
-
-    out = io.StringIO()
-    bar = Progress(10, stream=out)
-    bar.update(4, 100)
-    bar.close()
-    line = out.getvalue()
-    assert "4/10 requests" in line and "requests/s" in line and "tokens/s" in line
+    monkeypatch.setattr(progress, "LINE_EVERY", 0.0)  # a line after every batch instead of every 30 s
+    folder = scoring_setup[0]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p, "max_tokens": 3, "temperature": 0}) + "\n"
+                                               for p in (P0, P1, P2)))
+    argv = ["--weights", str(folder), "--requests", str(tmp_path / "in.jsonl"), "--budget", "32"]
+    assert bloom.main(argv + ["--results", str(tmp_path / "out.jsonl")]) == 0
+    err = capsys.readouterr().err  # pytest's stderr is not a terminal
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("requests: ")]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"]  # one request per batch
+    assert "requests/s" in lines[-1] and "tokens/s" in lines[-1]
+    # --quiet: no progress at all.
+    assert bloom.main(argv + ["--results", str(tmp_path / "again.jsonl"), "--quiet"]) == 0
+    assert "requests: " not in capsys.readouterr().err
 
 
 def test_best_of_keeps_the_n_samples_with_the_highest_logprob_per_token(scoring_setup, tmp_path):
