@@ -11,10 +11,11 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
+# Run as a script, this file's folder (the repository root) is first on sys.path: bloom_hpu/ and
+# generation/ import from the clone, installed or not. Light imports first; the rest when needed.
+from generation.options import parse_bool
 
-from generation.options import parse_bool  # noqa: E402  (light imports first)
+ROOT = Path(__file__).resolve().parent
 
 DEFAULT_CHECKPOINT = ROOT / "checkpoints" / "bloom-tiny"
 
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 def read_prompts(args) -> list[str]:
     prompts = list(args.prompts)
     if args.input_file:
-        from generation.inputs import read_prompt_file
+        from generation.jobs.inputs import read_prompt_file
 
         prompts += read_prompt_file(args.input_file)
     if not prompts:
@@ -127,6 +128,12 @@ def log(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+def shows_progress(args) -> bool:
+    """Progress on stderr (generation/progress.py): not with --quiet, and from rank 0 only, since
+    the ranks of a tensor-parallel run share one terminal."""
+    return not args.quiet and PARALLEL.rank == 0
+
+
 def setup_parallel(args):
     """Join the launcher's process group (a no-op without one); only rank 0 prints from now on."""
     global PARALLEL, SHOWS_OUTPUT
@@ -164,18 +171,18 @@ def run_file_job(args, opts) -> int:
     generator = make_generator(args, opts)
     writes = PARALLEL.rank == 0  # tensor parallel: every rank computes, rank 0 writes
     if args.requests:
-        from generation.jobs import run_requests
+        from generation.jobs.runner import run_requests
 
         summary = run_requests(generator, args.requests, args.results, errors_path=args.errors,
-                               budget=args.budget, progress=not args.quiet, write=writes)
+                               budget=args.budget, progress=shows_progress(args), write=writes)
         log(f"{summary.answered} requests answered, {summary.skipped} already done, {summary.errors} failed, "
             f"{summary.completion_tokens} tokens in {summary.seconds:.1f} s")
         return 1 if summary.errors else 0
     import json
 
-    from generation.evaluate import evaluate, read_passages
+    from generation.jobs.evaluate import evaluate, read_passages
 
-    result = evaluate(generator, read_passages(args.eval), budget=args.budget)
+    result = evaluate(generator, read_passages(args.eval), budget=args.budget, progress=shows_progress(args))
     print(f"passages: {result.passages}  accuracy: {result.accuracy:.4f}  perplexity: {result.perplexity:.3f}  "
           f"last-word perplexity: {result.last_word_perplexity:.3f}")
     if args.results and writes:
@@ -220,10 +227,11 @@ def run(args) -> int:
             raise UsageError("--warmup runs in --mode optimized only")
         from generation.warmup import chunk_sizes, warm_up
 
-        log(warm_up(generator, opts, [1] if args.stream else chunk_sizes(len(prompts), args.batch_size)).describe())
+        sizes = [1] if args.stream else chunk_sizes(len(prompts), args.batch_size)
+        log(warm_up(generator, opts, sizes, progress=shows_progress(args)).describe())
     if args.stream:
         return stream_prompts(args, generator, prompts, opts)
-    from generation.outputs import ResultWriter
+    from generation.jobs.outputs import ResultWriter
 
     writer = ResultWriter(rank_output_file(args.output_file)) if args.output_file and SHOWS_OUTPUT else None
     for first in range(0, len(prompts), args.batch_size):

@@ -21,11 +21,11 @@ from bloom_hpu.runtime.steps import StepRunner
 from .batch import Batch, BloomTokenizer, make_batch
 from .options import GenerationOptions, build_options
 from .results import BatchStats, GenerationResult, Sequence, make_sequence
-from .stopping import StopChecker, cut_at_stop, stops_per_prompt
-from .token_loop import FINISH_REASONS, LoopHooks, greedy_chooser, run_token_loop
-from .beam import beam_search
-from .processors import LogitsProcessors
-from .sampling import greedy_with, repeat_rows, resolve_seed, row_keys, sampling_chooser
+from .search.beam import beam_search
+from .search.processors import LogitsProcessors
+from .search.sampling import greedy_with, repeat_rows, resolve_seed, row_keys, sampling_chooser
+from .search.stopping import StopChecker, stops_per_prompt
+from .search.token_loop import FINISH_REASONS, LoopHooks, greedy_chooser, run_token_loop
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -108,9 +108,7 @@ class Generator:
         start = time.perf_counter()
         batch = make_batch(self.tokenizer, prompts, opts, self.device, max_new_tokens_each)
         checker = StopChecker(self.tokenizer, stops) if any(stops) else None
-        sequences = self._search(batch, opts, LoopHooks(on_step=on_step, stop_check=checker))
-        sequences = [[cut_at_stop(s, row_stops, self.tokenizer) for s in seqs]
-                     for seqs, row_stops in zip(sequences, stops)]
+        sequences = self._search(batch, opts, stops, LoopHooks(on_step=on_step, stop_check=checker))
         if logprobs:
             from .logprobs import fill_token_logprobs
 
@@ -123,14 +121,15 @@ class Generator:
         self.last_stats = BatchStats(time.perf_counter() - start, new_tokens, self.backend.graph_count())
         return results
 
-    def _search(self, batch: Batch, opts: GenerationOptions, hooks: LoopHooks) -> list[list[Sequence]]:
+    def _search(self, batch: Batch, opts: GenerationOptions, stops: list[list[str]],
+                hooks: LoopHooks) -> list[list[Sequence]]:
         """Run the search the options ask for (greedy, sampling, beam search or beam sampling);
-        one list of sequences per prompt."""
+        one list of sequences per prompt, each ended at its EOS or its prompt's stop strings."""
         eos = self.tokenizer.eos_token_id
         processors = LogitsProcessors.from_options(opts, eos)
         seed = resolve_seed(opts.seed) if opts.do_sample else None
         if opts.num_beams > 1:
-            return self._beam_search(batch, opts, processors, seed)
+            return self._beam_search(batch, opts, processors, seed, stops)
         # Sampling draws num_return_sequences independent rows per prompt; greedy has one.
         copies = opts.num_return_sequences if opts.do_sample else 1
         rows = repeat_rows(batch, copies)
@@ -150,11 +149,12 @@ class Generator:
         )
         tokens, finish = loop.tokens.tolist(), loop.finish.tolist()
         limits = rows.new_limits.tolist()
-        flat = [self.make_sequence(row[:limit], FINISH_REASONS[reason])
-                for row, limit, reason in zip(tokens, limits, finish)]
+        flat = [self.make_sequence(row[:limit], FINISH_REASONS[reason], stops=stops[i // copies])
+                for i, (row, limit, reason) in enumerate(zip(tokens, limits, finish))]
         return [flat[i * copies : (i + 1) * copies] for i in range(batch.size)]
 
-    def _beam_search(self, batch: Batch, opts: GenerationOptions, processors, seed) -> list[list[Sequence]]:
+    def _beam_search(self, batch: Batch, opts: GenerationOptions, processors, seed,
+                     stops: list[list[str]]) -> list[list[Sequence]]:
         eos = self.tokenizer.eos_token_id
         out = beam_search(
             self.runner,
@@ -175,8 +175,8 @@ class Generator:
         for b, start in enumerate(batch.lengths.tolist()):
             seqs = []
             for ids, count, score in zip(rows[b], counts[b], scores[b]):
-                # make_sequence turns an ending EOS into finish_reason "eos".
-                seqs.append(self.make_sequence(ids[start : start + count], "length", score))
+                # make_sequence turns an ending EOS or stop string into finish_reason "eos" or "stop".
+                seqs.append(self.make_sequence(ids[start : start + count], "length", score, stops[b]))
             results.append(seqs)
         return results
 
@@ -187,5 +187,6 @@ class Generator:
 
         return stream_text(self, prompt, self.options(options, **kwargs), stop=stop)
 
-    def make_sequence(self, ids: list[int], finish_reason: str, score: float | None = None) -> Sequence:
-        return make_sequence(self.tokenizer, ids, finish_reason, score)
+    def make_sequence(self, ids: list[int], finish_reason: str, score: float | None = None,
+                      stops: list[str] = ()) -> Sequence:
+        return make_sequence(self.tokenizer, ids, finish_reason, score, stops)

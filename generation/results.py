@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .search.text_ends import text_end
+
 
 @dataclass
 class Sequence:
@@ -59,12 +61,10 @@ class BatchStats:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def make_sequence(tokenizer, ids: list[int], finish_reason: str, score: float | None = None) -> Sequence:
-    """Cut generated ids at the first EOS (kept in the ids, not in the text) and detokenize."""
-    eos = tokenizer.eos_token_id
-    text_ids = ids
-    if eos in ids:
-        ids = ids[: ids.index(eos) + 1]
-        text_ids = ids[:-1]
-        finish_reason = "eos"
-    return Sequence(tokenizer.decode(text_ids), ids, finish_reason, score)
+def make_sequence(tokenizer, ids: list[int], finish_reason: str, score: float | None = None,
+                  stops: list[str] = ()) -> Sequence:
+    """A row's generated ids -> its sequence, ended at its first EOS (kept in the ids, not in the
+    text) or just before its first stop string; ``finish_reason`` says why the search stopped it
+    otherwise."""
+    end = text_end(ids, list(stops), tokenizer)
+    return Sequence(end.text, end.token_ids, end.reason or finish_reason, score)

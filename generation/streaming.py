@@ -21,7 +21,8 @@ from typing import Iterator
 import torch
 
 from .logprobs import TokenText
-from .stopping import first_stop, normalize_stops
+from .search.stopping import normalize_stops
+from .search.text_ends import before_eos, first_stop, safe_length
 
 _DONE = object()
 
@@ -59,18 +60,11 @@ class _TokenWatcher:
             return
         ids = torch.cat(self.pending).tolist()  # the one host copy of these steps
         self.pending.clear()
+        ids, self.ended = before_eos(ids, self.eos)
         for t in ids:
-            if t == self.eos:
-                self.ended = True
-                break
             self.text += self.decoder.decode(self.text_of.token_bytes(t))
-        safe = len(self.text)
-        if self.stops:
-            cut = first_stop(self.text, self.stops)
-            if cut is not None:
-                safe, self.ended = cut, True
-            else:  # the tail may be the start of a stop string still being written
-                safe = max(self.given, len(self.text) - (max(len(s) for s in self.stops) - 1))
+        self.ended = self.ended or first_stop(self.text, self.stops) is not None
+        safe = safe_length(self.text, self.stops, finished=self.ended)
         if safe > self.given:
             self.emit(self.text[self.given : safe])
             self.given = safe

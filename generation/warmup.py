@@ -22,6 +22,7 @@ import torch
 
 from .batch import plan_shapes
 from .options import GenerationOptions
+from .progress import Progress
 
 
 @dataclass(frozen=True)
@@ -92,9 +93,10 @@ def step_shapes(options: GenerationOptions, prompts: int) -> list[StepShape]:
 
 
 @torch.no_grad()
-def warm_up(generator, options: GenerationOptions, prompts_per_batch: list[int] | int = 1) -> WarmupReport:
+def warm_up(generator, options: GenerationOptions, prompts_per_batch: list[int] | int = 1,
+            progress: bool = False) -> WarmupReport:
     """Run every step shape once for each batch size in ``prompts_per_batch``; returns what ran
-    and how long it took (device synchronised)."""
+    and how long it took (device synchronised). ``progress``: shapes done on stderr."""
     if not options.static_shapes and not options.bucket_width:
         return WarmupReport(0.0, note="nothing to warm up with dynamic shapes (every length is a new shape)")
     sizes = [prompts_per_batch] if isinstance(prompts_per_batch, int) else sorted(set(prompts_per_batch))
@@ -102,17 +104,19 @@ def warm_up(generator, options: GenerationOptions, prompts_per_batch: list[int] 
     pad = generator.tokenizer.pad_token_id
     start = time.perf_counter()
     shapes = [s for size in sizes for s in step_shapes(options, size)]
-    for s in shapes:
-        cache = runner.cache(s.rows, s.cache_len)
-        if s.kind == "prefill":
-            ids = torch.full((s.rows, s.prompt_len), pad, dtype=torch.long, device=device)
-            lengths = torch.full((s.rows,), s.prompt_len, dtype=torch.long, device=device)
-            runner.prefill(ids, lengths, cache)
-        else:
-            # Any in-window slot will do: requests overwrite every slot they attend before reading it.
-            zeros = torch.zeros(s.rows, dtype=torch.long, device=device)
-            runner.decode(zeros[:, None], zeros, cache, s.window)
-    generator.backend.synchronize()
+    with Progress(len(shapes), "warm-up", "shapes", enabled=progress) as bar:
+        for s in shapes:
+            cache = runner.cache(s.rows, s.cache_len)
+            if s.kind == "prefill":
+                ids = torch.full((s.rows, s.prompt_len), pad, dtype=torch.long, device=device)
+                lengths = torch.full((s.rows,), s.prompt_len, dtype=torch.long, device=device)
+                runner.prefill(ids, lengths, cache)
+            else:
+                # Any in-window slot will do: requests overwrite every slot they attend before reading it.
+                zeros = torch.zeros(s.rows, dtype=torch.long, device=device)
+                runner.decode(zeros[:, None], zeros, cache, s.window)
+            bar.update()
+        generator.backend.synchronize()
     return WarmupReport(time.perf_counter() - start, shapes)
 
 

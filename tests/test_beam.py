@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from generation.beam import beam_search
-from generation.processors import LogitsProcessors
+from generation.search.beam import beam_search
+from generation.search.processors import LogitsProcessors
 
 EOS = 2
 PROMPTS = ["It was the best of times", "a", "The quick brown fox jumps over", "Hello, world"]

@@ -9,7 +9,7 @@ import torch
 
 import bloom
 from generation.batch import InputError
-from generation.evaluate import evaluate, read_passages, split_last_word
+from generation.jobs.evaluate import evaluate, read_passages, split_last_word
 
 CONTEXTS = ["The cat sat on the mat and", "Hello world, my friend", "She walked into the", "A long time ago in",
             "Once upon a time there was a", "We went to the"]

@@ -9,10 +9,10 @@ import transformers
 from transformers import GenerationConfig
 from transformers.generation import logits_process as hf
 
-from generation import processors as ours
+from generation.search import processors as ours
 from generation.options import build_options
-from generation.processors import LogitsProcessors
-from generation.token_loop import LoopState
+from generation.search.processors import LogitsProcessors
+from generation.search.token_loop import LoopState
 
 EOS, PAD, VOCAB = 2, 3, 50
 PROMPTS = ["It was the best of times", "a", "The quick brown fox jumps over", "Hello, world"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import bloom
+from generation.jobs.requests import RequestError, parse_request, plan_batches
 from generation.logprobs import TokenText
-from generation.requests import RequestError, parse_request, plan_batches
 
 P0, P1, P2 = "Hello world", "The cat sat on the mat and then", "A dog"
 
@@ -223,7 +223,7 @@ def test_batches_share_options_and_stay_within_the_budget():
 
 def test_batches_of_a_group_share_one_static_shape(scoring_setup, tmp_path):
     from generation.generator import Generator
-    from generation.jobs import run_requests
+    from generation.jobs.runner import run_requests
 
     folder = scoring_setup[0]
     gen = Generator.from_pretrained(folder, device="cpu")  # fresh: its own shape signatures
@@ -237,21 +237,28 @@ def test_batches_of_a_group_share_one_static_shape(scoring_setup, tmp_path):
     assert len(gen.backend.signatures_of("prefill")) == 1
 
 
-def test_progress_line_shows_requests_and_tokens_per_second():
-    import io
+def test_a_request_job_with_stderr_not_a_terminal_prints_plain_progress_lines(scoring_setup, tmp_path, capsys,
+                                                                            monkeypatch):
+    from generation import progress
 
-    from generation.jobs import Progress
-
-    out = io.StringIO()
-    bar = Progress(10, stream=out)
-    bar.update(4, 100)
-    bar.close()
-    line = out.getvalue()
-    assert "4/10 requests" in line and "requests/s" in line and "tokens/s" in line
+    monkeypatch.setattr(progress, "LINE_EVERY", 0.0)  # a line after every batch instead of every 30 s
+    folder = scoring_setup[0]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p, "max_tokens": 3, "temperature": 0}) + "\n"
+                                               for p in (P0, P1, P2)))
+    argv = ["--weights", str(folder), "--requests", str(tmp_path / "in.jsonl"), "--budget", "32"]
+    assert bloom.main(argv + ["--results", str(tmp_path / "out.jsonl")]) == 0
+    err = capsys.readouterr().err  # pytest's stderr is not a terminal
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("requests: ")]
+    assert [line.split()[1] for line in lines] == ["1/3", "2/3", "3/3"]  # one request per batch
+    assert "requests/s" in lines[-1] and "tokens/s" in lines[-1]
+    # --quiet: no progress at all.
+    assert bloom.main(argv + ["--results", str(tmp_path / "again.jsonl"), "--quiet"]) == 0
+    assert "requests: " not in capsys.readouterr().err
 
 
 def test_best_of_keeps_the_n_samples_with_the_highest_logprob_per_token(scoring_setup, tmp_path):
-    from generation.jobs import run_requests
+    from generation.jobs.runner import run_requests
 
     _, gen, hf = scoring_setup
     request = {"prompt": P0, "max_tokens": 6, "temperature": 1.5, "n": 2, "best_of": 4, "seed": 3}
@@ -274,7 +281,7 @@ def test_best_of_keeps_the_n_samples_with_the_highest_logprob_per_token(scoring_
 
 
 def test_line_numbers_and_resume_survive_unicode_line_separators(scoring_setup, tmp_path):
-    from generation.jobs import run_requests
+    from generation.jobs.runner import run_requests
 
     _, gen, _ = scoring_setup
     prompt = "one\u2028two\x85three"  # raw in the file: JSON allows them, str.splitlines splits on them
@@ -289,7 +296,7 @@ def test_line_numbers_and_resume_survive_unicode_line_separators(scoring_setup, 
 
 
 def test_requests_of_different_lengths_share_a_batch_and_stop_at_their_own(scoring_setup, tmp_path):
-    from generation.jobs import run_requests
+    from generation.jobs.runner import run_requests
 
     _, gen, hf = scoring_setup
     wanted = {P0: 3, P1: 9, P2: 5}

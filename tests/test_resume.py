@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from generation.jobs import run_requests
+from generation.jobs.runner import run_requests
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig
 
-from generation import processors as procs
-from generation.sampling import row_keys, uniform
-from generation.token_loop import LoopState
+from generation.search import processors as procs
+from generation.search.sampling import row_keys, uniform
+from generation.search.token_loop import LoopState
 
 EOS = 2
 PROMPTS = ["It was the best of times", "a", "The quick brown fox jumps over", "Hello, world"]
@@ -143,7 +143,7 @@ def test_sampling_loop_has_no_per_token_sync(eos_generator, monkeypatch):
 
 def test_uniform_never_reaches_zero_or_one():
     """The extreme hash values map strictly inside (0, 1): Gumbel noise stays finite."""
-    from generation import sampling
+    from generation.search import sampling
 
     top = torch.tensor([(1 << 31) - 1, 0])
     assert ((top >> 8).float() + 0.5).mul(1.0 / (1 << 23)).lt(1).all()

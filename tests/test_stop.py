@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from generation.stopping import StopError, cut_at_stop, stops_per_prompt
-from generation.token_loop import EOS_CHECK_EVERY
+from generation.results import make_sequence
+from generation.search.stopping import StopError, stops_per_prompt
+from generation.search.token_loop import EOS_CHECK_EVERY
 
 PROMPTS = ["Hello world", "The cat sat on the mat and then"]
 MAX_LENGTH = 32
@@ -58,11 +59,8 @@ def test_loop_ends_early_once_every_row_has_stopped(scoring_setup):
 
 def test_cut_at_stop_picks_the_earliest_of_several(scoring_setup):
     _, gen, _ = scoring_setup
-    from generation.results import Sequence
-
     ids = gen.tokenizer.encode(" one two three four")
-    seq = Sequence(gen.tokenizer.decode(ids), ids, "length")
-    out = cut_at_stop(seq, ["four", " two"], gen.tokenizer)
+    out = make_sequence(gen.tokenizer, ids, "length", stops=["four", " two"])
     assert out.text == " one" and out.finish_reason == "stop"
     assert gen.tokenizer.decode(out.token_ids).startswith(" one")
 

@@ -18,18 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from bloom_hpu.alibi import alibi_slopes
+from bloom_hpu.config import BloomConfig
+from bloom_hpu.loading import load_model
+from bloom_hpu.tp import Parallel, ParallelError, _RankPrefixed, check_splittable, launch_info
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # when launched as a script by deepspeed
-    sys.path.insert(0, str(ROOT))
-
-from bloom_hpu.alibi import alibi_slopes  # noqa: E402
-from bloom_hpu.config import BloomConfig  # noqa: E402
-from bloom_hpu.tp import (  # noqa: E402
-    ParallelError, _RankPrefixed, check_splittable, launch_info,
-)
-from bloom_hpu.loading import load_model  # noqa: E402
-from bloom_hpu.tp import Parallel  # noqa: E402
-
 CKPT = dict(hidden_size=64, n_layer=2, n_head=4, seed=7)  # vocab 1024
 PROMPTS = ["Hello", "The quick brown fox jumps over the", "A b"]  # mixed lengths, one batch
 GREEDY = dict(max_length=24)
@@ -178,6 +172,7 @@ def two_rank_run(make_ckpt, tmp_path_factory):
     with socket.socket() as s:  # a free port: other test runs may share the machine
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # The workers run this file as a script: the repository root reaches them through PYTHONPATH.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
                __file__, "--tp-worker", str(folder), str(out)]

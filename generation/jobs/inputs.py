@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .batch import InputError
+from ..batch import InputError
 
 
 def read_prompt_file(path: str | Path) -> list[str]:

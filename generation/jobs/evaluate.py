@@ -23,8 +23,9 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .batch import InputError
-from .logprobs import score_rows, static_length
+from ..batch import InputError
+from ..logprobs import score_rows, static_length
+from ..progress import Progress
 
 
 @dataclass
@@ -42,7 +43,7 @@ class EvalResult:
 def read_passages(path: str | Path) -> list[str]:
     """Texts of a ``{"text": ...}`` JSONL file; a bad line is an InputError naming it."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").split("\n")  # not splitlines: see jobs.jsonl_lines
+        lines = Path(path).read_text(encoding="utf-8").split("\n")  # not splitlines: see runner.jsonl_lines
     except FileNotFoundError:
         raise InputError(f"evaluation file {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as error:
@@ -72,7 +73,8 @@ def split_last_word(text: str) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
-def evaluate(generator, texts: list[str], budget: int = 8192) -> EvalResult:
+def evaluate(generator, texts: list[str], budget: int = 8192, progress: bool = False) -> EvalResult:
+    """The numbers of the module doc; ``progress``: passages done and their rate on stderr."""
     tok = generator.tokenizer
     rows, targets = [], []
     for text in texts:
@@ -84,19 +86,21 @@ def evaluate(generator, texts: list[str], budget: int = 8192) -> EvalResult:
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
     nll, count, tgt_nll, tgt_count, correct = 0.0, 0, 0.0, 0, 0
     at = 0
-    while at < len(order):
-        end = at + 1
-        while end < len(order) and (end - at + 1) * static_length(len(rows[order[end]])) <= budget:
-            end += 1
-        chunk = order[at:end]
-        length = static_length(max(len(rows[i]) for i in chunk))
-        scored = score_rows(generator.runner, [rows[i] for i in chunk], 0, length, tok.pad_token_id)
-        for i, scores in zip(chunk, scored):
-            n_target = targets[i]
-            nll -= sum(scores.token_logprobs)
-            count += len(scores.token_logprobs)
-            tgt_nll -= sum(scores.token_logprobs[-n_target:])
-            tgt_count += n_target
-            correct += all(scores.greedy[-n_target:])
-        at = end
+    with Progress(len(order), "eval", "passages", enabled=progress) as bar:
+        while at < len(order):
+            end = at + 1
+            while end < len(order) and (end - at + 1) * static_length(len(rows[order[end]])) <= budget:
+                end += 1
+            chunk = order[at:end]
+            length = static_length(max(len(rows[i]) for i in chunk))
+            scored = score_rows(generator.runner, [rows[i] for i in chunk], 0, length, tok.pad_token_id)
+            for i, scores in zip(chunk, scored):
+                n_target = targets[i]
+                nll -= sum(scores.token_logprobs)
+                count += len(scores.token_logprobs)
+                tgt_nll -= sum(scores.token_logprobs[-n_target:])
+                tgt_count += n_target
+                correct += all(scores.greedy[-n_target:])
+            bar.update(len(chunk))
+            at = end
     return EvalResult(len(rows), correct / len(rows), math.exp(nll / count), math.exp(tgt_nll / tgt_count), count)

@@ -28,7 +28,7 @@ import torch
 
 from bloom_hpu.runtime.steps import StepRunner
 
-from .batch import Batch
+from ..batch import Batch
 from .sampling import gumbel
 from .token_loop import EOS_CHECK_EVERY, LoopState
 

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .options import GenerationOptions
+from ..options import GenerationOptions
 from .token_loop import LoopState
 
 NEG_INF = float("-inf")

@@ -1,19 +1,16 @@
-"""Stop strings: a sequence ends where its text first contains one of them.
+"""Stop strings: the values a caller may give, and the loop's check of them.
 
-Two halves. During the loop, ``StopChecker`` is asked every few steps (with the EOS check, never
-per token) which rows' text already holds a stop string; those rows are marked finished, and the
-loop ends early once every row is. After the loop, ``cut_at_stop`` makes the result exact, whatever
-search produced it: the text ends just before the first stop string (which is not included), the
-token ids keep only the tokens needed to spell that text, and the finish reason becomes "stop".
+A sequence ends just before the first stop string its text holds (``text_ends``). During the loop,
+``StopChecker`` is asked every few steps (with the EOS check, never per token) which rows' text
+already holds one; those rows are marked finished, and the loop ends early once every row is. The
+sequences are then cut exactly, whatever search produced them (``results.make_sequence``).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
-from .results import Sequence
+from .text_ends import text_end
 
 
 class StopError(ValueError):
@@ -33,25 +30,6 @@ def normalize_stops(stop) -> list[str]:
     return list(stop)
 
 
-def first_stop(text: str, stops: list[str]) -> int | None:
-    """Index in ``text`` where the earliest stop string starts, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def cut_at_stop(seq: Sequence, stops: list[str], tokenizer) -> Sequence:
-    """The sequence up to (not including) its first stop string; unchanged when there is none."""
-    cut = first_stop(seq.text, stops) if stops else None
-    if cut is None:
-        return seq
-    ids = seq.token_ids
-    # The shortest token prefix whose text covers everything before the stop string. Its last
-    # token may also hold the start of the stop string; the text is cut exactly regardless.
-    keep = next((n for n in range(len(ids) + 1) if len(tokenizer.decode(ids[:n])) >= cut), len(ids))
-    logprobs = seq.token_logprobs[:keep] if seq.token_logprobs is not None else None
-    return replace(seq, text=seq.text[:cut], token_ids=ids[:keep], finish_reason="stop", token_logprobs=logprobs)
-
-
 class StopChecker:
     """Host-side check of stop strings over the tokens generated so far, one call per batch of
     steps. ``stops[b]`` are row b's stop strings (rows may differ)."""
@@ -59,6 +37,7 @@ class StopChecker:
     def __init__(self, tokenizer, stops: list[list[str]]):
         self.tokenizer = tokenizer
         self.stops = stops
+        self.stopped: set[int] = set()  # rows found stopped stay so (tokens are only appended): not decoded again
 
     @property
     def active(self) -> bool:
@@ -70,9 +49,10 @@ class StopChecker:
         rows = [row[:steps] for row in tokens.tolist()]  # the one host copy of this check
         # Loops that run several rows per prompt (num_return_sequences) keep a prompt's rows together.
         per_prompt = max(1, len(rows) // max(1, len(self.stops)))
-        hit = [bool(stops) and first_stop(self.tokenizer.decode(row), stops) is not None
-               for row, stops in zip(rows, (s for s in self.stops for _ in range(per_prompt)))]
-        hit += [False] * (len(rows) - len(hit))
+        for r, (row, stops) in enumerate(zip(rows, (s for s in self.stops for _ in range(per_prompt)))):
+            if stops and r not in self.stopped and text_end(row, stops, self.tokenizer).reason == "stop":
+                self.stopped.add(r)
+        hit = [r in self.stopped for r in range(len(rows))]
         return torch.tensor(hit, dtype=torch.bool, device=tokens.device)
 
 

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from .batch import InputError
-from .logprobs import TokenText, score_rows
-from .options import OptionError
+from ..batch import InputError
+from ..logprobs import TokenText, score_rows
+from ..options import OptionError
+from ..progress import Progress, log
 from .requests import (Choice, Request, RequestBatch, RequestError, choice_record, parse_request, plan_batches,
                        request_key, result_record)
 
@@ -181,41 +181,11 @@ def _pick(request: Request, seqs: list, scores: list, n_prompt: int) -> list[tup
 # --- the run ------------------------------------------------------------------------------------
 
 
-class Progress:
-    """One line on stderr: requests done, requests/s and tokens/s (redrawn in place on a terminal,
-    one line per batch otherwise)."""
-
-    def __init__(self, total: int, stream=None):
-        self.total, self.done, self.tokens = total, 0, 0
-        self.stream = stream or sys.stderr
-        self.start = time.perf_counter()
-        self.tty = self.stream.isatty()
-
-    def update(self, requests: int, tokens: int) -> None:
-        self.done += requests
-        self.tokens += tokens
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        width = 24
-        filled = width * self.done // max(1, self.total)
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} requests  "
-                f"{self.done / elapsed:.2f} requests/s  {self.tokens / elapsed:.1f} tokens/s  {elapsed:.0f} s")
-        self.stream.write(("\r" + line) if self.tty else line + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def run_requests(generator, requests_path, results_path, *, errors_path=None, budget: int = DEFAULT_BUDGET,
                  progress: bool = True, write: bool = True) -> JobSummary:
     """Answer every request of ``requests_path`` not yet in ``results_path``; see the module doc.
 
+    ``progress``: show requests done, requests/s and tokens/s on stderr (``generation/progress.py``).
     ``write=False``: tensor-parallel ranks other than 0 run the same batches (they read the same
     results file before rank 0 can append to it: the first batch needs every rank) but write
     nothing and show nothing."""
@@ -231,7 +201,7 @@ def run_requests(generator, requests_path, results_path, *, errors_path=None, bu
 
     def report(line: int, message: str, text: str) -> None:
         if write:
-            _log(f"{requests_path}: line {line}: {message}")
+            log(f"{requests_path}: line {line}: {message}")
         errors.write(json.dumps({"line": line, "error": message, "text": text}, ensure_ascii=False) + "\n")
         errors.flush()
 
@@ -245,16 +215,16 @@ def run_requests(generator, requests_path, results_path, *, errors_path=None, bu
             pending.append(r)
     skipped = len(requests) - len(pending)
     if skipped and write:
-        _log(f"resuming: {skipped} of {len(requests)} requests already answered in {results_path}")
+        log(f"resuming: {skipped} of {len(requests)} requests already answered in {results_path}")
 
     encoded = generator.tokenizer.encode_batch([p for r in pending for p in r.prompts])
     lengths, at = {}, 0
     for r in pending:
         lengths[r.line] = [len(ids) for ids in encoded[at : at + len(r.prompts)]]
         at += len(r.prompts)
-    bar = Progress(len(pending)) if progress and write else None
     answered, failed, tokens = 0, len(bad_lines), 0
-    with open(results_path if write else os.devnull, "a", encoding="utf-8") as out:
+    bar = Progress(len(pending), "requests", "requests", enabled=progress and write)
+    with bar, open(results_path if write else os.devnull, "a", encoding="utf-8") as out:
         for batch in plan_batches(pending, lengths, budget):
             try:
                 records, batch_tokens = answer_batch(generator, batch)
@@ -262,6 +232,7 @@ def run_requests(generator, requests_path, results_path, *, errors_path=None, bu
                 for r in batch.requests:
                     report(r.line, str(error), json.dumps(r.raw, ensure_ascii=False))
                 failed += len(batch.requests)
+                bar.update(len(batch.requests))
                 continue
             # One write per batch, on disk before the next batch starts.
             out.write("".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records))
@@ -270,9 +241,6 @@ def run_requests(generator, requests_path, results_path, *, errors_path=None, bu
                 os.fsync(out.fileno())
             answered += len(records)
             tokens += batch_tokens
-            if bar:
-                bar.update(len(records), batch_tokens)
+            bar.update(len(records), f"{tokens / bar.elapsed:.1f} tokens/s")
     errors.close()
-    if bar:
-        bar.close()
     return JobSummary(len(requests), skipped, answered, failed, tokens, time.perf_counter() - start)

@@ -16,7 +16,7 @@ import torch
 
 from bloom_hpu.runtime.steps import StepRunner
 
-from .batch import Batch
+from ..batch import Batch
 
 EOS_CHECK_EVERY = 8
 

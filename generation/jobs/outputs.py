@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from .results import GenerationResult
+from ..results import GenerationResult
 
 
 class ResultWriter:

@@ -12,11 +12,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .batch import round_up
-from .logprobs import RowScores, TokenText, offsets_of
-from .options import GenerationOptions, OptionError
-from .results import Sequence
-from .stopping import StopError, normalize_stops
+from ..batch import round_up
+from ..logprobs import RowScores, TokenText, offsets_of
+from ..options import GenerationOptions, OptionError
+from ..results import Sequence
+from ..search.stopping import StopError, normalize_stops
 
 SHAPE_MULTIPLE = 32  # batch lengths (prompt + max_tokens) are padded to a multiple of this
 MAX_LOGPROBS = 5  # as OpenAI's completions endpoint
