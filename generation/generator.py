@@ -18,7 +18,7 @@ from bloom_hpu.loading import LoadReport, load_model
 from bloom_hpu.tp import Parallel, SINGLE
 from bloom_hpu.runtime.steps import StepRunner
 
-from .batch import Batch, BloomTokenizer, make_batch
+from .batch import Batch, BloomTokenizer, make_batch  # noqa: F401 (BloomTokenizer: re-exported)
 from .options import GenerationOptions, build_options
 from .results import BatchStats, GenerationResult, Sequence, make_sequence
 from .search.beam import beam_search
@@ -26,11 +26,14 @@ from .search.processors import LogitsProcessors
 from .search.sampling import greedy_with, repeat_rows, resolve_seed, row_keys, sampling_chooser
 from .search.stopping import StopChecker, stops_per_prompt
 from .search.token_loop import FINISH_REASONS, LoopHooks, greedy_chooser, run_token_loop
+from .validate import (check_against_model, check_call, check_checkpoint, check_dtype, check_memory,
+                       load_tokenizer, rows_per_prompt)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    check_dtype(dtype)
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:
@@ -64,14 +67,25 @@ class Generator:
     ) -> "Generator":
         """``cpu``: the CPU fast path (``CpuOptions``: which kernels, one-call steps, packing);
         by default the fastest this CPU can run."""
+        if weights is not None and not isinstance(weights, (str, Path)):
+            raise TypeError(f"weights must be a folder path, got {type(weights).__name__}")
+        torch_dtype = parse_dtype(dtype)
         folder = resolve_checkpoint(str(weights) if weights is not None else None, model)
+        check_checkpoint(folder)  # a broken config.json is named before any tensor is read
         backend = make_backend(device, use_graphs=use_graphs, compile_steps=compile_steps, cpu=cpu)
         if parallel.world_size > 1 and backend.device.type != "cpu" and backend.device.index is None:
             backend.device = torch.device(backend.device.type, parallel.local_rank)
-        bloom, report = load_model(folder, parse_dtype(dtype), backend.device, parallel)
-        config = bloom.config
-        tokenizer = BloomTokenizer(folder, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
-        return cls(bloom, tokenizer, StepRunner(bloom, backend), folder, report)
+        bloom, report = load_model(folder, torch_dtype, backend.device, parallel)
+        tokenizer = load_tokenizer(folder, bloom.config)
+        generator = cls(bloom, tokenizer, StepRunner(bloom, backend), folder, report)
+        generator.world_size = parallel.world_size
+        return generator
+
+    world_size = 1  # tensor-parallel ranks sharing the model (each holds 1/world_size of the cache)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
 
     @property
     def backend(self):
@@ -102,9 +116,10 @@ class Generator:
         budget of new tokens per prompt, under ``max_new_tokens`` (one batch for requests that want
         different lengths: each row stops at its own; the batch runs to the largest).
         """
+        prompts = check_call(prompts, options, on_step, max_new_tokens_each)
         opts = self.options(options, **kwargs)
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         stops = stops_per_prompt(stop, len(prompts))
+        self.check_fits(prompts, opts)
         start = time.perf_counter()
         batch = make_batch(self.tokenizer, prompts, opts, self.device, max_new_tokens_each)
         checker = StopChecker(self.tokenizer, stops) if any(stops) else None
@@ -120,6 +135,16 @@ class Generator:
         new_tokens = sum(len(s.token_ids) for r in results for s in r.sequences)
         self.last_stats = BatchStats(time.perf_counter() - start, new_tokens, self.backend.graph_count())
         return results
+
+    def check_fits(self, prompts: list[str], opts: GenerationOptions) -> None:
+        """Options against the vocabulary, and the call's memory against what is free, before
+        anything is allocated (a max_length of a billion is refused here, not by the allocator)."""
+        check_against_model(opts, self.model.config.vocab_size)
+        if not prompts:
+            return
+        longest = max(len(ids) for ids in self.tokenizer.encode_batch(prompts))
+        check_memory(self.model.config, self.dtype, self.device, len(prompts) * rows_per_prompt(opts),
+                     opts.max_length, min(longest, opts.max_length), self.world_size)
 
     def _search(self, batch: Batch, opts: GenerationOptions, stops: list[list[str]],
                 hooks: LoopHooks) -> list[list[Sequence]]:
@@ -185,7 +210,12 @@ class Generator:
         join to ``generate(prompt, ...)[0].text``. See ``generation/streaming.py``."""
         from .streaming import stream_text
 
-        return stream_text(self, prompt, self.options(options, **kwargs), stop=stop)
+        if not isinstance(prompt, str):
+            raise TypeError(f"stream takes one prompt (a string), got {type(prompt).__name__}")
+        check_call(prompt, options, None, None)
+        opts = self.options(options, **kwargs)
+        self.check_fits([prompt], opts)  # raised here, at the call, not from the worker thread
+        return stream_text(self, prompt, opts, stop=stop)
 
     def make_sequence(self, ids: list[int], finish_reason: str, score: float | None = None,
                       stops: list[str] = ()) -> Sequence:

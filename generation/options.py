@@ -10,8 +10,12 @@ value into an ``OptionError`` whose message names the option and the valid range
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
+
+MAX_INT = 2**31 - 1  # integer options beyond this cannot index a tensor on every backend
+MIN_TEMPERATURE = 1e-4  # logits / 1e-4 stay finite in fp32 for any logit a model produces
 
 
 class OptionError(ValueError):
@@ -86,12 +90,22 @@ class GenerationOptions:
             if not ok:
                 raise OptionError(message)
 
+        for name in ("temperature", "top_p", "repetition_penalty", "length_penalty"):
+            value = getattr(self, name)
+            need(math.isfinite(value), f"{name} must be a finite number, got {value}")
+        for name in ("max_length", "max_new_tokens", "min_new_tokens", "num_beams", "top_k", "num_return_sequences",
+                     "no_repeat_ngram_size", "bucket_width"):
+            value = getattr(self, name)
+            # Python ints have no bound; torch's and the memory's do. Memory is checked later, per
+            # model; this only keeps numbers in the range a tensor index can hold.
+            need(value is None or value <= MAX_INT, f"{name} must be at most {MAX_INT}, got {value}")
         need(self.max_length >= 1, f"max_length must be >= 1, got {self.max_length}")
         need(self.max_new_tokens is None or self.max_new_tokens >= 1,
              f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         need(self.min_new_tokens >= 0, f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
         need(self.num_beams >= 1, f"num_beams must be >= 1, got {self.num_beams}")
-        need(self.temperature > 0, f"temperature must be > 0, got {self.temperature}")
+        need(MIN_TEMPERATURE <= self.temperature, f"temperature must be > 0, at least {MIN_TEMPERATURE} (smaller "
+             f"values overflow the logits; for greedy search leave do_sample off), got {self.temperature}")
         need(self.top_k >= 0, f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         need(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
@@ -101,7 +115,7 @@ class GenerationOptions:
              f"num_return_sequences ({self.num_return_sequences}) must be <= num_beams ({self.num_beams}) "
              "unless do_sample is true")
         need(self.bucket_width >= 0, f"bucket_width must be >= 0 (0 turns it off), got {self.bucket_width}")
-        need(self.seed is None or self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        need(self.seed is None or 0 <= self.seed < 2**63, f"seed must be >= 0 (and below 2**63), got {self.seed}")
         return self
 
 
@@ -128,7 +142,7 @@ def _convert(name: str, value: Any, kind: type) -> Any:
         raise OptionError(f"{name} expects {kind.__name__}, got a boolean")
     try:
         if kind is int and isinstance(value, float):
-            if not value.is_integer():
+            if not math.isfinite(value) or not value.is_integer():
                 raise ValueError
             return int(value)
         return kind(value)

@@ -1,16 +1,17 @@
 """Writing results so that nothing already generated is lost.
 
-``ResultWriter`` rewrites its JSON list after every batch, atomically (write a temporary file, then
-rename), so a run stopped at any moment leaves a valid file holding every finished batch.
+``ResultWriter`` rewrites its JSON list after every batch, atomically (write a temporary file next
+to the target, then rename; a device or FIFO is written through: see ``files.replace_file``), so a
+run stopped at any moment leaves a valid file holding every finished batch.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from ..results import GenerationResult
+from .files import replace_file
 
 
 class ResultWriter:
@@ -24,6 +25,5 @@ class ResultWriter:
         self._flush()
 
     def _flush(self) -> None:
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.records, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        os.replace(tmp, self.path)
+        text = json.dumps(self.records, indent=2, ensure_ascii=False) + "\n"
+        replace_file(self.path, text.encode("utf-8"))

@@ -10,16 +10,19 @@ our search options (``top_k``, ``num_beams``, ``repetition_penalty``...). Its re
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 from ..batch import round_up
 from ..logprobs import RowScores, TokenText, offsets_of
-from ..options import GenerationOptions, OptionError
+from ..options import MAX_INT, OPTIONS_BY_NAME, GenerationOptions, OptionError
 from ..results import Sequence
 from ..search.stopping import StopError, normalize_stops
 
 SHAPE_MULTIPLE = 32  # batch lengths (prompt + max_tokens) are padded to a multiple of this
 MAX_LOGPROBS = 5  # as OpenAI's completions endpoint
+MAX_DEPTH = 32  # a request is a flat object; deep nesting is an attack or a broken file
+MAX_LINE = 64 << 20  # characters per line
 
 # Request keys that name the model or the caller: accepted and ignored.
 IGNORED_KEYS = {"engine", "model", "user", "id", "request_id"}
@@ -78,13 +81,14 @@ def request_key(raw: dict) -> str:
 # --- parsing ------------------------------------------------------------------------------------
 
 
-def _int(raw: dict, name: str, default, low: int, high: int | None = None):
+def _int(raw: dict, name: str, default, low: int, high: int | None = MAX_INT):
     value = raw.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 16.0 is 16; inf and nan are not integers (is_integer is false)
+    if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f">= {low}"
         raise RequestError(f"{name} must be {bound}, got {value}")
@@ -97,17 +101,63 @@ def _float(raw: dict, name: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise RequestError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):  # 1e400 reads as inf
+        raise RequestError(f"{name} must be a finite number, got {value!r}")
     return float(value)
+
+
+def _reject_constant(name: str):
+    raise RequestError(f"{name} is not a number JSON allows; use a finite number")
+
+
+def _check_text(value, depth: int = 0) -> None:
+    """Every string of the request must be encodable text (JSON allows a lone surrogate such as
+    "\\ud800", which no tokenizer or UTF-8 file can hold), and nesting stays shallow."""
+    if depth > MAX_DEPTH:
+        raise RequestError(f"the request is nested more than {MAX_DEPTH} levels deep")
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(f"text {value[:20]!r} holds a lone surrogate (not valid Unicode)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, depth + 1)
+            _check_text(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _check_text(v, depth + 1)
+
+
+def _search_value(name: str, value):
+    """A search option as JSON must already have its type: "3" is not an integer (as for max_tokens)."""
+    kind = OPTIONS_BY_NAME[name].type
+    if name == "early_stopping" and value == "never":
+        return value
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok:
+        raise RequestError(f"{name} must be {'true or false' if kind is bool else 'a finite number' if kind is float else 'an integer'}, got {value!r}")
+    return value
 
 
 def parse_request(text: str, line: int) -> Request:
     """One input line -> a checked Request; RequestError names what is wrong."""
+    if len(text) > MAX_LINE:
+        raise RequestError(f"the line is longer than {MAX_LINE} characters")
     try:
-        raw = json.loads(text)
+        raw = json.loads(text, parse_constant=_reject_constant)
     except json.JSONDecodeError as error:
         raise RequestError(f"not valid JSON ({error.msg}, column {error.colno})") from None
+    except RecursionError:
+        raise RequestError(f"the request is nested more than {MAX_DEPTH} levels deep") from None
     if not isinstance(raw, dict):
         raise RequestError(f"a request must be a JSON object, got {type(raw).__name__}")
+    _check_text(raw)
     for key in sorted(set(raw) - FORMAT_KEYS - SEARCH_OPTIONS - IGNORED_KEYS - set(NEUTRAL_KEYS)):
         raise RequestError(f"unknown key {key!r}")
     for key, neutral in NEUTRAL_KEYS.items():
@@ -140,7 +190,7 @@ def parse_request(text: str, line: int) -> Request:
     top_p = _float(raw, "top_p", 1.0)
     if temperature < 0:
         raise RequestError(f"temperature must be >= 0, got {temperature}")
-    search = {k: raw[k] for k in SEARCH_OPTIONS if raw.get(k) is not None}
+    search = {k: _search_value(k, raw[k]) for k in SEARCH_OPTIONS if raw.get(k) is not None}
     beams = search.get("num_beams", 1)
     # temperature 0 is greedy; above 0 it samples, unless num_beams asks for beam search.
     if temperature > 0 and beams == 1:

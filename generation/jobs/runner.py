@@ -4,12 +4,17 @@ Nothing is lost and nothing is done twice:
 
 - each batch's records are appended to the results file in one write, flushed and fsynced before
   the next batch starts, so a kill loses at most the batch in flight;
-- on start, the results file is read back: a torn last line (killed mid-write) is cut off, and
-  every request already answered is skipped. Requests are identified by their content, counted:
+- one run at a time: the results file is locked (``flock``) for the whole run, and a second run
+  on it stops with a clear line;
+- on start, the results file is read back: a torn last record (killed mid-write) is cut off, a
+  complete last record without its newline gets one, anything else unterminated stops the run
+  (it is not ours to cut), and every request already answered is skipped. Requests are identified by their content, counted:
   identical requests are interchangeable, so if the input holds a request three times and the
   results two, one more answer is due;
-- a malformed line is reported with its line number on stderr and in the errors file (rewritten
-  each run, since it follows from the input), and the other lines carry on.
+- a malformed line, one that does not fit the model or the memory, or one whose answer fails for
+  any reason, is reported with its line number on stderr and in the errors file (rewritten each
+  run, since it follows from the input), and the other lines carry on: a failed batch is retried
+  request by request, so only the poisoned line loses its answer.
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from ..batch import InputError
 from ..logprobs import TokenText, score_rows
 from ..options import OptionError
 from ..progress import Progress, log
-from .requests import (Choice, Request, RequestBatch, RequestError, choice_record, parse_request, plan_batches,
-                       request_key, result_record)
+from ..validate import check_request
+from .files import check_distinct, disk_error, lock_results
+from .requests import (Choice, Request, RequestBatch, RequestError, batch_length, choice_record, parse_request,
+                       plan_batches, request_key, result_record)
 
 DEFAULT_BUDGET = 8192  # tokens (rows x static length) per batch
 
@@ -51,15 +58,23 @@ def jsonl_lines(data: bytes) -> list[str]:
 
 
 def read_requests(path: str | Path) -> tuple[list[Request], list[tuple[int, str, str]]]:
-    """Valid requests and (line, message, text) of the malformed lines."""
+    """Valid requests and (line, message, text) of the malformed lines. Each line is decoded on its
+    own, so a byte that is not UTF-8 refuses that line only."""
     try:
-        lines = jsonl_lines(Path(path).read_bytes())
+        data = Path(path).read_bytes()
     except FileNotFoundError:
         raise InputError(f"requests file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise InputError(f"cannot read requests file {path}: {error}") from None
+    except IsADirectoryError:
+        raise InputError(f"requests file {path} is a folder") from None
+    except OSError as error:
+        raise InputError(f"cannot read requests file {path}: {error.strerror or error}") from None
     requests, errors = [], []
-    for number, text in enumerate(lines, 1):
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        try:
+            text = raw.decode("utf-8").rstrip("\r")
+        except UnicodeDecodeError as error:
+            errors.append((number, f"not UTF-8 text (byte {error.start + 1})", raw.decode("utf-8", "replace")))
+            continue
         if not text.strip():
             continue
         try:
@@ -69,16 +84,44 @@ def read_requests(path: str | Path) -> tuple[list[Request], list[tuple[int, str,
     return requests, errors
 
 
-def answered_keys(results_path: Path) -> Counter:
-    """Keys of the requests the results file already answers; cuts off a torn last line."""
-    if not results_path.exists():
-        return Counter()
-    data = results_path.read_bytes()
-    if data and not data.endswith(b"\n"):
-        # Killed in the middle of a write: the partial line is dropped and answered again.
+def _is_record(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line)["request"], dict)
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return False
+
+
+def repair_results(results_path: Path) -> None:
+    """Make the results file end with a newline before anything is appended to it.
+
+    A complete record without its newline gets one. A torn record of ours (a kill in the middle of
+    a write: it starts as our records do but does not parse) is cut off and answered again. Any
+    other unterminated last line is not ours to cut: the run stops and says so."""
+    try:
+        data = results_path.read_bytes()
+    except FileNotFoundError:
+        return
+    if not data or data.endswith(b"\n"):
+        return
+    start = data.rfind(b"\n") + 1
+    last = data[start:]
+    if _is_record(last):
+        with open(results_path, "ab") as f:
+            f.write(b"\n")
+    elif last.startswith(b'{"request": '):
         with open(results_path, "r+b") as f:
-            f.truncate(data.rfind(b"\n") + 1)
-        data = data[: data.rfind(b"\n") + 1]
+            f.truncate(start)
+    else:
+        raise InputError(f"results file {results_path} does not end with a newline and its last line is not a "
+                         "result record: is it the right file? Fix or remove that line to resume")
+
+
+def answered_keys(results_path: Path) -> Counter:
+    """Keys of the requests the results file already answers."""
+    try:
+        data = results_path.read_bytes()
+    except FileNotFoundError:
+        return Counter()
     try:
         lines = jsonl_lines(data)
     except UnicodeDecodeError:
@@ -89,7 +132,7 @@ def answered_keys(results_path: Path) -> Counter:
             continue
         try:
             done[request_key(json.loads(line)["request"])] += 1
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise InputError(f"results file {results_path} line {number} is not a result record; "
                              "fix or remove that line to resume") from None
     return done
@@ -189,16 +232,29 @@ def run_requests(generator, requests_path, results_path, *, errors_path=None, bu
     ``write=False``: tensor-parallel ranks other than 0 run the same batches (they read the same
     results file before rank 0 can append to it: the first batch needs every rank) but write
     nothing and show nothing."""
-    if budget < 1:
-        raise InputError(f"--budget must be >= 1 token, got {budget}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise InputError(f"--budget must be an integer >= 1 token, got {budget!r}")
     start = time.perf_counter()
     results_path = Path(results_path)
     errors_path = Path(errors_path) if errors_path else results_path.with_name(results_path.name + ".errors.jsonl")
+    check_distinct({"--requests": requests_path}, {"--results": results_path, "--errors": errors_path})
     requests, bad_lines = read_requests(requests_path)
-    done = answered_keys(results_path)
+    # The lock comes before the results are read back: a second run would otherwise see the same
+    # requests pending and answer them twice.
+    out = lock_results(results_path) if write else open(os.devnull, "ab")
+    try:
+        if write:
+            repair_results(results_path)
+        done = answered_keys(results_path)
+        with open(errors_path if write else os.devnull, "w", encoding="utf-8") as errors:
+            return _run(generator, requests, bad_lines, done, requests_path, results_path, out, errors, budget,
+                        progress, write, start)
+    finally:
+        out.close()
 
-    errors = open(errors_path if write else os.devnull, "w", encoding="utf-8")
 
+def _run(generator, requests, bad_lines, done, requests_path, results_path, out, errors, budget, progress, write,
+         start) -> JobSummary:
     def report(line: int, message: str, text: str) -> None:
         if write:
             log(f"{requests_path}: line {line}: {message}")
@@ -217,30 +273,65 @@ def run_requests(generator, requests_path, results_path, *, errors_path=None, bu
     if skipped and write:
         log(f"resuming: {skipped} of {len(requests)} requests already answered in {results_path}")
 
-    encoded = generator.tokenizer.encode_batch([p for r in pending for p in r.prompts])
-    lengths, at = {}, 0
+    failed = len(bad_lines)
+    lengths, fitting = {}, []
     for r in pending:
-        lengths[r.line] = [len(ids) for ids in encoded[at : at + len(r.prompts)]]
-        at += len(r.prompts)
-    answered, failed, tokens = 0, len(bad_lines), 0
-    bar = Progress(len(pending), "requests", "requests", enabled=progress and write)
-    with bar, open(results_path if write else os.devnull, "a", encoding="utf-8") as out:
-        for batch in plan_batches(pending, lengths, budget):
-            try:
-                records, batch_tokens = answer_batch(generator, batch)
-            except (InputError, OptionError, RequestError, ValueError) as error:
-                for r in batch.requests:
-                    report(r.line, str(error), json.dumps(r.raw, ensure_ascii=False))
-                failed += len(batch.requests)
-                bar.update(len(batch.requests))
-                continue
-            # One write per batch, on disk before the next batch starts.
-            out.write("".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records))
+        try:
+            lengths[r.line] = [len(ids) for ids in generator.tokenizer.encode_batch(r.prompts)]
+            check_request(generator, r, lengths[r.line])
+        except Exception as error:  # noqa: BLE001 - one line's problem, whatever it is, is that line's
+            report(r.line, error_text(error), json.dumps(r.raw, ensure_ascii=False))
+            failed += 1
+            continue
+        fitting.append(r)
+    answered, tokens = 0, 0
+    bar = Progress(len(fitting), "requests", "requests", enabled=progress and write)
+
+    def save(records: list[dict]) -> None:
+        # One write per batch, on disk before the next batch starts.
+        data = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records).encode("utf-8")
+        try:
+            out.write(data)
             out.flush()
             if write:
                 os.fsync(out.fileno())
-            answered += len(records)
-            tokens += batch_tokens
-            bar.update(len(records), f"{tokens / bar.elapsed:.1f} tokens/s")
-    errors.close()
+        except OSError as error:
+            raise disk_error(results_path, error) from None
+
+    with bar:
+        for batch in plan_batches(fitting, lengths, budget):
+            outcomes = answer_or_split(generator, batch)
+            for records, batch_tokens, failures in outcomes:
+                for r, message in failures:
+                    report(r.line, message, json.dumps(r.raw, ensure_ascii=False))
+                failed += len(failures)
+                if records:
+                    save(records)
+                answered += len(records)
+                tokens += batch_tokens
+            bar.update(len(batch.requests), f"{tokens / bar.elapsed:.1f} tokens/s")
     return JobSummary(len(requests), skipped, answered, failed, tokens, time.perf_counter() - start)
+
+
+def error_text(error: BaseException) -> str:
+    """One line for an error record: the message, with the kind of error when it is not ours."""
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if isinstance(error, (InputError, OptionError, RequestError)):
+        return message
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def answer_or_split(generator, batch: RequestBatch) -> list[tuple[list[dict], int, list]]:
+    """Answer a batch; if it fails, answer each of its requests alone, so that one poisoned line
+    costs its own answer only. Returns (records, tokens, [(request, message)]) per attempt."""
+    try:
+        records, tokens = answer_batch(generator, batch)
+        return [(records, tokens, [])]
+    except Exception as error:  # noqa: BLE001 - see the docstring: the job carries on
+        if len(batch.requests) == 1:
+            return [([], 0, [(batch.requests[0], error_text(error))])]
+    outcomes = []
+    for r, lengths in zip(batch.requests, batch.prompt_lengths):
+        alone = RequestBatch([r], [lengths], batch_length(max(lengths), r.max_tokens), batch.budget)
+        outcomes += answer_or_split(generator, alone)
+    return outcomes

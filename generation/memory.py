@@ -1,0 +1,61 @@
+"""How much memory a generate call takes, and how much the device has free.
+
+The estimate counts what grows with the request (the weights are already loaded):
+
+- the KV cache: keys and values of every layer, ``rows x length x hidden`` each, in the dtype;
+- the prefill's attention scores, ``rows x heads x prompt x length`` (fp32), and its activations;
+- the step buffers: a row's logits over the vocabulary (fp32, a few copies for the processors and
+  the beams' candidates), token and position buffers ``rows x length`` (int64).
+
+It is an upper bound within a small factor, meant to refuse what cannot possibly fit (a
+``max_length`` of a billion) before anything is allocated, never to refuse what fits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MemoryCheckError(ValueError):
+    """A call that would not fit in memory; the message names the numbers and what to lower."""
+
+
+def estimate_bytes(config, dtype: torch.dtype, rows: int, length: int, prompt_len: int, world_size: int = 1) -> int:
+    item = torch.empty((), dtype=dtype).element_size()
+    hidden = config.hidden_size // world_size
+    heads = max(1, config.n_head // world_size)
+    kv_cache = 2 * config.n_layer * rows * length * hidden * item
+    prefill = rows * heads * prompt_len * length * 4 + 8 * rows * prompt_len * config.hidden_size * item
+    step = 4 * rows * config.vocab_size * 4 + 4 * rows * length * 8
+    return kv_cache + prefill + step
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory free on ``device``; None when it cannot be told (then nothing is refused)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    if device.type != "cpu":
+        return None  # a Gaudi's free memory is not exposed through a stable API
+    try:
+        import psutil
+
+        return psutil.virtual_memory().available
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def human(n: int | float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
