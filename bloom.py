@@ -8,6 +8,7 @@ results. The model lives in ``bloom_hpu/``, the search in ``generation/``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -79,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def read_prompts(args) -> list[str]:
     prompts = list(args.prompts)
+    for i, prompt in enumerate(prompts, 1):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that were not UTF-8 reach argv as lone surrogates
+            raise UsageError(f"prompt {i} on the command line is not UTF-8 text") from None
     if args.input_file:
         from generation.jobs.inputs import read_prompt_file
 
@@ -86,6 +92,34 @@ def read_prompts(args) -> list[str]:
     if not prompts:
         raise UsageError("no prompts: give them on the command line or with --input_file")
     return prompts
+
+
+def check_flags(args) -> None:
+    """Flags that contradict each other, and file paths that would overwrite one another; all
+    before the model is loaded."""
+    if args.batch_size < 1:
+        raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.budget < 1:
+        raise UsageError(f"--budget must be >= 1 token, got {args.budget}")
+    if args.requests and args.eval:
+        raise UsageError("--requests and --eval are two different jobs; run them one at a time")
+    job = "--requests" if args.requests else "--eval" if args.eval else None
+    if job:
+        for flag, given in (("prompts on the command line", args.prompts), ("--input_file", args.input_file),
+                            ("--output_file", args.output_file), ("--stream", args.stream)):
+            if given:
+                raise UsageError(f"{job} reads its own file: {flag} cannot be used with it")
+    elif args.results or args.errors:
+        raise UsageError("--results and --errors go with --requests (or --results with --eval)")
+    if args.errors and not args.requests:
+        raise UsageError("--errors goes with --requests")
+    from generation.jobs.files import check_distinct
+
+    errors = args.errors
+    if args.requests and args.results and not errors:
+        errors = str(Path(args.results).with_name(Path(args.results).name + ".errors.jsonl"))
+    check_distinct({"--input_file": args.input_file, "--requests": args.requests, "--eval": args.eval},
+                   {"--output_file": args.output_file, "--results": args.results, "--errors": errors})
 
 
 def collect_options(args):
@@ -99,7 +133,9 @@ def make_generator(args, opts):
     from generation.generator import Generator, parse_dtype
 
     weights = args.weights
-    if weights is None:
+    if weights is None and args.model is not None:
+        pass  # --model alone: looked up in checkpoints/, and said to be missing if it is not there
+    elif weights is None:
         weights = str(DEFAULT_CHECKPOINT)
         log(f"no --weights given: using the embedded default checkpoint {DEFAULT_CHECKPOINT.relative_to(ROOT)} "
             "(tiny, random weights: the output is gibberish; pass --weights for a real model)")
@@ -108,7 +144,7 @@ def make_generator(args, opts):
         from bloom_hpu.checkpoint import resolve_checkpoint
         from generation.vanilla import VanillaGenerator
 
-        folder = resolve_checkpoint(weights, args.model)
+        folder = resolve_checkpoint(weights, args.model)  # weights None: checkpoints/
         return VanillaGenerator(folder, parse_dtype(args.dtype), str(make_backend(args.device, use_graphs=False).device))
     from bloom_hpu.runtime.cpu import CpuOptions
 
@@ -186,20 +222,50 @@ def run_file_job(args, opts) -> int:
     print(f"passages: {result.passages}  accuracy: {result.accuracy:.4f}  perplexity: {result.perplexity:.3f}  "
           f"last-word perplexity: {result.last_word_perplexity:.3f}")
     if args.results and writes:
-        Path(args.results).write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+        from generation.jobs.files import replace_file
+
+        replace_file(args.results, (json.dumps(result.to_dict(), indent=2) + "\n").encode("utf-8"))
     return 0
 
 
-def stream_prompts(args, generator, prompts, opts) -> int:
-    """--stream: each prompt, then its continuation piece by piece as it is generated."""
-    if args.mode == "vanilla":
-        raise UsageError("--stream runs in --mode optimized only")
+def stream_prompts(args, generator, prompts, opts, writer) -> int:
+    """--stream: each prompt, then its continuation piece by piece as it is generated; with
+    --output_file each finished result is saved as without --stream."""
     for prompt in prompts:
+        finished = []
         print(prompt, end="", flush=True)
-        for piece in generator.stream(prompt, opts):
+        for piece in generator.stream(prompt, opts, on_result=finished.append):
             print(piece, end="", flush=True)
         print(flush=True)
+        if writer and finished:
+            writer.add(finished)
     return 0
+
+
+def show(args, results) -> None:
+    """Print a batch's results: every sequence of each prompt (num_return_sequences)."""
+    for result in results:
+        texts = [seq.text for seq in result.sequences] or [result.text]
+        for k, text in enumerate(texts):
+            if args.quiet:
+                print(text)
+            else:
+                label = "output" if len(texts) == 1 else f"output {k + 1}"
+                end = "\n" if k == len(texts) - 1 else ""
+                if k == 0:
+                    print(f"prompt: {result.prompt!r}")
+                print(f"{label}: {result.prompt + text!r}\n{end}", end="")
+
+
+def check_prompts_fit(args, generator, prompts, opts) -> None:
+    """Every prompt (numbered over all of them) and the largest batch's memory, before the first
+    batch runs: a bad third prompt must not be found after two batches were spent."""
+    from generation.validate import check_prompts
+
+    ids = check_prompts(generator.tokenizer, prompts, opts)
+    size = 1 if args.stream else min(args.batch_size, len(prompts))
+    longest = max(range(len(prompts)), key=lambda i: len(ids[i]))
+    generator.check_fits([prompts[longest]] * size, opts)
 
 
 def run(args) -> int:
@@ -208,42 +274,40 @@ def run(args) -> int:
 
         print(options_help())
         return 0
-    if args.batch_size < 1:
-        raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
+    check_flags(args)
     setup_parallel(args)
     opts = collect_options(args)
     if args.requests or args.eval:
         return run_file_job(args, opts)
     prompts = read_prompts(args)
+    if args.mode == "vanilla" and (args.stream or args.warmup):
+        raise UsageError(f"{'--stream' if args.stream else '--warmup'} runs in --mode optimized only")
+    if args.stream and opts.num_return_sequences > 1:
+        raise UsageError("--stream shows one sequence per prompt; leave it out to see all num_return_sequences")
     check_ranks_agree(args, prompts)
     generator = make_generator(args, opts)
+    check_prompts_fit(args, generator, prompts, opts)
     if generator.load_report is not None:
         log(generator.load_report.describe())
     fast_path = getattr(getattr(generator, "backend", None), "fast_path", "none")  # vanilla: no backend
     if fast_path != "none":
         log(f"CPU fast path: {fast_path}")
     if args.warmup:
-        if args.mode == "vanilla":
-            raise UsageError("--warmup runs in --mode optimized only")
         from generation.warmup import chunk_sizes, warm_up
 
         sizes = [1] if args.stream else chunk_sizes(len(prompts), args.batch_size)
         log(warm_up(generator, opts, sizes, progress=shows_progress(args)).describe())
-    if args.stream:
-        return stream_prompts(args, generator, prompts, opts)
     from generation.jobs.outputs import ResultWriter
 
     writer = ResultWriter(rank_output_file(args.output_file)) if args.output_file and SHOWS_OUTPUT else None
+    if args.stream:
+        return stream_prompts(args, generator, prompts, opts, writer)
     for first in range(0, len(prompts), args.batch_size):
         chunk = prompts[first : first + args.batch_size]
         results = generator.generate(chunk, opts)
-        for result in results:
-            if args.quiet:
-                print(result.text)
-            else:
-                print(f"prompt: {result.prompt!r}\noutput: {result.prompt + result.text!r}\n")
         if writer:
-            writer.add(results)
+            writer.add(results)  # saved before printing: a closed pipe must not lose the batch
+        show(args, results)
         stats = generator.last_stats
         if not args.quiet:
             print(f"batch {first // args.batch_size + 1}: {stats.seconds:.3f} s, {stats.new_tokens} tokens, "
@@ -262,6 +326,14 @@ def main(argv=None) -> int:
 
     try:
         return run(args)
+    except BrokenPipeError:
+        # The reader went away (| head): what was generated is already saved; say nothing more,
+        # and keep Python from failing again when it flushes stdout at exit.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass  # stdout is not a file (embedded, captured): nothing will flush to a closed pipe
+        return 1
     except (UsageError, CheckpointError, InputError, OptionError, DeviceError, CpuPathError, ValueError,
             OSError) as error:
         # Everything the user can fix: one line, no traceback. A ParallelError is raised alike on

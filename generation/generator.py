@@ -205,17 +205,21 @@ class Generator:
             results.append(seqs)
         return results
 
-    def stream(self, prompt: str, options: GenerationOptions | str | None = None, *, stop=None, **kwargs):
+    def stream(self, prompt: str, options: GenerationOptions | str | None = None, *, stop=None, on_result=None,
+               **kwargs):
         """Iterate over text pieces of one prompt's continuation as they are generated; the pieces
-        join to ``generate(prompt, ...)[0].text``. See ``generation/streaming.py``."""
+        join to ``generate(prompt, ...)[0].text``. ``on_result(GenerationResult)`` is called with
+        the finished result (to save it). See ``generation/streaming.py``."""
         from .streaming import stream_text
 
         if not isinstance(prompt, str):
             raise TypeError(f"stream takes one prompt (a string), got {type(prompt).__name__}")
         check_call(prompt, options, None, None)
+        if on_result is not None and not callable(on_result):
+            raise TypeError(f"on_result must be callable, got {type(on_result).__name__}")
         opts = self.options(options, **kwargs)
         self.check_fits([prompt], opts)  # raised here, at the call, not from the worker thread
-        return stream_text(self, prompt, opts, stop=stop)
+        return stream_text(self, prompt, opts, stop=stop, on_result=on_result)
 
     def make_sequence(self, ids: list[int], finish_reason: str, score: float | None = None,
                       stops: list[str] = ()) -> Sequence:

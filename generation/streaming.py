@@ -70,7 +70,8 @@ class _TokenWatcher:
             self.given = safe
 
 
-def stream_text(generator, prompt: str, options, stop=None, copy_every: int | None = None) -> Iterator[str]:
+def stream_text(generator, prompt: str, options, stop=None, copy_every: int | None = None,
+                on_result=None) -> Iterator[str]:
     """Iterate over text pieces of ``prompt``'s continuation (see the module doc)."""
     if not isinstance(prompt, str):
         raise TypeError("stream takes one prompt (a string)")
@@ -88,6 +89,8 @@ def stream_text(generator, prompt: str, options, stop=None, copy_every: int | No
             # The finished result is the truth; whatever it adds to the pieces is the last one.
             if result.text[: watcher.given] == watcher.text[: watcher.given] and len(result.text) > watcher.given:
                 pieces.put(result.text[watcher.given :])
+            if on_result is not None:
+                on_result(result)
             pieces.put(_DONE)
         except _Cancelled:
             pieces.put(_DONE)

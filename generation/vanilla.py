@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .batch import BloomTokenizer, InputError
+from .batch import InputError
 from .options import GenerationOptions
 from .results import BatchStats, GenerationResult, make_sequence
 
@@ -25,9 +25,11 @@ class VanillaGenerator:
         transformers.logging.set_verbosity_error()
         self.folder = Path(folder)
         self.device = torch.device(device)
+        from .validate import check_checkpoint, load_tokenizer
+
+        check_checkpoint(folder)
         self.model = transformers.BloomForCausalLM.from_pretrained(folder, torch_dtype=dtype).to(self.device).eval()
-        config = self.model.config
-        self.tokenizer = BloomTokenizer(folder, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+        self.tokenizer = load_tokenizer(folder, self.model.config)
         self.last_stats: BatchStats | None = None
         self.load_report = None  # transformers loads on its own; no sliced-read report
 
@@ -58,11 +60,22 @@ class VanillaGenerator:
         kwargs.update(opts.extra)
         return kwargs
 
+    def check_fits(self, prompts: list[str], opts: GenerationOptions) -> None:
+        """As ``Generator.check_fits``: transformers grows its cache to max_length, so a huge
+        max_length would run for ever or take all the memory; refuse it first."""
+        from .validate import check_against_model, check_memory, rows_per_prompt
+
+        check_against_model(opts, self.model.config.vocab_size)
+        longest = max(len(ids) for ids in self.tokenizer.encode_batch(prompts)) if prompts else 1
+        check_memory(self.model.config, self.model.dtype, self.device, len(prompts) * rows_per_prompt(opts),
+                     opts.max_length, min(longest, opts.max_length))
+
     @torch.no_grad()
     def generate(self, prompts: str | list[str], opts: GenerationOptions) -> list[GenerationResult]:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise InputError("no prompts to generate from")
+        self.check_fits(prompts, opts)
         start = time.perf_counter()
         ids = self.tokenizer.encode_batch(prompts)
         for i, row in enumerate(ids):

@@ -10,17 +10,33 @@ from ..batch import InputError
 
 def read_prompt_file(path: str | Path) -> list[str]:
     """Prompts from ``path``. A file whose first non-blank character is ``[`` must be a JSON list of
-    strings; anything else is text, one prompt per non-blank line."""
+    strings; one that starts with ``{`` and parses as JSON is refused (a JSON object is not a list
+    of prompts); anything else is text, one prompt per non-blank line. A byte-order mark is not
+    part of the text."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise InputError(f"input file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise InputError(f"cannot read input file {path}: {error}") from None
+    except IsADirectoryError:
+        raise InputError(f"input file {path} is a folder") from None
+    except UnicodeDecodeError as error:
+        raise InputError(f"input file {path} is not UTF-8 text (byte {error.start + 1})") from None
+    except OSError as error:
+        raise InputError(f"cannot read input file {path}: {error.strerror or error}") from None
+    if text.lstrip().startswith("{"):
+        try:
+            json.loads(text)
+        except (ValueError, RecursionError):
+            pass  # text that happens to start with a brace
+        else:
+            raise InputError(f"input file {path} holds a JSON object; it must be a JSON list of strings "
+                             "or text with one prompt per line")
     if text.lstrip().startswith("["):
         try:
             prompts = json.loads(text)
+        except RecursionError:
+            raise InputError(f"input file {path} is nested too deeply to be a list of prompts") from None
         except json.JSONDecodeError as error:
             raise InputError(f"input file {path} is not valid JSON (line {error.lineno}, column {error.colno}: "
                              f"{error.msg})") from None
