@@ -21,6 +21,7 @@ from ..search.stopping import StopError, normalize_stops
 
 SHAPE_MULTIPLE = 32  # batch lengths (prompt + max_tokens) are padded to a multiple of this
 MAX_LOGPROBS = 5  # as OpenAI's completions endpoint
+MAX_CHOICES = 128  # n and best_of, as OpenAI's bound on n: more is a mistake, not a request
 MAX_DEPTH = 32  # a request is a flat object; deep nesting is an attack or a broken file
 MAX_LINE = 64 << 20  # characters per line
 
@@ -171,8 +172,8 @@ def parse_request(text: str, line: int) -> Request:
     if any(p == "" for p in prompts):
         raise RequestError("prompt is empty: nothing to continue from")
     max_tokens = _int(raw, "max_tokens", 16, 0)
-    n = _int(raw, "n", 1, 1)
-    best_of = _int(raw, "best_of", n, 1)
+    n = _int(raw, "n", 1, 1, MAX_CHOICES)
+    best_of = _int(raw, "best_of", n, 1, MAX_CHOICES)
     if best_of < n:
         raise RequestError(f"best_of ({best_of}) must be >= n ({n})")
     logprobs = _int(raw, "logprobs", None, 0, MAX_LOGPROBS)
