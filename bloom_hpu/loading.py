@@ -61,6 +61,10 @@ def load_model(
         for name, param in model.named_parameters():
             rows, cols = shard_slices(name, model)
             tensor = reader.get(name, dtype=dtype, rows=rows, cols=cols)
+            if name == "word_embeddings.weight" and tensor.shape[0] < param.shape[0]:
+                # The last rank of a vocabulary that does not divide by the ranks: zero pad rows,
+                # never looked up, their logits dropped after the gather (see tp.vocab_shard).
+                tensor = torch.cat([tensor, tensor.new_zeros(param.shape[0] - tensor.shape[0], *tensor.shape[1:])])
             if tuple(tensor.shape) != tuple(param.shape):
                 raise ValueError(
                     f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, the model expects "

@@ -203,7 +203,8 @@ class StaticBloom(nn.Module):
 
     def lm_head(self, h):
         """Logits over the whole vocabulary [..., V] from final hidden states (tied embeddings)."""
-        return self.parallel.all_gather_last(self.head(self.ln_f(h), self.word_embeddings.weight))
+        logits = self.head(self.ln_f(h), self.word_embeddings.weight)  # [..., this rank's shard]
+        return self.parallel.all_gather_last(logits, self.config.vocab_size)
 
     def embed(self, ids):
         return self.word_embeddings_layernorm(self.word_embeddings(ids))

@@ -9,7 +9,7 @@
 * ``shard_slices``: the sharding plan, which rows or columns of each checkpoint tensor a rank reads.
 * Joining the launcher's process group (``init_parallel``: the `deepspeed` launcher or `torchrun`
   start one process per card and describe it in the environment), and the checks and output
-  routing of a multi-rank run: the model must split evenly, every rank must have been given the
+  routing of a multi-rank run: heads must split evenly (the vocabulary need not), every rank must have been given the
   same arguments, rank 0 prints.
 
 Both collectives give every rank bitwise the same result, so all ranks choose the same tokens: an
@@ -45,18 +45,27 @@ class Parallel:
     world_size: int = 1
     local_rank: int = 0  # device index on this host
 
+    def vocab_shard(self, vocab_size: int) -> int:
+        """Vocabulary rows every rank holds: ceil(vocab_size / world_size). Where the vocabulary does
+        not divide, the last rank's shard ends in zero pad rows (as Megatron and DeepSpeed pad),
+        so every shard has one shape and the gather of the logits stays a plain all_gather."""
+        return -(-vocab_size // self.world_size)
+
     def vocab_range(self, vocab_size: int) -> tuple[int, int]:
-        """[start, end) of the vocabulary rows this rank holds (equal blocks, the last may be short)."""
-        per_rank = -(-vocab_size // self.world_size)
+        """[start, end) of the real vocabulary rows this rank holds (equal blocks, the last may be
+        short; its shard is padded up to ``vocab_shard``)."""
+        per_rank = self.vocab_shard(vocab_size)
         start = min(self.rank * per_rank, vocab_size)
         return start, min(start + per_rank, vocab_size)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's ``x`` along the last dimension (rank order)."""
-        return x
+    def all_gather_last(self, x: torch.Tensor, size: int | None = None) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along the last dimension (rank order), keeping the first
+        ``size`` columns: the pad columns of a padded vocabulary are dropped, so no pad id can ever
+        be chosen or scored."""
+        return x if size is None or x.shape[-1] == size else x[..., :size]
 
 
 SINGLE = Parallel()
@@ -77,13 +86,14 @@ class DistributedParallel(Parallel):
         torch.distributed.all_reduce(x)
         return x
 
-    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        # Every rank holds the same number of vocabulary rows (check_splittable asks
-        # vocab_size % world_size == 0), so the pieces have equal shapes, as all_gather requires.
+    def all_gather_last(self, x: torch.Tensor, size: int | None = None) -> torch.Tensor:
+        # Every rank holds the same number of vocabulary rows (the last shard is padded, see
+        # vocab_shard), so the pieces have equal shapes, as all_gather requires.
         x = x.contiguous()
         pieces = [torch.empty_like(x) for _ in range(self.world_size)]
         torch.distributed.all_gather(pieces, x)
-        return torch.cat(pieces, dim=-1)
+        out = torch.cat(pieces, dim=-1)
+        return out if size is None or out.shape[-1] == size else out[..., :size].contiguous()
 
 
 # --- the parallel layers ----------------------------------------------------------------------------
@@ -108,11 +118,15 @@ class RowParallelLinear(nn.Linear):
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """Word embeddings split by vocabulary rows across ranks (the LM head reuses them, tied)."""
+    """Word embeddings split by vocabulary rows across ranks (the LM head reuses them, tied).
+
+    Every rank holds ``vocab_shard`` rows; on the last rank those past ``vocab_end`` are zero pad
+    rows that no id looks up (ids outside the real range are masked) and whose logits the gather
+    drops."""
 
     def __init__(self, vocab_size: int, hidden_size: int, parallel: Parallel):
         self.vocab_start, self.vocab_end = parallel.vocab_range(vocab_size)
-        super().__init__(self.vocab_end - self.vocab_start, hidden_size)
+        super().__init__(parallel.vocab_shard(vocab_size), hidden_size)
         self.parallel = parallel
 
     def forward(self, ids):
@@ -192,7 +206,8 @@ def launch_info(environ=None) -> LaunchInfo | None:
 
 
 def check_splittable(config: BloomConfig, world_size: int) -> None:
-    """Tensor parallelism splits heads, the MLP and the vocabulary in equal whole parts."""
+    """Tensor parallelism splits heads and the MLP in equal whole parts (any vocabulary splits: its
+    last shard is padded)."""
     if world_size <= 1:
         return
     if world_size > config.n_head:
@@ -205,10 +220,6 @@ def check_splittable(config: BloomConfig, world_size: int) -> None:
         raise ParallelError(
             f"the model's {config.n_head} attention heads cannot be split evenly over {world_size} ranks; "
             f"use a number of cards that divides {config.n_head}: {', '.join(map(str, divisors))}"
-        )
-    if config.vocab_size % world_size:
-        raise ParallelError(
-            f"vocab_size {config.vocab_size} cannot be split evenly over {world_size} ranks"
         )
 
 

@@ -25,6 +25,9 @@ from bloom_hpu.tp import Parallel, ParallelError, _RankPrefixed, check_splittabl
 
 ROOT = Path(__file__).resolve().parent.parent
 CKPT = dict(hidden_size=64, n_layer=2, n_head=4, seed=7)  # vocab 1024
+# The 2-rank run uses a vocabulary that does not divide by 2 (a resized vocabulary): rank 1's shard
+# ends in a pad row, which must never be chosen and must not change a single logit.
+ODD = dict(CKPT, vocab_size=1001)
 PROMPTS = ["Hello", "The quick brown fox jumps over the", "A b"]  # mixed lengths, one batch
 GREEDY = dict(max_length=24)
 BEAM = dict(max_length=20, num_beams=3, num_return_sequences=2)
@@ -102,8 +105,22 @@ def test_splittable_errors():
         check_splittable(_config(n_head=4), 8)
     with pytest.raises(ParallelError, match=r"12 attention heads cannot be split evenly over 8 ranks.*1, 2, 3, 4, 6, 12"):
         check_splittable(_config(n_head=12), 8)
-    with pytest.raises(ParallelError, match="vocab_size 1004 cannot be split evenly over 8 ranks"):
-        check_splittable(_config(n_head=8, vocab_size=1004), 8)
+    check_splittable(_config(n_head=8, vocab_size=1004), 8)  # any vocabulary: the last shard is padded
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_vocabulary_that_does_not_divide_is_padded_on_the_last_rank(make_ckpt, world):
+    folder = make_ckpt(**ODD, fmt="safetensors-sharded")
+    full, _ = load_model(folder)
+    shards = [load_model(folder, parallel=Parallel(rank, world))[0] for rank in range(world)]
+    per = -(-1001 // world)
+    weights = [m.word_embeddings.weight for m in shards]
+    assert all(w.shape[0] == per for w in weights)
+    joined = torch.cat(weights)
+    assert torch.equal(joined[:1001], full.word_embeddings.weight)
+    assert not joined[1001:].any()  # pad rows are zero
+    # One rank's logits gathered by SINGLE's rule: the pad columns are dropped.
+    assert Parallel().all_gather_last(torch.zeros(2, per * world), 1001).shape == (2, 1001)
 
 
 def test_load_model_refuses_an_uneven_split(make_ckpt):
@@ -167,7 +184,7 @@ def _outputs(generator) -> dict:
 @pytest.fixture(scope="module")
 def two_rank_run(make_ckpt, tmp_path_factory):
     """Launch this file on 2 ranks with the deepspeed launcher; returns (ckpt, output folder)."""
-    folder = make_ckpt(**CKPT, fmt="safetensors-sharded")
+    folder = make_ckpt(**ODD, fmt="safetensors-sharded")
     out = tmp_path_factory.mktemp("tp")
     with socket.socket() as s:  # a free port: other test runs may share the machine
         s.bind(("127.0.0.1", 0))
@@ -186,7 +203,7 @@ def two_rank_run(make_ckpt, tmp_path_factory):
 def single(make_ckpt):
     from generation.generator import Generator
 
-    generator = Generator.from_pretrained(make_ckpt(**CKPT, fmt="safetensors-sharded"), device="cpu")
+    generator = Generator.from_pretrained(make_ckpt(**ODD, fmt="safetensors-sharded"), device="cpu")
     return _outputs(generator)
 
 
@@ -222,6 +239,10 @@ def test_two_rank_logits_match_one_process(ranks, single):
 
 def test_two_rank_greedy_and_beam_match_one_process(ranks, single):
     assert ranks[0]["greedy"] == single["greedy"]
+    # No id of the pad row that ends rank 1's shard (ids >= vocab_size) is ever produced.
+    produced = [t for row in ranks[0]["greedy"] + ranks[0]["sampled"] for t in row]
+    produced += [t for row in ranks[0]["beam"] for ids, _ in row for t in ids]
+    assert max(produced) < ODD["vocab_size"]
     beams, want = ranks[0]["beam"], single["beam"]
     assert [[ids for ids, _ in row] for row in beams] == [[ids for ids, _ in row] for row in want]
     for row, want_row in zip(beams, want):
