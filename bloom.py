@@ -239,6 +239,8 @@ def stream_prompts(args, generator, prompts, opts, writer) -> int:
         print(flush=True)
         if writer and finished:
             writer.add(finished)
+    if writer:
+        writer.finish()
     return 0
 
 
@@ -308,6 +310,8 @@ def run(args) -> int:
         if writer:
             writer.add(results)  # saved before printing: a closed pipe must not lose the batch
         show(args, results)
+        if writer and first + args.batch_size >= len(prompts):
+            writer.finish()  # a device or FIFO gets the whole list now, before the last stats line
         stats = generator.last_stats
         if not args.quiet:
             print(f"batch {first // args.batch_size + 1}: {stats.seconds:.3f} s, {stats.new_tokens} tokens, "

@@ -130,3 +130,26 @@ def test_stream_with_an_output_file_writes_it(tmp_path, capsys):
     records = json.loads(out.read_text())
     assert code == 0 and [r["prompt"] for r in records] == ["Hello", "World"]
     assert all(r["token_ids"] for r in records)
+
+
+def test_cli_output_to_a_fifo_gets_one_json_list_and_the_fifo_stays(tmp_path, capsys):
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()), daemon=True)
+    reader.start()
+    code, _ = run(["--max_length", "8", "--batch_size", "1", "--output_file", str(fifo), "--quiet", "A", "B"], capsys)
+    reader.join(30)
+    assert code == 0 and [r["prompt"] for r in json.loads(got[0])] == ["A", "B"]
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root")
+def test_a_full_device_is_reported_and_stays_a_device(tmp_path, capsys):
+    # Our own node for the "full" device (1, 7), made in the temporary folder: the machine's
+    # /dev/full is never touched.
+    full = tmp_path / "full"
+    os.mknod(full, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+    code, err = run(["--max_length", "8", "--output_file", str(full), "--quiet", "Hello"], capsys)
+    assert code == 1 and "no space left" in error_line(err)
+    assert stat.S_ISCHR(os.stat(full).st_mode)

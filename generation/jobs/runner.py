@@ -31,7 +31,7 @@ from ..logprobs import TokenText, score_rows
 from ..options import OptionError
 from ..progress import Progress, log
 from ..validate import check_request
-from .files import check_distinct, disk_error, lock_results
+from .files import check_distinct, disk_error, is_regular_or_new, lock_results
 from .requests import (Choice, Request, RequestBatch, RequestError, batch_length, choice_record, parse_request,
                        plan_batches, request_key, result_record)
 
@@ -243,9 +243,11 @@ def run_requests(generator, requests_path, results_path, *, errors_path=None, bu
     # requests pending and answer them twice.
     out = lock_results(results_path) if write else open(os.devnull, "ab")
     try:
-        if write:
+        # A FIFO or a device holds no earlier results to resume from (reading one would block).
+        regular = is_regular_or_new(results_path)
+        if write and regular:
             repair_results(results_path)
-        done = answered_keys(results_path)
+        done = answered_keys(results_path) if regular else Counter()
         with open(errors_path if write else os.devnull, "w", encoding="utf-8") as errors:
             return _run(generator, requests, bad_lines, done, requests_path, results_path, out, errors, budget,
                         progress, write, start)
