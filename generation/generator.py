@@ -77,11 +77,7 @@ class Generator:
             backend.device = torch.device(backend.device.type, parallel.local_rank)
         bloom, report = load_model(folder, torch_dtype, backend.device, parallel)
         tokenizer = load_tokenizer(folder, bloom.config)
-        generator = cls(bloom, tokenizer, StepRunner(bloom, backend), folder, report)
-        generator.world_size = parallel.world_size
-        return generator
-
-    world_size = 1  # tensor-parallel ranks sharing the model (each holds 1/world_size of the cache)
+        return cls(bloom, tokenizer, StepRunner(bloom, backend), folder, report)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -144,7 +140,7 @@ class Generator:
             return
         longest = max(len(ids) for ids in self.tokenizer.encode_batch(prompts))
         check_memory(self.model.config, self.dtype, self.device, len(prompts) * rows_per_prompt(opts),
-                     opts.max_length, min(longest, opts.max_length), self.world_size)
+                     opts.max_length, min(longest, opts.max_length), self.model.parallel)
 
     def _search(self, batch: Batch, opts: GenerationOptions, stops: list[list[str]],
                 hooks: LoopHooks) -> list[list[Sequence]]:

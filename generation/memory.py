@@ -53,6 +53,17 @@ def free_bytes(device: torch.device) -> int | None:
     return None
 
 
+def agreed_free_bytes(device: torch.device, parallel=None) -> int | None:
+    """``free_bytes``, the smallest over the ranks of a tensor-parallel run: every rank must take
+    the same decision, or the ranks that go on would wait for the one that refused."""
+    free = free_bytes(device)
+    if parallel is None or parallel.world_size <= 1:
+        return free
+    value = torch.tensor([-1 if free is None else free], dtype=torch.int64, device=getattr(parallel, "device", "cpu"))
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    return None if int(value.item()) < 0 else int(value.item())
+
+
 def human(n: int | float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":

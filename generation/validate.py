@@ -24,7 +24,7 @@ import torch
 from bloom_hpu.checkpoint import CheckpointError
 
 from .batch import InputError
-from .memory import MemoryCheckError, estimate_bytes, free_bytes, human
+from .memory import MemoryCheckError, agreed_free_bytes, estimate_bytes, human
 from .options import GenerationOptions, OptionError
 
 # config.json fields: (type, smallest value). bool is refused where an int is wanted.
@@ -121,11 +121,13 @@ def rows_per_prompt(opts: GenerationOptions) -> int:
 
 
 def check_memory(config, dtype: torch.dtype, device: torch.device, rows: int, length: int, prompt_len: int,
-                 world_size: int = 1, what: str = "--batch_size, --max_length, num_beams or "
+                 parallel=None, what: str = "--batch_size, --max_length, num_beams or "
                  "num_return_sequences") -> None:
-    """Refuse before allocating when the cache and buffers of a call cannot fit the free memory."""
+    """Refuse before allocating when the cache and buffers of a call cannot fit the free memory
+    (under tensor parallelism: a rank's share, against the least free memory of the ranks)."""
+    world_size = parallel.world_size if parallel is not None else 1
     need = estimate_bytes(config, dtype, rows, length, prompt_len, world_size)
-    free = free_bytes(device)
+    free = agreed_free_bytes(device, parallel)
     if free is not None and need > free:
         raise MemoryCheckError(f"this needs about {human(need)} of memory on {device.type} for {rows} rows of "
                                f"{length} tokens, but {human(free)} is free; lower {what}")
@@ -141,7 +143,7 @@ def check_request(generator, request, prompt_lengths: list[int]) -> None:
     length = batch_length(max(prompt_lengths), request.max_tokens)
     rows = len(request.prompts) * request.rows_per_prompt
     check_memory(generator.model.config, generator.dtype, generator.device, rows, length, max(prompt_lengths),
-                 generator.world_size, what="max_tokens, n, best_of or num_beams, or the prompt")
+                 generator.model.parallel, what="max_tokens, n, best_of or num_beams, or the prompt")
 
 
 def check_call(prompts, options, on_step, max_new_tokens_each) -> list[str]:
