@@ -15,6 +15,11 @@ from __future__ import annotations
 
 import torch
 
+try:
+    import psutil  # optional: MemAvailable from /proc/meminfo otherwise
+except ImportError:
+    psutil = None
+
 
 class MemoryCheckError(ValueError):
     """A call that would not fit in memory; the message names the numbers and what to lower."""
@@ -37,12 +42,8 @@ def free_bytes(device: torch.device) -> int | None:
         return free
     if device.type != "cpu":
         return None  # a Gaudi's free memory is not exposed through a stable API
-    try:
-        import psutil
-
+    if psutil is not None:
         return psutil.virtual_memory().available
-    except ImportError:
-        pass
     try:
         with open("/proc/meminfo") as f:
             for line in f:
