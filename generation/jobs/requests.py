@@ -135,14 +135,15 @@ def _search_value(name: str, value):
     kind = OPTIONS_BY_NAME[name].type
     if name == "early_stopping" and value == "never":
         return value
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind is bool:
-        ok = isinstance(value, bool)
+        ok, wanted = isinstance(value, bool), "true or false"
     elif kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and value.is_integer()
+        ok, wanted = number and float(value).is_integer(), "an integer"
     else:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok, wanted = number and math.isfinite(value), "a finite number"
     if not ok:
-        raise RequestError(f"{name} must be {'true or false' if kind is bool else 'a finite number' if kind is float else 'an integer'}, got {value!r}")
+        raise RequestError(f"{name} must be {wanted}, got {value!r}")
     return value
 
 

@@ -8,9 +8,9 @@ Nothing is lost and nothing is done twice:
   on it stops with a clear line;
 - on start, the results file is read back: a torn last record (killed mid-write) is cut off, a
   complete last record without its newline gets one, anything else unterminated stops the run
-  (it is not ours to cut), and every request already answered is skipped. Requests are identified by their content, counted:
-  identical requests are interchangeable, so if the input holds a request three times and the
-  results two, one more answer is due;
+  (it is not ours to cut), and every request already answered is skipped. Requests are
+  identified by their content, counted: identical requests are interchangeable, so if the input
+  holds a request three times and the results two, one more answer is due;
 - a malformed line, one that does not fit the model or the memory, or one whose answer fails for
   any reason, is reported with its line number on stderr and in the errors file (rewritten each
   run, since it follows from the input), and the other lines carry on: a failed batch is retried
