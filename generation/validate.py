@@ -63,6 +63,10 @@ def check_checkpoint(folder: str | Path) -> dict:
         else:
             if name in ("vocab_size", "hidden_size", "n_layer", "n_head"):
                 raise CheckpointError(f"{path} lacks {name}")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if values.get(name, 0) >= values["vocab_size"]:
+            raise CheckpointError(f"{path}: {name} {values[name]} is outside the vocabulary (vocab_size "
+                                  f"{values['vocab_size']})")
     if values["hidden_size"] % values["n_head"]:
         raise CheckpointError(f"{path}: hidden_size {values['hidden_size']} is not a multiple of "
                               f"n_head {values['n_head']}")
@@ -80,11 +84,16 @@ def load_tokenizer(folder: str | Path, config):
     from .batch import BloomTokenizer
 
     try:
-        return BloomTokenizer(folder, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
+        tokenizer = BloomTokenizer(folder, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)
     except Exception as error:  # noqa: BLE001 - tokenizers raises plain Exceptions for bad files
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"cannot load the tokenizer of {folder} (tokenizer.json or tokenizer_config.json): "
                               f"{message}") from None
+    if tokenizer.vocab_size > config.vocab_size:
+        # Ids the embedding has no row for would fail deep inside the first step.
+        raise CheckpointError(f"{Path(folder) / 'tokenizer.json'} has {tokenizer.vocab_size} tokens, more than "
+                              f"config.json's vocab_size {config.vocab_size}")
+    return tokenizer
 
 
 def check_against_model(opts: GenerationOptions, vocab_size: int) -> None:

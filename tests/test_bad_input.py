@@ -101,6 +101,7 @@ CONFIGS = [
     ({"vocab_size": -1}, "vocab_size must be between"),
     ({"model_type": "gpt2"}, "BLOOM models only"),
     ({"hidden_size": 100}, "not a multiple of n_head"),
+    ({"eos_token_id": 5000}, "outside the vocabulary"),
 ]
 
 
