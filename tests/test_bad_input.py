@@ -53,6 +53,8 @@ CLI_CASES = [
     (["--max_length", "1000000000", "Hello"], "lower --batch_size, --max_length"),
     (["--mode", "vanilla", "--max_length", "1000000000", "Hello"], "memory"),
     (["--input_file", "{obj}"], "JSON object"),
+    (["--eval", "{surrogate}"], "lone surrogate"),
+    (["--eval", "{deep}"], "nested too deeply"),
 ]
 
 
@@ -61,7 +63,10 @@ def test_bad_command_lines_get_one_clear_line(tmp_path, capsys, argv, message):
     req, obj = tmp_path / "in.jsonl", tmp_path / "obj.json"
     req.write_text('{"prompt": "Hi"}\n')
     obj.write_text('{"prompt": "a"}')
-    argv = [a.format(req=req, out=tmp_path / "out.jsonl", obj=obj) for a in argv]
+    (tmp_path / "surrogate.jsonl").write_text('{"text": "a b \\ud800"}\n')
+    (tmp_path / "deep.jsonl").write_text("[" * 100000 + "]" * 100000 + "\n")
+    argv = [a.format(req=req, out=tmp_path / "out.jsonl", obj=obj, surrogate=tmp_path / "surrogate.jsonl",
+                     deep=tmp_path / "deep.jsonl") for a in argv]
     _, line = cli(argv, capsys)
     assert message in line, line
 

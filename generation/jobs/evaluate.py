@@ -56,8 +56,14 @@ def read_passages(path: str | Path) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise InputError(f"{path}: line {number}: not valid JSON ({error.msg})") from None
+        except RecursionError:
+            raise InputError(f"{path}: line {number}: nested too deeply") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise InputError(f'{path}: line {number}: expected an object with a "text" string')
+        try:
+            record["text"].encode("utf-8")
+        except UnicodeEncodeError:  # JSON allows a lone surrogate ("\ud800"); no tokenizer does
+            raise InputError(f"{path}: line {number}: the text holds a lone surrogate (not valid Unicode)") from None
         if " " not in record["text"].strip():
             raise InputError(f"{path}: line {number}: the text needs a context before its last word")
         texts.append(record["text"])
