@@ -133,9 +133,9 @@ def make_generator(args, opts):
     from generation.generator import Generator, parse_dtype
 
     weights = args.weights
-    if weights is None and args.model is not None:
-        pass  # --model alone: looked up in checkpoints/, and said to be missing if it is not there
-    elif weights is None:
+    # --model alone is looked up in checkpoints/ (weights None), and said to be missing if it is not
+    # there: never replaced by the tiny default.
+    if weights is None and args.model is None:
         weights = str(DEFAULT_CHECKPOINT)
         log(f"no --weights given: using the embedded default checkpoint {DEFAULT_CHECKPOINT.relative_to(ROOT)} "
             "(tiny, random weights: the output is gibberish; pass --weights for a real model)")
