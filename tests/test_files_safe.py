@@ -153,3 +153,17 @@ def test_a_full_device_is_reported_and_stays_a_device(tmp_path, capsys):
     code, err = run(["--max_length", "8", "--output_file", str(full), "--quiet", "Hello"], capsys)
     assert code == 1 and "no space left" in error_line(err)
     assert stat.S_ISCHR(os.stat(full).st_mode)
+
+
+def test_request_results_into_a_fifo_are_written_through(tmp_path, capsys):
+    requests, fifo = tmp_path / "in.jsonl", tmp_path / "out.fifo"
+    requests.write_text(json.dumps(GOOD) + "\n")
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo, "rb").read()), daemon=True)
+    reader.start()
+    code, _ = run(["--requests", str(requests), "--results", str(fifo), "--errors", str(tmp_path / "e.jsonl"),
+                   "--quiet"], capsys)
+    reader.join(30)
+    assert code == 0 and json.loads(got[0])["request"] == GOOD
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)

@@ -19,6 +19,7 @@ Nothing is lost and nothing is done twice:
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import time
@@ -296,7 +297,7 @@ def _run(generator, requests, bad_lines, done, requests_path, results_path, out,
             out.write(data)
             out.flush()
             if write:
-                os.fsync(out.fileno())
+                fsync(out)
         except OSError as error:
             raise disk_error(results_path, error) from None
 
@@ -313,6 +314,15 @@ def _run(generator, requests, bad_lines, done, requests_path, results_path, out,
                 tokens += batch_tokens
             bar.update(len(batch.requests), f"{tokens / bar.elapsed:.1f} tokens/s")
     return JobSummary(len(requests), skipped, answered, failed, tokens, time.perf_counter() - start)
+
+
+def fsync(f) -> None:
+    """On disk before the next batch; a FIFO or a device has no disk (fsync says EINVAL)."""
+    try:
+        os.fsync(f.fileno())
+    except OSError as error:
+        if error.errno != errno.EINVAL:
+            raise
 
 
 def error_text(error: BaseException) -> str:
