@@ -16,40 +16,44 @@
 
 #include "vec16.h"
 
-namespace bloom_cpu {
+BLOOM_CPU_BEGIN
 
 // sum_d a[d] * b[d] in fp32, for any n (head sizes are 16, 64, 80, 96, 128...).
 template <typename T>
 inline float dot(const T* a, const T* b, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
+  Vec16 acc = zero16();
   int64_t d = 0;
-  for (; d + 16 <= n; d += 16) acc = _mm512_fmadd_ps(load16(a + d), load16(b + d), acc);
-  if (d < n) acc = _mm512_fmadd_ps(load_first(a + d, n - d), load_first(b + d, n - d), acc);
-  return _mm512_reduce_add_ps(acc);
+  for (; d + 16 <= n; d += 16) acc = fmadd(load16(a + d), load16(b + d), acc);
+  if (d < n) acc = fmadd(load_first(a + d, n - d), load_first(b + d, n - d), acc);
+  return reduce_add(acc);
 }
 
 // scores [n] (each already rounded to T) -> probabilities rounded to T, in place:
-// exp(s - max) / sum, in fp32.
+// exp(s - max) / sum, in fp32. The tail's missing lanes are -inf in the max, and the max itself in
+// the exp (then zeroed): an exp that underflows costs a microcode assist on Intel cores, and most
+// rows end in a partial vector (a prefill's attention ran ~6% slower with -inf there).
 template <typename T>
 inline void softmax_rounded(float* scores, int64_t n) {
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = first_lanes(n - j);
-    top = _mm512_mask_max_ps(top, lanes, top, _mm512_maskz_loadu_ps(lanes, scores + j));
+  const int64_t whole = n / 16 * 16, tail = n - whole;
+  Vec16 top = set16(-INFINITY);
+  for (int64_t j = 0; j < whole; j += 16) top = max16(top, load16(scores + j));
+  if (tail) top = max16(top, load_first(scores + whole, tail, -INFINITY));
+  const float max = reduce_max(top);
+  const Vec16 shift = set16(max);
+  Vec16 total = zero16();
+  for (int64_t j = 0; j < whole; j += 16) {
+    const Vec16 e = exp16(load16(scores + j) - shift);
+    total = total + e;
+    store16(scores + j, e);
   }
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = first_lanes(n - j);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores + j), shift));
-    total = _mm512_mask_add_ps(total, lanes, total, e);
-    _mm512_mask_storeu_ps(scores + j, lanes, e);
+  if (tail) {
+    const Vec16 e = keep_first(exp16(load_first(scores + whole, tail, max) - shift), tail);
+    total = total + e;
+    store_first(scores + whole, e, tail);
   }
-  const __m512 sum = _mm512_set1_ps(_mm512_reduce_add_ps(total));
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = first_lanes(n - j);
-    _mm512_mask_storeu_ps(scores + j, lanes, round16<T>(_mm512_div_ps(_mm512_maskz_loadu_ps(lanes, scores + j), sum)));
-  }
+  const Vec16 sum = set16(reduce_add(total));
+  for (int64_t j = 0; j < whole; j += 16) store16(scores + j, round16<T>(load16(scores + j) / sum));
+  if (tail) store_first(scores + whole, round16<T>(load_first(scores + whole, tail) / sum), tail);
 }
 
 // Decode reads a long cache once per step, from memory: the rows kAhead keys ahead (or the last
@@ -74,19 +78,17 @@ inline void weighted_values(const float* probs, const T* values, int64_t n, int6
     prefetch_rows(values + std::min(j + kAhead, n - 4) * D, 4 * D);
     for (int64_t c = 0; c < D; c += 16) {
       const int64_t width = std::min<int64_t>(16, D - c);
-      __m512 sum = _mm512_loadu_ps(context + c);  // context has room for whole vectors (see attend_one)
-      for (int u = 0; u < 4; ++u) sum = _mm512_fmadd_ps(_mm512_set1_ps(probs[j + u]), load_first(v + u * D + c, width), sum);
-      _mm512_storeu_ps(context + c, sum);
+      Vec16 sum = load16(context + c);  // context has room for whole vectors (see attend_one)
+      for (int u = 0; u < 4; ++u) sum = fmadd(set16(probs[j + u]), load_first(v + u * D + c, width), sum);
+      store16(context + c, sum);
     }
   }
   for (; j < n; ++j)
     for (int64_t c = 0; c < D; c += 16) {
       const int64_t width = std::min<int64_t>(16, D - c);
-      const __m512 sum = _mm512_fmadd_ps(_mm512_set1_ps(probs[j]), load_first(values + j * D + c, width),
-                                         _mm512_loadu_ps(context + c));
-      _mm512_storeu_ps(context + c, sum);
+      store16(context + c, fmadd(set16(probs[j]), load_first(values + j * D + c, width), load16(context + c)));
     }
-  for (int64_t c = 0; c < D; c += 16) store_first(out + c, _mm512_loadu_ps(context + c), std::min<int64_t>(16, D - c));
+  for (int64_t c = 0; c < D; c += 16) store_first(out + c, load16(context + c), std::min<int64_t>(16, D - c));
 }
 
 // scores [seen] = alibi + q . k_j / sqrt(D), rounded to T, for the keys [seen, D] of a head's cache.
@@ -97,14 +99,14 @@ inline void decode_scores(const T* q, const T* keys, const T* alibi, int64_t see
   int64_t j = 0;
   for (; j + 4 <= seen; j += 4) {
     prefetch_rows(keys + std::min(j + kAhead, seen - 4) * D, 4 * D);
-    __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    Vec16 sum[4] = {zero16(), zero16(), zero16(), zero16()};
     for (int64_t d = 0; d < D; d += 16) {
       const int64_t width = std::min<int64_t>(16, D - d);
-      const __m512 query = load_first(q + d, width);
-      for (int u = 0; u < 4; ++u) sum[u] = _mm512_fmadd_ps(query, load_first(keys + (j + u) * D + d, width), sum[u]);
+      const Vec16 query = load_first(q + d, width);
+      for (int u = 0; u < 4; ++u) sum[u] = fmadd(query, load_first(keys + (j + u) * D + d, width), sum[u]);
     }
     for (int u = 0; u < 4; ++u)
-      scores[j + u] = float(round_to<T>(float(alibi[j + u]) + inv_norm * _mm512_reduce_add_ps(sum[u])));
+      scores[j + u] = float(round_to<T>(float(alibi[j + u]) + inv_norm * reduce_add(sum[u])));
   }
   for (; j < seen; ++j) scores[j] = float(round_to<T>(float(alibi[j]) + inv_norm * dot(q, keys + j * D, D)));
 }
@@ -120,4 +122,4 @@ void attend_one(const T* q, const T* keys, const T* values, const T* alibi, int6
   weighted_values<T>(scratch, values, seen, D, context, out);
 }
 
-}  // namespace bloom_cpu
+BLOOM_CPU_END

@@ -1,4 +1,4 @@
-// A whole BLOOM decode step in one call (CPU, bf16 or fp32, one process): the CPU's counterpart of
+// A whole BLOOM decode step in one call (CPU, bf16, fp16 or fp32, one process): the CPU's counterpart of
 // replaying a captured graph on an accelerator.
 //
 // On a GPU or a Gaudi a decode step is captured once and replayed, so the host pays for one launch
@@ -30,6 +30,8 @@ namespace {
 
 using bloom_cpu::linear_rows;
 using bloom_cpu::round_to;
+using bloom_cpu::Vec16;
+using bloom_cpu::set16;
 
 constexpr int kGlobalWeights = 5;
 constexpr int kBlockWeights = 12;
@@ -64,15 +66,15 @@ void add_into(const T* residual, T* x, int64_t count) {
 // tanhf was about a quarter of a tiny model's step); both round the same fp32 value to within an fp32 step.
 template <typename T>
 void gelu_tanh(T* x, int64_t count) {
-  const __m512 beta = _mm512_set1_ps(0.7978845608028654f);  // sqrt(2 / pi)
-  const __m512 kappa = _mm512_set1_ps(0.044715f), minus_two = _mm512_set1_ps(-2.0f), one = _mm512_set1_ps(1.0f);
-  for (int64_t i = 0; i < count; i += 16) {
-    const int64_t n = std::min<int64_t>(16, count - i);
-    const __m512 v = bloom_cpu::load_first(x + i, n);
-    const __m512 u = _mm512_mul_ps(beta, _mm512_fmadd_ps(_mm512_mul_ps(kappa, v), _mm512_mul_ps(v, v), v));
-    const __m512 sigmoid_denominator = _mm512_add_ps(one, bloom_cpu::exp16(_mm512_mul_ps(minus_two, u)));
-    bloom_cpu::store_first(x + i, _mm512_div_ps(v, sigmoid_denominator), n);
-  }
+  const Vec16 beta = set16(0.7978845608028654f);  // sqrt(2 / pi)
+  const Vec16 kappa = set16(0.044715f), minus_two = set16(-2.0f), one = set16(1.0f);
+  auto gelu = [&](Vec16 v) {
+    const Vec16 u = beta * bloom_cpu::fmadd(kappa * v, v * v, v);
+    return v / (one + bloom_cpu::exp16(minus_two * u));  // v / sigmoid's denominator
+  };
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) bloom_cpu::store16(x + i, gelu(bloom_cpu::load16(x + i)));
+  if (i < count) bloom_cpu::store_first(x + i, gelu(bloom_cpu::load_first(x + i, count - i)), count - i);
 }
 
 struct Shapes {
@@ -150,6 +152,10 @@ at::Tensor decode_step(const std::vector<at::Tensor>& weights, const at::Tensor&
   TORCH_CHECK(keys.scalar_type() == dtype && values.scalar_type() == dtype && alibi.scalar_type() == dtype,
               "decode_step: cache and alibi in the weights' dtype");
   const Shapes s{keys.size(1), keys.size(2), keys.size(4), keys.size(3), window};
+  const int64_t E = weights[0].size(1), F = weights[kGlobalWeights + 8].size(0);
+  TORCH_CHECK(E * weights[0].element_size() % bloom_cpu::kStepBytes == 0 &&
+                  F * weights[0].element_size() % bloom_cpu::kStepBytes == 0,
+              "decode_step: the hidden size and the MLP's width must be multiples of 64 bytes (few_rows.h)");
   TORCH_CHECK(tokens.numel() == s.batch && positions.numel() == s.batch && window <= s.cache_len,
               "decode_step: one token and one position per cache row, window within the cache");
   const at::Tensor ids = tokens.contiguous(), slots = positions.contiguous();
@@ -169,11 +175,11 @@ at::Tensor decode_step(const std::vector<at::Tensor>& weights, const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(bloom_cpu, m) {
+BLOOM_LIBRARY_FRAGMENT(BLOOM_OPS, m) {
   m.def("decode_step(Tensor[] weights, Tensor tokens, Tensor positions, Tensor(a!) keys, Tensor(b!) values, "
         "Tensor alibi, int window, float eps, bool residual_from_ln) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(bloom_cpu, CPU, m) {
+BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {
   m.impl("decode_step", &decode_step);
 }

@@ -1,4 +1,4 @@
-// Matrix products of a few rows with a large weight, at the speed of memory (bf16 and fp32).
+// Matrix products of a few rows with a large weight, at the speed of memory (bf16, fp16, fp32).
 //
 // out[m, n] = sum_k x[m, k] * w[n, k] + bias[n]    x [M, K], w [N, K] (nn.Linear's layout), M small
 //
@@ -6,13 +6,19 @@
 // the time to stream the weights from memory. On a Xeon with AVX512-BF16, PyTorch's bf16 kernels
 // for a [1, 1024] x [1024, 250880] product read 12-15 GB/s where a plain reduction reads 25: per
 // byte they issue more instructions (bf16 -> fp32 conversions), so fewer loads are in flight. Here
-// each 64-byte load feeds one VDPBF16PS (32 products into fp32 sums) directly, and the weight rows
-// a few blocks ahead are prefetched explicitly, which keeps the memory busy: ~26 GB/s on the same
-// machine. The fp32 version is the same loop with FMAs; it matters for small models, where a
-// product is a few microseconds and PyTorch's call overhead (~10 us) was most of it.
+// each 64-byte load of the AVX-512 build feeds one VDPBF16PS (32 products into fp32 sums)
+// directly, and the weight rows a few blocks ahead are prefetched explicitly, which keeps the
+// memory busy: ~26 GB/s on the same machine. The fp32 version is the same loop with FMAs; it
+// matters for small models, where a product is a few microseconds and PyTorch's call overhead
+// (~10 us) was most of it.
+//
+// Without VDPBF16PS (fp16 on either build; everything on the AVX2 build) the weights are widened
+// to fp32 as they are loaded, then multiplied by FMAs. bf16 widens by integer ops alone: 16 bf16
+// weights cost one load, a shift, an and and two FMAs, within what streaming them from memory
+// allows. x is widened the same way, once per block of weight rows that it serves.
 //
 // Work is split over PyTorch's intra-op threads by blocks of 4 weight rows; for each block the x
-// rows are taken 4 at a time, so a block read once from memory serves up to 4 rows from L1.
+// rows are taken a few at a time (kXRows), so a block read once from memory serves them from L1.
 
 #pragma once
 
@@ -23,71 +29,174 @@
 #include <algorithm>
 #include <cstdint>
 
-namespace bloom_cpu {
+#include "vec16.h"
 
+BLOOM_CPU_BEGIN
+
+// The one constraint on K, on both builds: every step of the loops below reads 64 bytes of a
+// weight row (one AVX-512 register, or two AVX2 ones) and there is no tail, so K * sizeof(T) must
+// be a multiple of kStepBytes (bf16, fp16: K % 32 == 0; fp32: K % 16 == 0).
+constexpr int64_t kStepBytes = 64;
 constexpr int kRows = 4;                  // weight rows per block
 constexpr int64_t kPrefetchBytes = 8192;  // a few blocks ahead of the loads (measured: 4-16 KB alike)
 
-// One 64-byte step of a dot product, per element type: `step` elements per load, fp32 sums.
-template <typename T> struct Lanes;
+// A 64-byte step of a dot product, per element type and instruction set, in `parts` parts of
+// `step` elements (one register of weights each):
+//   X, load_x(p)        a part of x [step elements] in registers, as dot multiplies it;
+//   dot(acc, w, x)      acc += the products of w [step elements] with x, lane by lane, in fp32.
+// acc is an Acc: a register of fp32 sums, whose lanes acc_sum adds.
+template <typename T>
+struct Lanes;
 
-template <> struct Lanes<at::BFloat16> {
-  static constexpr int step = 32;
-  using Vec = __m512bh;
-  static Vec load(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static __m512 dot(__m512 acc, Vec w, Vec x) { return _mm512_dpbf16_ps(acc, w, x); }
+#if defined(BLOOM_ISA_AVX512)
+
+using Acc = __m512;
+inline Acc acc_zero() { return _mm512_setzero_ps(); }
+inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
+constexpr int kXRows = 4;  // x rows per pass over a block: 16 sums in registers, of 32
+
+template <>
+struct Lanes<at::BFloat16> {  // VDPBF16PS: 32 products of bf16 pairs per instruction
+  static constexpr int64_t step = 32;
+  static constexpr int parts = 1;
+  using X = __m512bh;
+  static X load_x(const at::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static Acc dot(Acc acc, const at::BFloat16* w, X x) { return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), x); }
 };
 
-template <> struct Lanes<float> {
-  static constexpr int step = 16;
-  using Vec = __m512;
-  static Vec load(const float* p) { return _mm512_loadu_ps(p); }
-  static __m512 dot(__m512 acc, Vec w, Vec x) { return _mm512_fmadd_ps(w, x, acc); }
+template <>
+struct Lanes<float> {
+  static constexpr int64_t step = 16;
+  static constexpr int parts = 1;
+  using X = __m512;
+  static X load_x(const float* p) { return _mm512_loadu_ps(p); }
+  static Acc dot(Acc acc, const float* w, X x) { return _mm512_fmadd_ps(_mm512_loadu_ps(w), x, acc); }
 };
+
+template <>
+struct Lanes<at::Half> {  // F16C conversions, 16 per instruction, and two FMAs per 64 bytes
+  static constexpr int64_t step = 32;
+  static constexpr int parts = 1;
+  struct X {
+    __m512 lo, hi;
+  };
+  static __m512 widen16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static X load_x(const at::Half* p) { return {widen16(p), widen16(p + 16)}; }
+  static Acc dot(Acc acc, const at::Half* w, const X& x) {
+    acc = _mm512_fmadd_ps(widen16(w), x.lo, acc);
+    return _mm512_fmadd_ps(widen16(w + 16), x.hi, acc);
+  }
+};
+
+#else  // BLOOM_ISA_AVX2
+
+using Acc = __m256;
+inline Acc acc_zero() { return _mm256_setzero_ps(); }
+inline float acc_sum(Acc a) { return reduce_add8(a); }
+// x rows per pass over a block: 8 sums and 2 x rows' parts (4 registers) stay in registers, of 16.
+constexpr int kXRows = 2;
+
+// bf16 widened by integer ops alone: 16 bf16 loaded as 8 32-bit lanes hold the even elements in
+// their low halves and the odd ones in their high halves, so the even elements as fp32 are the
+// lanes shifted up by 16 bits, and the odd ones the lanes with their low 16 bits cleared. Weights
+// and x split alike, the products pair up as they should; the sums only add them in another order.
+struct EvenOdd {
+  __m256 even, odd;
+};
+inline EvenOdd widen_bf16(const at::BFloat16* p) {
+  __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  // One load for both halves: without this empty barrier GCC folds a second load of the same 32
+  // bytes into the and, and the weights stream ~3% slower (measured on a Xeon, 2 threads).
+  asm("" : "+x"(pairs));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xFFFF0000u))))};
+}
+
+template <>
+struct Lanes<at::BFloat16> {
+  static constexpr int64_t step = 16;
+  static constexpr int parts = 2;
+  using X = EvenOdd;
+  static X load_x(const at::BFloat16* p) { return widen_bf16(p); }
+  static Acc dot(Acc acc, const at::BFloat16* w, const X& x) {
+    const EvenOdd wv = widen_bf16(w);
+    return _mm256_fmadd_ps(wv.odd, x.odd, _mm256_fmadd_ps(wv.even, x.even, acc));
+  }
+};
+
+template <>
+struct Lanes<float> {
+  static constexpr int64_t step = 8;
+  static constexpr int parts = 2;
+  using X = __m256;
+  static X load_x(const float* p) { return _mm256_loadu_ps(p); }
+  static Acc dot(Acc acc, const float* w, X x) { return _mm256_fmadd_ps(_mm256_loadu_ps(w), x, acc); }
+};
+
+template <>
+struct Lanes<at::Half> {  // F16C conversions, 8 per instruction
+  static constexpr int64_t step = 16;
+  static constexpr int parts = 2;
+  struct X {
+    __m256 lo, hi;
+  };
+  static X load_x(const at::Half* p) { return {load8(p), load8(p + 8)}; }
+  static Acc dot(Acc acc, const at::Half* w, const X& x) {
+    return _mm256_fmadd_ps(load8(w + 8), x.hi, _mm256_fmadd_ps(load8(w), x.lo, acc));
+  }
+};
+
+#endif
 
 // sums[m * R + r] = dot(w row r, x row m) for R weight rows and MB input rows.
 template <typename T, int R, int MB>
 inline void dot_block(const T* w, const T* x, int64_t K, float* sums) {
   using L = Lanes<T>;
+  static_assert(L::step * L::parts * int64_t(sizeof(T)) == kStepBytes, "a step reads 64 bytes of a weight row");
   constexpr int64_t ahead = kPrefetchBytes / sizeof(T);
-  __m512 acc[R][MB];
+  Acc acc[R][MB];
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += L::step) {
-    typename L::Vec xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = L::load(x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + ahead), _MM_HINT_T0);
-      typename L::Vec wv = L::load(w + r * K + k);
-      for (int m = 0; m < MB; ++m) acc[r][m] = L::dot(acc[r][m], wv, xv[m]);
+    for (int m = 0; m < MB; ++m) acc[r][m] = acc_zero();
+  for (int64_t k = 0; k < K; k += L::step * L::parts) {
+    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + ahead), _MM_HINT_T0);
+    for (int part = 0; part < L::parts; ++part) {
+      const int64_t kp = k + part * L::step;
+      typename L::X xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = L::load_x(x + m * K + kp);
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) acc[r][m] = L::dot(acc[r][m], w + r * K + kp, xv[m]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) sums[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
+    for (int m = 0; m < MB; ++m) sums[m * R + r] = acc_sum(acc[r][m]);
+}
+
+// dot_block for mb (1..MB) input rows.
+template <typename T, int R, int MB>
+inline void dot_rows(int64_t mb, const T* w, const T* x, int64_t K, float* sums) {
+  if constexpr (MB > 1) {
+    if (mb < MB) return dot_rows<T, R, MB - 1>(mb, w, x, K, sums);
+  }
+  dot_block<T, R, MB>(w, x, K, sums);
 }
 
 // Outputs n .. n+R-1 of every input row.
 template <typename T, int R>
 inline void output_rows(const T* w, const T* x, const T* bias, T* out, int64_t n, int64_t M, int64_t N, int64_t K) {
-  float sums[R * 4];
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const int64_t mb = std::min<int64_t>(4, M - m0);
-    const T* xm = x + m0 * K;
-    switch (mb) {
-      case 4: dot_block<T, R, 4>(w, xm, K, sums); break;
-      case 3: dot_block<T, R, 3>(w, xm, K, sums); break;
-      case 2: dot_block<T, R, 2>(w, xm, K, sums); break;
-      default: dot_block<T, R, 1>(w, xm, K, sums); break;
-    }
+  float sums[R * kXRows];
+  for (int64_t m0 = 0; m0 < M; m0 += kXRows) {
+    const int64_t mb = std::min<int64_t>(kXRows, M - m0);
+    dot_rows<T, R, kXRows>(mb, w, x + m0 * K, K, sums);
     for (int64_t m = 0; m < mb; ++m)
       for (int r = 0; r < R; ++r) {
         float value = sums[m * R + r] + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
-        out[(m0 + m) * N + n + r] = T(value);  // bf16: rounded to nearest even once, as F.linear
+        out[(m0 + m) * N + n + r] = T(value);  // bf16, fp16: rounded to nearest even once, as F.linear
       }
   }
 }
 
-// out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), all contiguous; M at most a few rows.
+// out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), all contiguous; M at most a few rows; K * sizeof(T)
+// a multiple of kStepBytes.
 template <typename T>
 void linear_rows(const T* x, int64_t M, const T* w, int64_t N, int64_t K, const T* bias, T* out) {
   const int64_t blocks = N / kRows;
@@ -99,4 +208,4 @@ void linear_rows(const T* x, int64_t M, const T* w, int64_t N, int64_t K, const 
   for (int64_t n = blocks * kRows; n < N; ++n) output_rows<T, 1>(w + n * K, x, bias, out, n, M, N, K);
 }
 
-}  // namespace bloom_cpu
+BLOOM_CPU_END

@@ -1,5 +1,6 @@
-// The operator torch.ops.bloom_cpu.few_rows_linear: products of a few rows with a large weight
-// (the kernel itself, and why it is fast, is in few_rows.h).
+// The operator few_rows_linear (torch.ops.<BLOOM_OPS>.few_rows_linear, BLOOM_OPS naming the build:
+// bloom_avx512 or bloom_avx2): products of a few rows with a large weight (the kernel itself, and
+// why it is fast, is in few_rows.h).
 
 #include <torch/library.h>
 
@@ -28,7 +29,8 @@ at::Tensor few_rows_linear(const at::Tensor& input, const at::Tensor& w, const s
   const int64_t K = w.size(1), N = w.size(0), M = x.numel() / K;
   bloom_cpu::with_element_type(x.scalar_type(), "few_rows_linear", [&](auto zero) {
     using T = decltype(zero);
-    TORCH_CHECK(K * int64_t(sizeof(T)) % 64 == 0, "few_rows_linear: K must be a multiple of 64 bytes");
+    static_assert(bloom_cpu::kStepBytes == 64, "the message below");
+    TORCH_CHECK(K * int64_t(sizeof(T)) % bloom_cpu::kStepBytes == 0, "few_rows_linear: K must be a multiple of 64 bytes");
     linear_rows<T>(x.data_ptr<T>(), M, w.data_ptr<T>(), N, K, has_bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>());
   });
   return out;
@@ -36,12 +38,12 @@ at::Tensor few_rows_linear(const at::Tensor& input, const at::Tensor& w, const s
 
 }  // namespace
 
-// An operator (torch.ops.bloom_cpu.few_rows_linear), not a Python function, so torch.compile can
-// keep it in a graph as an external kernel; its shape function is registered from Python.
-TORCH_LIBRARY(bloom_cpu, m) {
+// An operator, not a Python function, so torch.compile can keep it in a graph as an external kernel;
+// its shape function is registered from Python. This file defines the library; the other two add to it.
+BLOOM_LIBRARY(BLOOM_OPS, m) {
   m.def("few_rows_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(bloom_cpu, CPU, m) {
+BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {
   m.impl("few_rows_linear", &few_rows_linear);
 }

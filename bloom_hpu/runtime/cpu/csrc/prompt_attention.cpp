@@ -1,4 +1,4 @@
-// A prefill's attention in one call (CPU, bf16 or fp32): every position of right-padded prompts
+// A prefill's attention in one call (CPU, bf16, fp16 or fp32): every position of right-padded prompts
 // writes its key and value to the cache and attends, straight from the query_key_value output.
 //
 // Op by op (model.py, Attention.prefill) the same attention is a dozen PyTorch calls per block:
@@ -28,6 +28,9 @@
 namespace {
 
 using bloom_cpu::load_first;
+using bloom_cpu::load16;
+using bloom_cpu::set16;
+using bloom_cpu::Vec16;
 
 constexpr int64_t kQueries = 4;  // queries per tile: 4 independent sums hide the FMA latency
 
@@ -35,68 +38,74 @@ inline int64_t whole_vectors(int64_t n) { return (n + 15) / 16 * 16; }
 
 // The tile's kQueries fp32 sums, one vector of 16 lanes per query, kept in registers.
 struct Sums {
-  __m512 q0 = _mm512_setzero_ps(), q1 = _mm512_setzero_ps(), q2 = _mm512_setzero_ps(), q3 = _mm512_setzero_ps();
+  Vec16 q0 = bloom_cpu::zero16(), q1 = bloom_cpu::zero16(), q2 = bloom_cpu::zero16(), q3 = bloom_cpu::zero16();
 
   // query r's sum += a_r * v, lane by lane
-  void add(__m512 a0, __m512 a1, __m512 a2, __m512 a3, __m512 v) {
-    q0 = _mm512_fmadd_ps(a0, v, q0), q1 = _mm512_fmadd_ps(a1, v, q1);
-    q2 = _mm512_fmadd_ps(a2, v, q2), q3 = _mm512_fmadd_ps(a3, v, q3);
+  void add(Vec16 a0, Vec16 a1, Vec16 a2, Vec16 a3, Vec16 v) {
+    q0 = bloom_cpu::fmadd(a0, v, q0), q1 = bloom_cpu::fmadd(a1, v, q1);
+    q2 = bloom_cpu::fmadd(a2, v, q2), q3 = bloom_cpu::fmadd(a3, v, q3);
   }
+#if defined(BLOOM_ISA_AVX512)
   // query r's sum += both products of the bf16 pair a_r (broadcast) with each lane's pair in v
   void add_pairs(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, __m512i v) {
     const __m512bh w = (__m512bh)v;
-    q0 = _mm512_dpbf16_ps(q0, (__m512bh)_mm512_set1_epi32(int(a0)), w);
-    q1 = _mm512_dpbf16_ps(q1, (__m512bh)_mm512_set1_epi32(int(a1)), w);
-    q2 = _mm512_dpbf16_ps(q2, (__m512bh)_mm512_set1_epi32(int(a2)), w);
-    q3 = _mm512_dpbf16_ps(q3, (__m512bh)_mm512_set1_epi32(int(a3)), w);
+    q0.v = _mm512_dpbf16_ps(q0.v, (__m512bh)_mm512_set1_epi32(int(a0)), w);
+    q1.v = _mm512_dpbf16_ps(q1.v, (__m512bh)_mm512_set1_epi32(int(a1)), w);
+    q2.v = _mm512_dpbf16_ps(q2.v, (__m512bh)_mm512_set1_epi32(int(a2)), w);
+    q3.v = _mm512_dpbf16_ps(q3.v, (__m512bh)_mm512_set1_epi32(int(a3)), w);
   }
-  __m512 operator[](int64_t r) const { return r == 0 ? q0 : r == 1 ? q1 : r == 2 ? q2 : q3; }
+#endif
+  // A copy of query r's sum. (Not a conditional expression over the members: that selects an
+  // lvalue, and GCC then keeps the sums in memory rather than in registers.)
+  Vec16 operator[](int64_t r) const {
+    switch (r) {
+      case 0: return q0;
+      case 1: return q1;
+      case 2: return q2;
+      default: return q3;
+    }
+  }
 };
 static_assert(kQueries == 4, "Sums keeps one vector per query");
 
 // One head's keys, values and a tile's queries, laid out for the tile products, and those
-// products, per dtype. The driver (attend_prompt_head) is the same for both.
+// products, per dtype. The driver (attend_prompt_head) is the same for all.
 //
-// fp32: keys copied key-minor ([D, keys]): a score vector is 16 keys, summed over d by FMAs of a
-// broadcast query element; the values are read where they are.
-// bf16: VDPBF16PS multiplies pairs of bf16 and adds both products into one fp32 lane, so every
-// operand is laid out in pairs along the summed dimension: keys as [D / 2, keys] pairs of
-// dimensions, values as [keys / 2, D] pairs of keys, queries and probabilities as pairs. Half the
-// instructions of the fp32 layout. (Products of two bf16 are exact in fp32, as in the FMA; the
-// sums differ from them by the order of additions only.)
+// By default (fp32 and fp16; bf16 on the AVX2 build): keys widened to fp32 and copied key-minor
+// ([D, keys]): a score vector is 16 keys, summed over d by FMAs of a broadcast query element
+// (queries widened to fp32 too); the values are read, and widened, where they are.
+// bf16 on the AVX-512 build: VDPBF16PS multiplies pairs of bf16 and adds both products into one
+// fp32 lane, so every operand is laid out in pairs along the summed dimension: keys as [D / 2,
+// keys] pairs of dimensions, values as [keys / 2, D] pairs of keys, queries and probabilities as
+// pairs. Half the instructions of the fp32 layout. (Products of two bf16 are exact in fp32, as in
+// the FMA; the sums differ from them by the order of additions only.)
 template <typename T>
-struct Tiles;
-
-template <>
-struct Tiles<float> {
-  std::vector<float> keys_t;   // [D, stride]; zero past the real keys
-  std::vector<float> queries;  // [kQueries, D]
-  const float* values = nullptr;  // the cache's [keys, D]
+struct Tiles {
+  std::vector<float> keys_t;   // [D, stride], fp32; zero past the real keys
+  std::vector<float> queries;  // [kQueries, D], fp32
+  const T* values = nullptr;      // the cache's [keys, D]
   const float* probs = nullptr;   // the driver's [kQueries, stride]
   int64_t D = 0, stride = 0;
 
-  void lay_out(const float* k_cache, const float* v_cache, int64_t length, int64_t stride_, int64_t D_) {
+  void lay_out(const T* k_cache, const T* v_cache, int64_t length, int64_t stride_, int64_t D_) {
     D = D_, stride = stride_, values = v_cache;
     keys_t.assign(D * stride, 0.0f);
     for (int64_t j = 0; j < length; ++j)
-      for (int64_t d = 0; d < D; ++d) keys_t[d * stride + j] = k_cache[j * D + d];
+      for (int64_t d = 0; d < D; ++d) keys_t[d * stride + j] = float(k_cache[j * D + d]);
     queries.resize(kQueries * D);
   }
 
   // Queries i0..i0 + rows - 1 (position i's at head + i * step); missing rows are zeros.
-  void take_queries(const float* head, int64_t step, int64_t i0, int64_t rows) {
+  void take_queries(const T* head, int64_t step, int64_t i0, int64_t rows) {
     std::fill(queries.begin(), queries.end(), 0.0f);
     for (int64_t r = 0; r < rows; ++r) std::copy(head + (i0 + r) * step, head + (i0 + r) * step + D, queries.data() + r * D);
   }
 
   // acc[r] = q_r . k_j for keys j0..j0 + 15.
   void scores(int64_t j0, Sums& acc) const {
-    const float* q = queries.data();
-    for (int64_t d = 0; d < D; ++d) {
-      const __m512 keys16 = _mm512_loadu_ps(keys_t.data() + d * stride + j0);
-      acc.add(_mm512_set1_ps(q[d]), _mm512_set1_ps(q[D + d]), _mm512_set1_ps(q[2 * D + d]), _mm512_set1_ps(q[3 * D + d]),
-              keys16);
-    }
+    const float *q0 = queries.data(), *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
+    for (int64_t d = 0; d < D; ++d)
+      acc.add(set16(q0[d]), set16(q1[d]), set16(q2[d]), set16(q3[d]), load16(keys_t.data() + d * stride + j0));
   }
 
   // The tile's probabilities [kQueries, stride], rounded to T, zero past each query's keys.
@@ -104,13 +113,13 @@ struct Tiles<float> {
 
   // acc[r] = sum_j probs_r[j] * values[j, c..c + width - 1] over keys j < n.
   void weighted_values(int64_t n, int64_t c, int64_t width, Sums& acc) const {
-    const float* p = probs;
+    const float *p0 = probs, *p1 = p0 + stride, *p2 = p1 + stride, *p3 = p2 + stride;
     for (int64_t j = 0; j < n; ++j)
-      acc.add(_mm512_set1_ps(p[j]), _mm512_set1_ps(p[stride + j]), _mm512_set1_ps(p[2 * stride + j]),
-              _mm512_set1_ps(p[3 * stride + j]), load_first(values + j * D + c, width));
+      acc.add(set16(p0[j]), set16(p1[j]), set16(p2[j]), set16(p3[j]), load_first(values + j * D + c, width));
   }
 };
 
+#if defined(BLOOM_ISA_AVX512)
 template <>
 struct Tiles<at::BFloat16> {
   std::vector<uint32_t> key_pairs;    // [ceil(D / 2), stride]: lane j holds (k[j, 2e], k[j, 2e + 1])
@@ -173,6 +182,7 @@ struct Tiles<at::BFloat16> {
                     _mm512_maskz_loadu_epi32(lanes, value_pairs.data() + m * D + c));
   }
 };
+#endif
 
 // Attention of queries first..length-1 of one (row, head) over its keys 0..length-1 (causal).
 // head: position 0's [q, k, v] of this head, position i's at head + i * step; k_cache/v_cache: this
@@ -189,7 +199,7 @@ void attend_prompt_head(const T* head, int64_t step, const T* k_cache, const T* 
   alibi_f.assign(stride, 0.0f);
   for (int64_t j = 0; j < length; ++j) alibi_f[j] = float(alibi[j]);
   probs.resize(kQueries * stride);
-  const __m512 norm = _mm512_set1_ps(inv_norm);
+  const Vec16 norm = set16(inv_norm);
   for (int64_t i0 = first; i0 < length; i0 += kQueries) {
     const int64_t rows = std::min(kQueries, length - i0), seen_by_last = i0 + rows;
     tiles.take_queries(head, step, i0, rows);
@@ -197,9 +207,9 @@ void attend_prompt_head(const T* head, int64_t step, const T* k_cache, const T* 
     for (int64_t j0 = 0; j0 < seen_by_last; j0 += 16) {
       Sums acc;
       tiles.scores(j0, acc);
-      const __m512 bias = _mm512_loadu_ps(alibi_f.data() + j0);
+      const Vec16 bias = load16(alibi_f.data() + j0);
       for (int64_t r = 0; r < kQueries; ++r)  // alibi + q.k / sqrt(D), rounded to T
-        _mm512_storeu_ps(probs.data() + r * stride + j0, bloom_cpu::round16<T>(_mm512_fmadd_ps(acc[r], norm, bias)));
+        bloom_cpu::store16(probs.data() + r * stride + j0, bloom_cpu::round16<T>(bloom_cpu::fmadd(acc[r], norm, bias)));
     }
     for (int64_t r = 0; r < kQueries; ++r) {
       float* row = probs.data() + r * stride;
@@ -276,11 +286,11 @@ at::Tensor prompt_attention(const at::Tensor& qkv_in, const at::Tensor& lengths_
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(bloom_cpu, m) {
+BLOOM_LIBRARY_FRAGMENT(BLOOM_OPS, m) {
   m.def("prompt_attention(Tensor qkv, Tensor lengths, Tensor(a!) keys, Tensor(b!) values, Tensor alibi, "
         "bool last_only) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(bloom_cpu, CPU, m) {
+BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {
   m.impl("prompt_attention", &prompt_attention);
 }
