@@ -196,9 +196,7 @@ class HpuBackend(Backend):
     def __init__(self, device: str = "hpu", use_graphs: bool = True, compile_steps: bool = False, cpu=None):
         late = hpu_env.set_defaults(use_graphs)
         if late:
-            raise DeviceError(f"Habana's bridge was imported before {', '.join(late)} were set; set them in "
-                              "the environment, or import bloom_hpu.runtime.hpu_env and call set_defaults() "
-                              "before importing torch")
+            raise DeviceError(hpu_env.late_message(late))
         try:
             import habana_frameworks.torch.core as htcore  # noqa: F401  (registers the hpu device)
             import habana_frameworks.torch.hpu as hthpu

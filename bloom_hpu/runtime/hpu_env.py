@@ -71,3 +71,9 @@ def set_defaults(use_graphs: bool = True) -> list[str]:
             if bridge_loaded() and key in required(use_graphs):
                 late.append(key)
     return late
+
+
+def late_message(late: list[str]) -> str:
+    """The one-line error for ``set_defaults``'s late keys."""
+    return (f"Habana's bridge was imported before {', '.join(late)} were set; set them in the environment, "
+            "or call bloom_hpu.runtime.hpu_env.set_defaults() before importing torch")
