@@ -12,9 +12,25 @@ import os
 import sys
 from pathlib import Path
 
+
+def set_hpu_environment(argv: list[str]) -> None:
+    """Habana's environment (bloom_hpu/runtime/hpu_env.py), before the first ``import torch``:
+    torch's device-backend autoload can import Habana's bridge, which reads it only then. Only
+    ``--use_graphs`` is needed from the command line here, so a small parser takes it alone."""
+    from bloom_hpu.runtime import hpu_env  # imports no torch
+
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--use_graphs", default="t")
+    known, _ = early.parse_known_args(argv)
+    hpu_env.set_defaults(use_graphs=known.use_graphs.strip().lower() not in ("f", "false", "0", "no", "n"))
+
+
 # Run as a script, this file's folder (the repository root) is first on sys.path: bloom_hpu/ and
-# generation/ import from the clone, installed or not. Light imports first; the rest when needed.
-from generation.options import parse_bool
+# generation/ import from the clone, installed or not. The HPU environment first, then torch (through
+# generation/); the rest when needed.
+set_hpu_environment(sys.argv[1:])
+
+from generation.options import parse_bool  # noqa: E402  (after the HPU environment)
 
 ROOT = Path(__file__).resolve().parent
 

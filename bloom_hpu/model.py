@@ -124,8 +124,8 @@ class Attention(nn.Module):
         """``masked_alibi`` [B*H, 1, W]: the ALiBi bias with unseen slots at the dtype's minimum."""
         q, k, v = self._split_heads(self.query_key_value(x))
         cache.write_at(layer, positions, k, v)
-        keys = cache.keys[layer, :, :, :window]
-        values = cache.values[layer, :, :, :window]
+        keys = cache.keys[layer][:, :, :window]
+        values = cache.values[layer][:, :, :window]
         return self.dense(self._attend(q, keys, values, masked_alibi))
 
 
@@ -194,11 +194,12 @@ class StaticBloom(nn.Module):
     def local_heads(self) -> int:
         return self.config.n_head // self.parallel.world_size
 
-    def allocate_cache(self, batch_size: int, length: int) -> KVCache:
+    def allocate_cache(self, batch_size: int, length: int, per_layer: bool = False) -> KVCache:
+        """``per_layer``: one cache tensor per layer, written whole (kv_cache.py; for HPU graphs)."""
         p = next(self.parameters())
         return KVCache.allocate(
             self.config.n_layer, batch_size, self.local_heads, length, self.config.head_dim,
-            self.slopes, p.dtype, p.device,
+            self.slopes, p.dtype, p.device, per_layer,
         )
 
     def lm_head(self, h):

@@ -238,7 +238,8 @@ def init_parallel(device: str | None = None, environ=None) -> Parallel:
     info = launch_info(environ)
     if info is None:
         return SINGLE
-    from .runtime.backends import HPU_ENV_DEFAULTS, DeviceError, default_device
+    from .runtime import hpu_env
+    from .runtime.backends import DeviceError, default_device
 
     kind = (device or default_device()).split(":")[0]
     if kind not in COLLECTIVE_BACKENDS:
@@ -251,10 +252,11 @@ def init_parallel(device: str | None = None, environ=None) -> Parallel:
                               f"{torch.cuda.device_count()} CUDA device(s)")
         torch.cuda.set_device(info.local_rank)
     else:
-        # Read by the Gaudi runtime when it loads: graphs may then hold collectives, and reductions
-        # run in a fixed order so every run gives the same tokens.
-        for key, value in HPU_ENV_DEFAULTS.items():
-            os.environ.setdefault(key, value)
+        # Read by the Gaudi runtime when it loads (bloom.py sets them before torch): graphs may then
+        # hold collectives, and reductions run in a fixed order so every run gives the same tokens.
+        late = hpu_env.set_defaults()
+        if late:
+            raise DeviceError(hpu_env.late_message(late))
         try:
             import habana_frameworks.torch.distributed.hccl  # noqa: F401  (registers the hccl backend)
         except ImportError as error:

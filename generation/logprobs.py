@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bloom_hpu.runtime.steps import step_input
+
 POSITIONS_PER_SLICE = 64  # positions whose [rows, slice, vocab] logits exist at once
 FP32_CHUNK_BYTES = 16 * 2**20  # fp32 logits converted at once: small enough to stay in the caches
 
@@ -73,7 +75,8 @@ def score_rows(runner, rows: list[list[int]], top_k: int = 0, length: int | None
     chosen, is_top, top_vals, top_idx = [], [], [], []
     for start in range(0, span - 1, POSITIONS_PER_SLICE):
         end = min(start + POSITIONS_PER_SLICE, span - 1)
-        logits = runner.logits(hidden[:, start:end])  # [R, S, V] in the model's dtype
+        # A slice of its own: a view at a new offset each time would be a new HPU graph per slice.
+        logits = runner.logits(step_input(hidden[:, start:end]))  # [R, S, V] in the model's dtype
         picked, top, vals, idx = _scores_of(logits.flatten(0, 1), target[:, start:end].flatten(), top_k)
         shape = logits.shape[:2]  # [R, S]
         chosen.append(picked.view(shape))

@@ -9,7 +9,9 @@ length we ask ``plan_shapes`` (the very function requests use) for its plan and 
 * one decode per (rows, K, window) for every window its steps can use.
 
 Running each once captures its graph (HPU/CUDA), compiles it (``torch.compile`` on CPU) and
-allocates its cache, so no request ever pays a first-time compile. Dynamic shapes
+allocates its cache, so no request ever pays a first-time compile. Its inputs are made exactly as
+the search loops make theirs (``steps.step_input``: fresh, contiguous tensors), because HPU graphs
+are keyed on strides, storage offsets and view-ness as well as shapes. Dynamic shapes
 (``static_shapes=false`` without buckets) have a new shape at every length and are not warmed up.
 """
 
@@ -19,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from bloom_hpu.runtime.steps import step_input
 
 from .batch import plan_shapes
 from .options import GenerationOptions
@@ -110,11 +114,12 @@ def warm_up(generator, options: GenerationOptions, prompts_per_batch: list[int] 
             if s.kind == "prefill":
                 ids = torch.full((s.rows, s.prompt_len), pad, dtype=torch.long, device=device)
                 lengths = torch.full((s.rows,), s.prompt_len, dtype=torch.long, device=device)
-                runner.prefill(ids, lengths, cache)
+                runner.prefill(step_input(ids), step_input(lengths), cache)
             else:
                 # Any in-window slot will do: requests overwrite every slot they attend before reading it.
-                zeros = torch.zeros(s.rows, dtype=torch.long, device=device)
-                runner.decode(zeros[:, None], zeros, cache, s.window)
+                tokens = torch.zeros(s.rows, 1, dtype=torch.long, device=device)
+                slots = torch.zeros(s.rows, dtype=torch.long, device=device)
+                runner.decode(step_input(tokens), step_input(slots), cache, s.window)
             bar.update()
         generator.backend.synchronize()
     return WarmupReport(time.perf_counter() - start, shapes)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import pytest
 
 from bloom_hpu.checkpoint import DEFAULT_MODEL, DEFAULT_WEIGHTS
@@ -72,3 +76,40 @@ def scoring_setup(make_ckpt):
 
     folder = make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7)
     return folder, Generator.from_pretrained(folder, device="cpu"), BloomForCausalLM.from_pretrained(folder).eval()
+
+
+HPU_ENV_PREFIXES = ("PT_HPU_", "PT_ENABLE_", "HCL_")
+HPU_STAND_IN = Path(__file__).resolve().parent / "hpu_stand_in"
+
+
+def _forget_habana() -> None:
+    for name in [n for n in sys.modules if n == "habana_frameworks" or n.startswith("habana_frameworks.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def hpu_stand_in(monkeypatch):
+    """Put the stand-in for Habana's bridge (tests/hpu_stand_in, see its README) on the import path
+    with a clean environment; returns a function that imports its root the way a real bridge would
+    be imported, and the HPU environment keys are restored afterwards.
+
+    Load weights before: torch notices a ``habana_frameworks`` module and changes how it moves
+    tensors. The bridge is forgotten again at the end, so no other test sees it."""
+    import importlib
+
+    def clear_environment():
+        for key in [k for k in os.environ if k.startswith(HPU_ENV_PREFIXES)]:
+            del os.environ[key]
+
+    for key in [k for k in os.environ if k.startswith(HPU_ENV_PREFIXES)]:
+        monkeypatch.delenv(key)  # put back when the test ends
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    _forget_habana()
+    monkeypatch.syspath_prepend(str(HPU_STAND_IN))
+
+    def bridge():
+        return importlib.import_module("habana_frameworks.torch")
+
+    yield bridge
+    _forget_habana()
+    clear_environment()  # what the test set; monkeypatch then restores the rest

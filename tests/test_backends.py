@@ -1,93 +1,21 @@
-"""The device backends. No Gaudi is reachable here, so the HPU backend runs against a stand-in
-for Habana's modules that records what it is asked to do; the properties it relies on (fixed
-memory per step, one step module per shape, a mark_step after each step) are checked on the CPU."""
+"""The device backends on the CPU. The HPU backend's own tests, against a stand-in for Habana's
+bridge, are in test_hpu.py."""
 
 from __future__ import annotations
-
-import sys
-import types
 
 import pytest
 import torch
 
-from bloom_hpu.runtime import backends
-from bloom_hpu.runtime.backends import Backend, DeviceError, HpuBackend, make_backend
+from bloom_hpu.runtime.backends import Backend, DeviceError, make_backend
 from bloom_hpu.loading import load_model
 from bloom_hpu.runtime.steps import StepRunner
 from generation.generator import Generator
-
-
-@pytest.fixture
-def fake_habana(monkeypatch):
-    """``install()`` puts a minimal ``habana_frameworks`` with the documented entry points in place,
-    and returns the record of calls. (Install after loading weights: torch itself notices a
-    ``habana_frameworks`` module and changes how it moves tensors.)"""
-    calls = {"mark_step": 0, "wrapped": [], "synchronize": 0}
-    root = types.ModuleType("habana_frameworks")
-    torch_mod = types.ModuleType("habana_frameworks.torch")
-    core = types.ModuleType("habana_frameworks.torch.core")
-    hpu = types.ModuleType("habana_frameworks.torch.hpu")
-
-    def mark_step():
-        calls["mark_step"] += 1
-
-    def wrap_in_hpu_graph(module):
-        calls["wrapped"].append(module)
-        return module
-
-    def synchronize():
-        calls["synchronize"] += 1
-
-    core.mark_step = mark_step
-    hpu.wrap_in_hpu_graph = wrap_in_hpu_graph
-    hpu.synchronize = synchronize
-    root.torch = torch_mod
-    torch_mod.core, torch_mod.hpu = core, hpu
-
-    def install():
-        for name, module in {
-            "habana_frameworks": root, "habana_frameworks.torch": torch_mod,
-            "habana_frameworks.torch.core": core, "habana_frameworks.torch.hpu": hpu,
-        }.items():
-            monkeypatch.setitem(sys.modules, name, module)
-        monkeypatch.setattr(backends, "hpu_available", lambda: True)
-        for key in backends.HPU_ENV_DEFAULTS:
-            monkeypatch.delenv(key, raising=False)
-        return calls
-
-    return install
 
 
 def generator_on(backend_factory, folder) -> Generator:
     model, _ = load_model(folder, device="cpu")
     tokenizer = Generator.from_pretrained(folder).tokenizer
     return Generator(model, tokenizer, StepRunner(model, backend_factory()), folder)
-
-
-def test_hpu_backend_wraps_each_step_once_and_marks_every_step(fake_habana, tiny_checkpoint):
-    import os
-
-    reference = Generator.from_pretrained(tiny_checkpoint)
-    generator = generator_on(Backend, tiny_checkpoint)
-    calls = fake_habana()
-    assert backends.default_device() == "hpu"
-    hpu = generator.runner.backend = HpuBackend(device="cpu")  # the stand-in runs on the CPU
-    assert os.environ["PT_HPU_ENABLE_LAZY_COLLECTIVES"] == "true"
-    prompts = ["It was the best of times", "Hi"]
-    out = [generator.generate(p, max_length=20)[0].token_ids for p in prompts]
-    steps = sum(20 - len(generator.tokenizer.encode(p)) for p in prompts)  # prefill + decodes
-    assert calls["mark_step"] == steps
-    assert len(calls["wrapped"]) == 2  # one prefill and one decode module, reused by both
-    assert hpu.graph_count() == 2
-    assert out == [reference.generate(p, max_length=20)[0].token_ids for p in prompts]
-
-
-def test_hpu_without_graphs_wraps_nothing(fake_habana, tiny_checkpoint):
-    generator = generator_on(Backend, tiny_checkpoint)
-    calls = fake_habana()
-    generator.runner.backend = HpuBackend(device="cpu", use_graphs=False)
-    generator.generate("Hello", max_length=12)
-    assert calls["wrapped"] == [] and calls["mark_step"] > 0
 
 
 def test_unavailable_devices_are_clear_errors(monkeypatch):
@@ -145,14 +73,3 @@ def test_cpu_prefill_stops_at_the_longest_prompt_with_the_same_results(dtype):
         a, b = runner.decode(tokens, positions, trimmed, 40), runner.decode(tokens, positions, full, 40)
         torch.testing.assert_close(a, b, **tolerance)
         tokens, positions = b.argmax(-1)[:, None], positions + 1
-
-
-def test_prefill_trimming_is_left_off_where_every_shape_is_a_graph(fake_habana):
-    """A Gaudi compiles a graph per shape, so its prefill keeps the static [B, P]; CPU and CUDA run
-    prefill eagerly and trim it (CUDA is only constructed here: nothing runs on it)."""
-    from bloom_hpu.config import BloomConfig
-    from bloom_hpu.model import StaticBloom
-
-    fake_habana()
-    for backend, trims in ((HpuBackend(device="hpu"), False), (Backend("cuda"), True), (Backend("cpu"), True)):
-        assert backend.trim_prefill is trims, backend.device

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from . import hpu_env
 from .cpu import CpuOptions, CpuPlan, accelerate
 
 
@@ -45,6 +46,9 @@ class Backend:
     """Eager execution with shape bookkeeping; the base of the other backends."""
 
     name = "cpu"
+    # The KV cache's layout for this backend (kv_cache.py): one 5-D tensor (False) or one tensor per
+    # layer written whole (True, for HPU graphs).
+    per_layer_cache = False
 
     def __init__(self, device: str = "cpu", use_graphs: bool = True, compile_steps: bool = False,
                  cpu: CpuOptions = CpuOptions()):
@@ -156,33 +160,70 @@ class CudaBackend(Backend):
         torch.cuda.synchronize(self.device)
 
 
-# Environment the Gaudi runtime reads at import time. Lazy collectives let HPU graphs capture steps
-# that contain all-reduces (tensor parallelism); in-order collectives make TP outputs deterministic.
-HPU_ENV_DEFAULTS = {
-    "PT_HPU_ENABLE_LAZY_COLLECTIVES": "true",
-    "HCL_USE_IN_ORDER_COLLECTIVE_GAUDI2": "1",
-}
+# Graphs each wrapped step may keep (Habana's ``max_graphs``). A step module serves one input
+# signature (steps.py makes one per cache and window), so it captures one graph; the bound only
+# keeps memory finite if some caller ever feeds a new input layout each call.
+HPU_MAX_GRAPHS = 4
+
+# The int64 product the sampling noise relies on (sampling.py: values < 2**31 times a multiplier
+# < 2**27); lazy mode without int64 support computes it in int32 and gets another number.
+_INT64_PROBE = ((1 << 31) - 1, 0x45D9F3B)
+
+
+def int64_is_exact(device: torch.device) -> bool:
+    a, b = _INT64_PROBE
+    product = torch.tensor([a], dtype=torch.long, device=device) * b
+    return int(product.cpu()[0]) == a * b
 
 
 class HpuBackend(Backend):
-    """Gaudi: steps wrapped in HPU graphs (one per input shape, cached by the runtime)."""
+    """Gaudi: steps wrapped in HPU graphs (one per input layout, cached by the bridge), each step
+    ended by ``mark_step``, following Habana's inference rules:
+
+    * the environment (``hpu_env``) is set before the bridge is imported; a bridge imported earlier
+      without it, or without lazy mode, is a ``DeviceError``;
+    * each step module gets inputs of one layout (fresh tensors, see the search loops), and the
+      cache is written whole with ``index_copy_`` (``KVCache(per_layer=True)``): HPU graphs do not
+      support in-place writes into views;
+    * under tensor parallelism the prefill runs without a graph (Habana's scripts skip the first
+      token's graph: on the 176B model its tensors would stay allocated), and each step keeps at
+      most ``HPU_MAX_GRAPHS`` graphs.
+    """
 
     name = "hpu"
+    per_layer_cache = True
 
     def __init__(self, device: str = "hpu", use_graphs: bool = True, compile_steps: bool = False, cpu=None):
-        for key, value in HPU_ENV_DEFAULTS.items():
-            os.environ.setdefault(key, value)
+        late = hpu_env.set_defaults(use_graphs)
+        if late:
+            raise DeviceError(hpu_env.late_message(late))
         try:
             import habana_frameworks.torch.core as htcore  # noqa: F401  (registers the hpu device)
             import habana_frameworks.torch.hpu as hthpu
         except ImportError as error:
             raise DeviceError(f"--device hpu was asked for, but Habana's PyTorch bridge is missing ({error})")
+        if use_graphs and not hasattr(hthpu, "wrap_in_hpu_graph"):
+            raise DeviceError("HPU graphs need lazy mode: Habana's bridge was imported without "
+                              f"PT_HPU_LAZY_MODE=1 (it is {os.environ.get('PT_HPU_LAZY_MODE')!r}); "
+                              "set it before starting, or run with --use_graphs f")
         super().__init__(device, use_graphs, compile_steps=False)
+        self.tensor_parallel = False  # set by prepare_model
         self._htcore = htcore
         self._hthpu = hthpu
 
+    def prepare_model(self, model) -> None:
+        """Once per model, its weights on the device. No CPU fast path here, even when a test runs
+        this backend on the CPU: a Gaudi runs the model's own operations."""
+        if not int64_is_exact(self.device):
+            raise DeviceError("int64 arithmetic on this HPU is computed as int32 (sampling would change); "
+                              "set PT_ENABLE_INT64_SUPPORT=1 before starting")
+        self.tensor_parallel = model.parallel.world_size > 1
+
     def prepare(self, step: torch.nn.Module) -> torch.nn.Module:
-        return self._hthpu.wrap_in_hpu_graph(step) if self.use_graphs else step
+        first_token = getattr(step, "runs_prompts", False)
+        if not self.use_graphs or (self.tensor_parallel and first_token):
+            return step
+        return self._hthpu.wrap_in_hpu_graph(step, max_graphs=HPU_MAX_GRAPHS)
 
     def run(self, name: str, step, *inputs: torch.Tensor):
         self.signatures.add(signature(name, step, inputs))

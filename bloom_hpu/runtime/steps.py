@@ -31,7 +31,20 @@ def real_span(input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return input_ids[:, : int(lengths.max())]
 
 
+def step_input(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a tensor of its own: contiguous, at offset 0 of its storage, not a view.
+
+    What the search loops and warm-up pass to every step. HPU graphs are cached on each input's
+    shape, dtype, strides, storage offset and view-ness, so ``slots[step]`` (a view at a new offset
+    each step) would capture a new graph every token, and a view in the real run against a plain
+    tensor in warm-up would make warm-up capture graphs the run never replays. A copy of a few
+    hundred bytes per step costs microseconds."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class PrefillStep(nn.Module):
+    runs_prompts = True  # the first token (HPU: no graph for it under tensor parallelism)
+
     def __init__(self, model: StaticBloom, cache: KVCache, backend: Backend, hidden_only: bool = False):
         super().__init__()
         self.model = model
@@ -95,7 +108,7 @@ class StepRunner:
         """The cache for this shape, allocated on first use and then reused."""
         key = (batch_size, length)
         if key not in self._caches:
-            self._caches[key] = self.model.allocate_cache(batch_size, length)
+            self._caches[key] = self.model.allocate_cache(batch_size, length, self.backend.per_layer_cache)
         return self._caches[key]
 
     def release_caches(self) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bloom_hpu.runtime.steps import StepRunner
+from bloom_hpu.runtime.steps import StepRunner, step_input
 
 from ..batch import Batch
 from .sampling import gumbel
@@ -120,7 +120,7 @@ def beam_search(
     stop_when_full = early_stopping is True
 
     cache = runner.cache(rows, k_len)
-    logits = runner.prefill_shared(batch.input_ids, batch.lengths, cache, n)  # each prompt once
+    logits = runner.prefill_shared(step_input(batch.input_ids), step_input(batch.lengths), cache, n)  # each prompt once
     steps_run = 0
     for step in range(batch.steps):
         positions = lengths + step  # [R] slot of the token chosen now
@@ -173,7 +173,8 @@ def beam_search(
             break
         slots = positions.clamp(max=k_len - 1)  # done prompts may run past their end
         if use_kv_cache:
-            logits = runner.decode(next_token.view(rows, 1), slots, cache, plan.window(step))
+            # Step inputs of one layout every step (steps.step_input): graph keys stay the same.
+            logits = runner.decode(step_input(next_token.view(rows, 1)), step_input(slots), cache, plan.window(step))
         else:
             logits = runner.prefill(sequence, (positions + 1).clamp(max=k_len), cache)
     return BeamOutput(finished.sequences, finished.new_tokens, finished.scores, steps_run)

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from bloom_hpu.runtime.steps import StepRunner
+from bloom_hpu.runtime.steps import StepRunner, step_input
 
 from ..batch import Batch
 
@@ -96,10 +96,10 @@ def run_token_loop(
 
     # Copies of one prompt (sampling's num_return_sequences) share its prefill.
     c = batch.copies
-    logits = runner.prefill_shared(batch.input_ids[::c], batch.lengths[::c], cache, c)
+    logits = runner.prefill_shared(step_input(batch.input_ids[::c]), step_input(batch.lengths[::c]), cache, c)
     steps_run = 0
     for step in range(batch.steps):
-        slot = slots[step]
+        slot = step_input(slots[step])  # [B], its own tensor: the decode step's graph key never changes
         running = finish == RUNNING
         token = torch.where(running, choose(logits.float(), LoopState(sequence, batch.lengths, slot, step)), pad_token_id)
         out[step] = token
@@ -120,7 +120,7 @@ def run_token_loop(
             if bool((finish != RUNNING).all()):
                 break
         if use_kv_cache:
-            logits = runner.decode(token[:, None], slot, cache, plan.window(step))
+            logits = runner.decode(step_input(token[:, None]), slot, cache, plan.window(step))
         else:
             # Recompute the whole sequence (the recipe switch use_kv_cache=false).
             logits = runner.prefill(sequence, slot + 1, cache)

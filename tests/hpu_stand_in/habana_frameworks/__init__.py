@@ -1,0 +1,1 @@
+"""Test stand-in for Habana's ``habana_frameworks`` package (see ../README.md)."""
