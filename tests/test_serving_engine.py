@@ -80,6 +80,18 @@ def test_mixed_load_equals_each_request_alone(generator, engine):
     for i, (prompt, params) in enumerate(cases):
         assert results[i] == alone(generator, prompt, params), (i, prompt, params)
     assert engine.running_rows == 0 and engine.queue_length == 0
+    # The load really shared steps, and rows moved down and buckets changed as rows left.
+    assert engine.stats["peak_rows"] > 1 and engine.stats["row_moves"] > 0 and engine.stats["bucket_changes"] > 1
+
+
+def test_openai_penalties(generator, engine):
+    ids = generator.tokenizer.encode("the cat")
+    plain = engine.submit(ids, SamplingParams(max_tokens=24)).result(60)[0].token_ids
+    neutral = engine.submit(ids, SamplingParams(max_tokens=24, presence_penalty=0.0, frequency_penalty=0.0,
+                                                repetition_penalty=1.0)).result(60)[0].token_ids
+    penalised = engine.submit(ids, SamplingParams(max_tokens=24, frequency_penalty=2.0, presence_penalty=1.0)).result(60)[0].token_ids
+    assert neutral == plain and penalised != plain
+    assert len(set(penalised)) > len(set(plain))  # fewer repeats
 
 
 def test_stream_events_join_to_the_result(generator, engine):

@@ -174,6 +174,9 @@ class Engine:
         self.ready = threading.Event()
         self.warmup_report: dict | None = None
         self.tokens_total = 0
+        # What the scheduler did, for tests and the benchmark: most rows at once, rows moved to
+        # lower slots, batch-bucket changes.
+        self.stats = {"peak_rows": 0, "row_moves": 0, "bucket_changes": 0}
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -287,16 +290,23 @@ class Engine:
         if flags.openai_penalties:
             running = torch.tensor([r is not None for r in rows], dtype=torch.float32, device=self.device)
             self.opts.counts[:b].scatter_add_(1, tokens[:, None], running[:, None])
-        scores = token_logprobs(logits, tokens, flags.logprobs) if flags.logprobs is not None else None
-        host_tokens = tokens.tolist()  # the step's one host sync
-        host_scores = [t.tolist() for t in scores] if scores is not None else None
+        if flags.logprobs is None:
+            host = [[t] for t in tokens.tolist()]  # the step's one host sync
+        else:
+            # Tokens and log-probs in one transfer: [b, 2 + 2k] float64 (ids < 2**53 stay exact).
+            chosen, values, ids = token_logprobs(logits, tokens, flags.logprobs)
+            host = torch.cat([tokens[:, None].double(), chosen[:, None].double(), values.double(), ids.double()],
+                             dim=1).tolist()
+        k = flags.logprobs or 0
         now = time.perf_counter()
         for i in live:
+            token = int(host[i][0])
             lp = None
-            if host_scores is not None:
-                chosen, values, ids = host_scores
-                lp = TokenLogprob(host_tokens[i], chosen[i], list(zip(ids[i], values[i])))
-            self._advance(i, host_tokens[i], lp, now)
+            if flags.logprobs is not None:
+                top = [(int(t), v) for t, v in zip(host[i][2 + k :], host[i][2 : 2 + k])]
+                lp = TokenLogprob(token, host[i][1], top)
+            self._advance(i, token, lp, now)
+        self.stats["peak_rows"] = max(self.stats["peak_rows"], len(live))
         self.tokens_total += len(live)
         self.metrics.tokens(len(live))
         self._compact()
@@ -479,6 +489,7 @@ class Engine:
                 t[:, dst, :, :extent].copy_(t[:, src, :, :extent])
             self.opts.move_row(src, dst)
             self.rows[dst], self.rows[src] = self.rows[src], None
+            self.stats["row_moves"] += 1
             live = [i for i, r in enumerate(self.rows) if r is not None]
         self._resize(target)
 
@@ -491,4 +502,5 @@ class Engine:
             old, new = self.caches[self.bucket], self.caches[bucket]
             for mine, theirs in ((new.keys, old.keys), (new.values, old.values)):
                 mine[:, :rows, :, :extent].copy_(theirs[:, :rows, :, :extent])
+            self.stats["bucket_changes"] += 1
         self.bucket = bucket
