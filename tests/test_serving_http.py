@@ -263,3 +263,46 @@ def engine_params():
     from generation.serving.params import SamplingParams
 
     return SamplingParams(max_tokens=1)
+
+
+def test_chat_prompt_with_and_without_a_template():
+    from generation.serving.openai_format import TURN_STOPS, chat_prompt
+
+    class Plain:
+        config = {}
+
+    class Templated:
+        config = {"chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}{% endfor %}"
+                                   "{% if add_generation_prompt %}<assistant>{% endif %}", "eos_token": "</s>"}
+
+    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+    assert chat_prompt(messages, Plain()) == ("System: S\nUser: U\nAssistant:", TURN_STOPS)
+    assert chat_prompt(messages, Templated()) == ("<system>S</s><user>U</s><assistant>", [])
+
+
+def test_cli_serve(tmp_path):
+    """./bloom.py --serve on the embedded default: /health turns 200 after warm-up, a completion
+    answers, and the process ends on SIGINT."""
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "bloom.py", "--serve", "--port", str(port), "--max_length", "32",
+                             "--max_batch", "2", "--bucket_width", "16"], stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):
+            try:
+                if raw(port, "GET", "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+        status, data = raw(port, "POST", "/v1/completions", b'{"prompt": "hello", "max_tokens": 3, "temperature": 0}')
+        assert status == 200 and len(json.loads(data)["choices"]) == 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+    log = proc.stderr.read()
+    assert "warm-up: 2 prefill and 4 decode shapes" in log, log
