@@ -239,14 +239,15 @@ class Engine:
             self.warm_up()
         self.ready.set()
         while not self._stopping.is_set():
+            # Cleared before looking for work: a submit after this point wakes the wait below.
+            self._wake.clear()
             try:
                 busy = self.step()
             except Exception as error:  # never let one bad step end the server
                 self._fail_all(f"internal error: {error!r}")
                 busy = False
             if not busy:
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
+                self._wake.wait(timeout=0.5)
 
     # --- warm-up --------------------------------------------------------------------------------
 
