@@ -61,8 +61,9 @@ class Answer:
                     self.handles.append(engine.submit(ids, params, sink(p)))
         except EngineError as error:
             self.cancel()
+            param = "messages" if completion.chat and error.param == "prompt" else error.param
             raise bad_request(f"prompt {len(self.handles) + 1}: {error}" if len(self.prompt_ids) > 1 else str(error),
-                              "prompt" if not completion.chat else "messages") from None
+                              param) from None
         except QueueFull as error:
             self.cancel()
             raise ApiError(503, str(error), "server_error", None, "queue_full") from None

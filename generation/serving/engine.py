@@ -51,7 +51,12 @@ from .row_options import RowFlags, RowOptions, choose_tokens, token_logprobs
 
 
 class EngineError(ValueError):
-    """A request the engine cannot take (prompt too long, too many rows...); message for the user."""
+    """A request the engine cannot take (prompt too long, too many rows...); message for the user,
+    ``param`` the request field it is about."""
+
+    def __init__(self, message: str, param: str = "prompt"):
+        super().__init__(message)
+        self.param = param
 
 
 class QueueFull(Exception):
@@ -188,9 +193,9 @@ class Engine:
         self._check(prompt_ids)
         if params.rows > self.config.max_batch:
             raise EngineError(f"n={params.n} sampled choices need {params.rows} rows; "
-                              f"the server runs at most {self.config.max_batch} (--max_batch)")
+                              f"the server runs at most {self.config.max_batch} (--max_batch)", "n")
         if params.max_tokens < 1:
-            raise EngineError("max_tokens must be at least 1")
+            raise EngineError("max_tokens must be at least 1", "max_tokens")
         return self._enqueue(RequestHandle(list(prompt_ids), params, sink))
 
     def submit_offline(self, request, prompt_ids: list[list[int]], sink=None) -> RequestHandle:

@@ -24,6 +24,7 @@ SERVING_KEYS = ("stream", "stream_options", "presence_penalty", "frequency_penal
 # message, then "Assistant:"; generation stops where the model starts the next turn.
 DEFAULT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 TURN_STOPS = ["\nUser:", "\nSystem:"]
+CHAT_MAX_TOKENS = 1 << 30
 
 
 class ApiError(Exception):
@@ -173,7 +174,8 @@ def parse_chat(body, model: str, tokenizer) -> Completion:
                        if k not in ("messages", "max_completion_tokens", "logprobs", "top_logprobs")}
     completion_body["prompt"] = prompt
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    completion_body["max_tokens"] = 64 if max_tokens is None else max_tokens
+    # No max_tokens: the rest of the server's max_length (the engine caps every budget at it).
+    completion_body["max_tokens"] = CHAT_MAX_TOKENS if max_tokens is None else max_tokens
     user_stops = body.get("stop")
     if isinstance(user_stops, str):
         user_stops = [user_stops]
