@@ -113,7 +113,10 @@ class RequestHandle:
         self.sequences: dict[int, object] = {}  # choice index -> finished Sequence
 
     def emit(self, event: Event) -> None:
-        self._sink(event)
+        try:
+            self._sink(event)
+        except Exception:  # a consumer that is gone (e.g. its event loop closed): stop its rows
+            self.cancel()
 
     def cancel(self) -> None:
         self.cancelled.set()
