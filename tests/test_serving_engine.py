@@ -125,3 +125,24 @@ def test_rejects_what_cannot_run(generator, engine):
         engine.submit([5], SamplingParams(temperature=1.0, n=5))
     with pytest.raises(EngineError, match="empty"):
         engine.submit([], SamplingParams())
+
+
+def test_a_failing_request_fails_alone(generator, engine, monkeypatch):
+    real = engine.runner
+
+    class Flaky:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def prefill(self, ids, lengths, cache):
+            if int(lengths[0]) == 7:
+                raise RuntimeError("boom")
+            return real.prefill(ids, lengths, cache)
+
+    monkeypatch.setattr(engine, "runner", Flaky())
+    ok = engine.submit([5] * 3, SamplingParams(max_tokens=5))
+    bad = engine.submit([5] * 7, SamplingParams(max_tokens=5))
+    with pytest.raises(EngineError, match="boom"):
+        bad.result(60)
+    [sequence] = ok.result(60)
+    assert 1 <= len(sequence.token_ids) <= 5 and engine.running_rows == 0

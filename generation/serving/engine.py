@@ -366,7 +366,11 @@ class Engine:
             if len(free) < handle.params.rows:
                 break
             self.waiting.popleft()
-            self._join(handle, free[: handle.params.rows])
+            try:
+                self._join(handle, free[: handle.params.rows])
+            except Exception as error:  # this request fails alone; the running rows go on
+                self.rows = [None if r is not None and r.handle is handle else r for r in self.rows]
+                handle.emit(Event("error", message=f"internal error: {error!r}"))
         return ran
 
     def _join(self, handle: RequestHandle, slots: list[int]) -> None:
