@@ -289,15 +289,15 @@ class Engine:
             return ran_offline
         b = self.bucket
         rows = self.rows[:b]
-        used = torch.tensor([r.prompt_len + len(r.ids) if r else 0 for r in rows], device=self.device)
-        steps = torch.tensor([len(r.ids) if r else 0 for r in rows], device=self.device)
+        used, steps = self._upload([r.prompt_len + len(r.ids) if r else 0 for r in rows],
+                                   [len(r.ids) if r else 0 for r in rows])
         flags = RowFlags([self.rows[i].handle.params for i in live])
         logits = self.logits[:b]
         tokens = choose_tokens(logits, self.opts, b, used, steps, flags)  # [b]
         if flags.repetition:
             self.opts.sequence[:b].scatter_(1, used.clamp(max=self.config.max_length - 1)[:, None], tokens[:, None])
         if flags.openai_penalties:
-            running = torch.tensor([r is not None for r in rows], dtype=torch.float32, device=self.device)
+            running = (used > 0).float()  # free rows hold nothing
             self.opts.counts[:b].scatter_add_(1, tokens[:, None], running[:, None])
         if flags.logprobs is None:
             host = [[t] for t in tokens.tolist()]  # the step's one host sync
@@ -331,9 +331,18 @@ class Engine:
         positions = [r.prompt_len + len(r.ids) - 1 if r else 0 for r in rows]
         tokens = [r.ids[-1] if r else self.pad for r in rows]
         window = self._length_bucket(max(positions) + 1)
-        out = self.runner.decode(torch.tensor(tokens, device=self.device)[:, None],
-                                 torch.tensor(positions, device=self.device), self.caches[self.bucket], window)
+        tokens, positions = self._upload(tokens, positions)
+        out = self.runner.decode(tokens[:, None], positions, self.caches[self.bucket], window)
         self.logits[: self.bucket].copy_(out)
+
+    def _upload(self, *columns: list[int]) -> list[torch.Tensor]:
+        """Host ints -> device [n] long tensors without a host sync: a plain
+        ``torch.tensor(..., device=)`` waits for the device's queue, an asynchronous copy from pinned
+        memory does not (PyTorch's pinned-memory allocator keeps the buffer until the copy has read it)."""
+        host = torch.tensor(columns, dtype=torch.long)
+        if self.device.type == "cpu":
+            return list(host)
+        return list(host.pin_memory().to(self.device, non_blocking=True))
 
     def _length_bucket(self, needed: int) -> int:
         return next(n for n in self.lengths if n >= needed)
@@ -379,10 +388,9 @@ class Engine:
         self._resize(self._batch_bucket(max(occupied) + 1))
         length = len(ids)
         p = self._length_bucket(length)
-        padded = torch.full((1, p), self.pad, dtype=torch.long)
-        padded[0, :length] = torch.tensor(ids, dtype=torch.long)
-        logits = self.runner.prefill(padded.to(self.device), torch.tensor([length], device=self.device),
-                                     self.prefill_cache)  # [1, V]
+        [padded] = self._upload(ids + [self.pad] * (p - length))
+        [lengths] = self._upload([length])
+        logits = self.runner.prefill(padded[None], lengths, self.prefill_cache)  # [1, V]
         if params.sampling:
             # The keys Generator.generate gives this prompt alone: the same seed samples the same text.
             keys = row_keys([ids], resolve_seed(params.seed), params.rows, "cpu").tolist()
@@ -394,7 +402,7 @@ class Engine:
             for mine, theirs in ((cache.keys, self.prefill_cache.keys), (cache.values, self.prefill_cache.values)):
                 mine[:, slot, :, :length].copy_(theirs[:, 0, :, :length])
             self.logits[slot].copy_(logits[0])
-            self.opts.set_row(slot, params, keys[copy], ids)
+            self.opts.set_row(slot, params, keys[copy], padded[:length])
             indices = [copy] if params.sampling else list(range(params.n))
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             self.rows[slot] = _Row(handle, indices, length, limit, decoder=decoder)

@@ -41,8 +41,9 @@ class RowOptions:
         self._tensors = [self.temperature, self.top_p, self.top_k, self.repetition, self.presence,
                          self.frequency, self.keys, self.sequence, self.counts]
 
-    def set_row(self, slot: int, params, key: int, prompt_ids: list[int]) -> None:
-        """A new request's row (host values written once, at admission)."""
+    def set_row(self, slot: int, params, key: int, prompt: torch.Tensor) -> None:
+        """A new request's row (host values written once, at admission; ``prompt`` [L] its ids,
+        already on the device)."""
         self.temperature[slot] = params.temperature
         self.top_p[slot] = params.top_p
         self.top_k[slot] = params.top_k
@@ -51,7 +52,7 @@ class RowOptions:
         self.frequency[slot] = params.frequency_penalty
         self.keys[slot] = key
         self.sequence[slot].fill_(self.pad_token_id)
-        self.sequence[slot, : len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long)
+        self.sequence[slot, : prompt.shape[0]] = prompt
         self.counts[slot].zero_()
 
     def move_row(self, src: int, dst: int) -> None:
