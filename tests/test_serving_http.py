@@ -108,6 +108,15 @@ def test_stream_joins_to_the_whole_answer(client):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    # Log-probs stream too: their tokens and offsets add up to the whole answer's.
+    whole = client.completions.create(model="bloom-tiny", prompt="it was the", max_tokens=20, temperature=0,
+                                      logprobs=1, stop=["and"])
+    parts = [c.choices[0].logprobs for c in client.completions.create(
+        model="bloom-tiny", prompt="it was the", max_tokens=20, temperature=0, logprobs=1, stop=["and"], stream=True)
+        if c.choices and c.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == whole.choices[0].logprobs.tokens
+    assert [o for p in parts for o in p.text_offset] == whole.choices[0].logprobs.text_offset
+    assert [v for p in parts for v in p.token_logprobs] == whole.choices[0].logprobs.token_logprobs
 
 
 def test_chat(client):

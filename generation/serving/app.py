@@ -198,14 +198,17 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
         c = answer.completion
         rid, kind = new_id(c.chat), "chat.completion.chunk" if c.chat else "text_completion"
         usage, ended = _zero_usage(), 0
+        given: dict[int, int] = {}  # characters of each choice's completion sent so far (text_offset)
+        sent: dict[int, list[int]] = {}  # token ids of each choice sent so far
 
         def chunk(index, text="", finish=None, token_ids=(), lps=None):
             if c.chat:
                 delta = {"content": text} if text else {}
-                logprobs = chat_logprobs(text_of, list(token_ids), lps, text) if lps else None
+                logprobs = chat_logprobs(text_of, list(token_ids), lps, text, sent.get(index, [])) if lps else None
                 choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                logprobs = completion_logprobs(text_of, list(token_ids), lps, text) if lps else None
+                logprobs = completion_logprobs(text_of, list(token_ids), lps, text, given.get(index, 0),
+                                               sent.get(index, [])) if lps else None
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
             return sse(envelope(kind, rid, model_name, [choice]))
 
@@ -222,6 +225,8 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
                 index = p * n_of(c) + event.index
                 if event.kind == "delta":
                     yield chunk(index, event.text, None, event.token_ids, event.logprobs)
+                    given[index] = given.get(index, 0) + len(event.text)
+                    sent.setdefault(index, []).extend(event.token_ids)
                 elif event.kind == "finish":
                     yield chunk(index, "", OPENAI_FINISH[event.finish_reason])
                 elif event.kind == "done":

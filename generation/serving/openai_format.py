@@ -197,9 +197,18 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list, text: str, start: int = 0) -> dict:
-    """The legacy completions' logprobs object of generated tokens (engine path)."""
-    pieces = _clip(text_of.pieces(token_ids), len(text))
+def token_pieces(text_of: TokenText, token_ids: list[int], text: str, before: list[int] = ()) -> list[str]:
+    """The text each of ``token_ids`` adds after the ids ``before`` it (a stream's earlier chunks:
+    a UTF-8 character may straddle two chunks), cut to ``text`` (a stop string may start inside the
+    last token)."""
+    return _clip(text_of.pieces(list(before) + list(token_ids))[len(before):], len(text))
+
+
+def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list, text: str, start: int = 0,
+                        before: list[int] = ()) -> dict:
+    """The legacy completions' logprobs object of generated tokens (engine path); ``start``: where
+    ``text`` begins in the choice's text."""
+    pieces = token_pieces(text_of, token_ids, text, before)
     top = []
     for lp in logprobs:
         alternatives = {text_of.label(i): v for i, v in lp.top}
@@ -209,8 +218,8 @@ def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list
             "text_offset": offsets_of(pieces, start)}
 
 
-def chat_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list, text: str) -> dict:
-    pieces = _clip(text_of.pieces(token_ids), len(text))
+def chat_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list, text: str, before: list[int] = ()) -> dict:
+    pieces = token_pieces(text_of, token_ids, text, before)
 
     def entry(token_id, value, piece=None):
         label = piece if piece is not None else text_of.label(token_id)
