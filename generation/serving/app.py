@@ -47,7 +47,7 @@ class Answer:
         self.handles = []
         request = completion.request
         tokenizer = engine.tokenizer
-        self.prompt_ids = tokenizer.encode_batch(request.prompts)
+        self.prompt_ids = completion.prompt_ids or tokenizer.encode_batch(request.prompts)
 
         def sink(prompt: int):
             return lambda event: loop.call_soon_threadsafe(self.events.put_nowait, (prompt, event))
@@ -127,7 +127,7 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        completion = parse_completion(await read_json(request), model_name)
+        completion = parse_completion(await read_json(request), model_name, engine.tokenizer)
         return await respond(request, completion)
 
     @app.post("/v1/chat/completions")

@@ -54,6 +54,7 @@ class Completion:
     frequency_penalty: float = 0.0
     chat: bool = False
     chat_logprobs: int | None = None  # chat: top_logprobs when logprobs is true
+    prompt_ids: list[list[int]] | None = None  # prompts given as token ids
     extra_stops: list[str] = field(default_factory=list)
 
     @property
@@ -90,7 +91,28 @@ def _number(body: dict, name: str, low: float, high: float) -> float:
     return float(value)
 
 
-def parse_completion(body, model: str) -> Completion:
+def _is_id(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def token_prompts(prompt, tokenizer) -> list[list[int]] | None:
+    """A prompt given as token ids (a list of ints, or a list of such lists, as OpenAI allows and
+    lm-eval sends), checked against the vocabulary; None for text prompts."""
+    if not isinstance(prompt, list) or not prompt:
+        return None
+    if all(_is_id(x) for x in prompt):
+        prompts = [prompt]
+    elif all(isinstance(p, list) and p and all(_is_id(x) for x in p) for p in prompt):
+        prompts = prompt
+    else:
+        return None
+    vocab = tokenizer.vocab_size
+    if any(not 0 <= x < vocab for p in prompts for x in p):
+        raise bad_request(f"prompt token ids must be between 0 and {vocab - 1}", "prompt")
+    return prompts
+
+
+def parse_completion(body, model: str, tokenizer=None) -> Completion:
     if not isinstance(body, dict):
         raise bad_request(f"the body must be a JSON object, got {type(body).__name__}")
     check_model(body, model)
@@ -106,6 +128,10 @@ def parse_completion(body, model: str) -> Completion:
     presence = _number(body, "presence_penalty", -2.0, 2.0)
     frequency = _number(body, "frequency_penalty", -2.0, 2.0)
     rest = {k: v for k, v in body.items() if k not in SERVING_KEYS}
+    ids = token_prompts(rest.get("prompt"), tokenizer) if tokenizer is not None else None
+    if ids is not None:
+        # The batch runner's parser checks text; the ids stay what is generated from and scored.
+        rest["prompt"] = [tokenizer.decode(p) or " " for p in ids]  # (ids of special tokens only: no text)
     for name in ("temperature", "top_p", "repetition_penalty"):
         value = rest.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value != value:
@@ -116,7 +142,8 @@ def parse_completion(body, model: str) -> Completion:
         request = parse_request(json.dumps(rest), 0)
     except (RequestError, ValueError, TypeError, OverflowError) as error:
         raise bad_request(str(error), _param_of(str(error), sorted(body, key=len, reverse=True))) from None
-    completion = Completion(request, stream, options.get("include_usage", False), presence, frequency)
+    request.prompt_ids = ids
+    completion = Completion(request, stream, options.get("include_usage", False), presence, frequency, prompt_ids=ids)
     if completion.offline and (presence or frequency):
         raise bad_request("presence_penalty and frequency_penalty work with greedy search and sampling "
                           "(not with beams, best_of > n, echo with logprobs or max_tokens 0)", "presence_penalty")
