@@ -400,9 +400,11 @@ class Engine:
         cache = self.caches[self.bucket]
         for copy, slot in enumerate(slots):
             for mine, theirs in ((cache.keys, self.prefill_cache.keys), (cache.values, self.prefill_cache.values)):
-                mine[:, slot, :, :length].copy_(theirs[:, 0, :, :length])
+                # The whole bucket, not the prompt's length: copies of a few shapes (a Gaudi compiles
+                # each new one); slots past the prompt are masked until the row writes them.
+                mine[:, slot, :, :p].copy_(theirs[:, 0, :, :p])
             self.logits[slot].copy_(logits[0])
-            self.opts.set_row(slot, params, keys[copy], padded[:length])
+            self.opts.set_row(slot, params, keys[copy], padded)
             indices = [copy] if params.sampling else list(range(params.n))
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             self.rows[slot] = _Row(handle, indices, length, limit, decoder=decoder)
@@ -491,9 +493,10 @@ class Engine:
     # --- slots and buckets ----------------------------------------------------------------------
 
     def _extent(self) -> int:
-        """Slots written so far by any running row (what a move must copy)."""
-        return min(self.config.max_length,
-                   max((r.prompt_len + len(r.ids) for r in self.rows if r is not None), default=0))
+        """Slots written so far by any running row (what a move must copy), rounded up to its
+        length bucket so that the copies keep a few shapes."""
+        written = max((r.prompt_len + len(r.ids) for r in self.rows if r is not None), default=0)
+        return self._length_bucket(written) if written else 0
 
     def _compact(self) -> None:
         """Keep running rows in the lowest slots, so the batch bucket can shrink as rows leave."""

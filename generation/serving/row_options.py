@@ -42,8 +42,9 @@ class RowOptions:
                          self.frequency, self.keys, self.sequence, self.counts]
 
     def set_row(self, slot: int, params, key: int, prompt: torch.Tensor) -> None:
-        """A new request's row (host values written once, at admission; ``prompt`` [L] its ids,
-        already on the device)."""
+        """A new request's row (host values written once, at admission; ``prompt`` [P] its ids
+        padded to their length bucket, already on the device: the penalties only read the slots
+        the row has filled)."""
         self.temperature[slot] = params.temperature
         self.top_p[slot] = params.top_p
         self.top_k[slot] = params.top_k
