@@ -37,6 +37,10 @@ class PrometheusMetrics(EngineMetrics):
         self.queue_length.set_function(lambda: engine.queue_length)
         self.running_rows.set_function(lambda: engine.running_rows)
         self.graphs.set_function(lambda: engine.generator.backend.graph_count())
+        for name, meaning in (("row_moves", "rows moved to a lower slot (compaction)"),
+                              ("bucket_changes", "changes of the batch bucket decode runs in")):
+            gauge = Gauge(f"bloom_{name}", meaning, registry=self.registry)
+            gauge.set_function(lambda name=name: engine.stats[name])
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
