@@ -91,6 +91,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor parallel runs: every rank prints (prefixed [rank r]) and writes its own "
                    "--output_file (name.rankR.json), not only rank 0")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    serving = p.add_argument_group("server (--serve: an OpenAI-compatible HTTP server, see docs/serving.md)")
+    serving.add_argument("--serve", action="store_true", help="answer /v1/completions and /v1/chat/completions over HTTP")
+    serving.add_argument("--host", default="127.0.0.1", help="--serve: address to listen on (default 127.0.0.1)")
+    serving.add_argument("--port", type=int, default=8000, help="--serve: port (default 8000)")
+    serving.add_argument("--max_batch", type=int, default=8, help="--serve: rows generating at once (default 8)")
+    serving.add_argument("--bucket_width", type=int, default=32,
+                         help="--serve: prompt and attention-window buckets, in tokens (default 32; 0: max_length only)")
+    serving.add_argument("--max_queue", type=int, default=256, help="--serve: requests waiting before 503 (default 256)")
+    serving.add_argument("--api_key", help="--serve: require 'Authorization: Bearer KEY' on /v1/ endpoints")
     return p
 
 
@@ -244,9 +253,29 @@ def run_file_job(args, opts) -> int:
     return 0
 
 
+def run_server(args, opts) -> int:
+    """--serve: warm up every bucket, then answer HTTP (generation/serving/)."""
+    if args.mode == "vanilla":
+        raise UsageError("--serve runs in --mode optimized only")
+    if PARALLEL.world_size > 1:
+        raise UsageError("--serve runs in one process for now (no tensor parallelism yet)")
+    if args.max_batch < 1 or args.bucket_width < 0 or args.max_queue < 1 or opts.max_length < 2:
+        raise UsageError("--max_batch and --max_queue must be >= 1, --bucket_width >= 0, --max_length >= 2")
+    from generation.serving.app import serve
+    from generation.serving.engine import EngineConfig
+
+    generator = make_generator(args, opts)
+    config = EngineConfig(max_batch=args.max_batch, max_length=opts.max_length, bucket_width=args.bucket_width,
+                          max_queue=args.max_queue)
+    serve(generator, config, args.host, args.port, args.api_key, log=log)
+    return 0
+
+
 def stream_prompts(args, generator, prompts, opts, writer) -> int:
     """--stream: each prompt, then its continuation piece by piece as it is generated; with
     --output_file each finished result is saved as without --stream."""
+    if args.mode == "vanilla":
+        raise UsageError("--stream runs in --mode optimized only")
     for prompt in prompts:
         finished = []
         print(prompt, end="", flush=True)
@@ -295,6 +324,8 @@ def run(args) -> int:
     check_flags(args)
     setup_parallel(args)
     opts = collect_options(args)
+    if args.serve:
+        return run_server(args, opts)
     if args.requests or args.eval:
         return run_file_job(args, opts)
     prompts = read_prompts(args)

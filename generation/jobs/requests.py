@@ -51,6 +51,9 @@ class Request:
     echo: bool
     stop: list[str]
     search: dict = field(default_factory=dict)  # GenerationOptions values of the search
+    # Token ids the caller gave instead of text (the server's token prompts; ``prompts`` then holds
+    # their decoding): a scoring-only request scores these very ids.
+    prompt_ids: list[list[int]] | None = None
 
     @property
     def key(self) -> str:

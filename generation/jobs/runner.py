@@ -160,7 +160,9 @@ def answer_batch(generator, batch: RequestBatch) -> tuple[list[dict], int]:
         prompt_ids = [res.prompt_token_ids for res in results]
         candidates = [res.sequences for res in results]
     else:  # echo with max_tokens 0: score the prompt, generate nothing
-        prompt_ids = generator.tokenizer.encode_batch(prompts)
+        given = [ids for r in requests for ids in (r.prompt_ids or [None] * len(r.prompts))]
+        prompt_ids = [ids if ids is not None else encoded
+                      for ids, encoded in zip(given, generator.tokenizer.encode_batch(prompts))]
         candidates = [[None] for _ in prompts]
 
     # One scoring pass over every candidate that needs log-probs (asked for, or to rank best_of).

@@ -1,0 +1,342 @@
+#!/usr/bin/env python3
+"""Serving benchmark: our server against a one-request-at-a-time transformers server and against
+the same requests as one offline ``--requests`` job, side by side on the same weights.
+
+* ``ours``          the continuous-batching engine behind the HTTP app (``generation/serving/``),
+                    warmed up before the first request
+* ``transformers``  what a user would write: ``BloomForCausalLM.generate`` behind the same HTTP
+                    surface, one request at a time (a lock), streaming one chunk per token
+* ``offline``       the same requests as one batch job (``jobs.runner.run_requests``): throughput
+                    only, no latencies (nothing streams)
+
+Load: closed loop (``--clients``: each client sends its next request when the last one ended) and
+open loop (``--rates``: Poisson arrivals at these requests/s), prompts of mixed lengths, greedy,
+``--max_tokens`` each. Every request streams; time to first token is from sending to the first
+chunk with text, inter-token latency the gaps between chunks, tokens the server's usage count.
+For ours it also prints the step shapes the load added after warm-up (should be 0).
+
+    python bench/serve_bench.py --config tiny --clients 1,4,16,32 --requests 64
+    OMP_NUM_THREADS=2 python bench/serve_bench.py --config bloom-560m --dtype bf16 --clients 1,4,16 \\
+        --requests 48 --max_tokens 32 --prompt_len 8,96 --max_length 160
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from fastapi import Request  # noqa: E402  (module level: the baseline's handler annotates with it)
+
+from bench.generate_bench import checkpoint_folder  # noqa: E402
+
+WORDS = ("the of and a to in is was it for on with as his that by at from her he said they an be this which "
+         "or had not but what all were when we there can more if no out so up into time only new some").split()
+
+
+@dataclass
+class Timing:
+    sent: float
+    chunks: list[float] = field(default_factory=list)  # arrival of each chunk with text
+    tokens: int = 0
+    done: float = 0.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_prompts(tokenizer, count: int, low: int, high: int, seed: int) -> list[str]:
+    """Prompts of random words, each cut to a token length drawn in [low, high]."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(count):
+        want = rng.randint(low, high)
+        ids = tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(want * 2)))[:want]
+        prompts.append(tokenizer.decode(ids))
+    return prompts
+
+
+def stream_request(port: int, body: dict) -> Timing:
+    timing = Timing(time.perf_counter())
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True,
+                                                              "stream_options": {"include_usage": True}}))
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"status {response.status}: {response.read()[:200]!r}")
+    for line in response:
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].strip()
+        if data == b"[DONE]":
+            break
+        chunk = json.loads(data)
+        if chunk.get("usage"):
+            timing.tokens = chunk["usage"]["completion_tokens"]
+        if any(c.get("text") for c in chunk.get("choices", [])):
+            timing.chunks.append(time.perf_counter())
+    timing.done = time.perf_counter()
+    conn.close()
+    return timing
+
+
+def closed_loop(port: int, bodies: list[dict], clients: int) -> tuple[list[Timing], float]:
+    todo, lock, timings = list(bodies), threading.Lock(), []
+
+    def client():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                body = todo.pop(0)
+            t = stream_request(port, body)
+            with lock:
+                timings.append(t)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return timings, time.perf_counter() - start
+
+
+def open_loop(port: int, bodies: list[dict], rate: float, seed: int) -> tuple[list[Timing], float]:
+    rng, timings, lock, threads = random.Random(seed), [], threading.Lock(), []
+
+    def one(body):
+        t = stream_request(port, body)
+        with lock:
+            timings.append(t)
+
+    start = time.perf_counter()
+    for body in bodies:
+        threads.append(threading.Thread(target=one, args=(body,)))
+        threads[-1].start()
+        time.sleep(rng.expovariate(rate))
+    for t in threads:
+        t.join()
+    return timings, time.perf_counter() - start
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def summarize(variant: str, load: str, timings: list[Timing], wall: float, new_shapes="") -> dict:
+    tokens = sum(t.tokens for t in timings)
+    ttft = [(t.chunks[0] - t.sent) * 1e3 for t in timings if t.chunks]
+    itl = [(b - a) * 1e3 for t in timings for a, b in zip(t.chunks, t.chunks[1:])]
+    return {"variant": variant, "load": load, "requests": len(timings), "tokens": tokens,
+            "tok_s": tokens / wall, "req_s": len(timings) / wall,
+            "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
+            "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99), "new_shapes": new_shapes}
+
+
+# --- the servers ----------------------------------------------------------------------------------
+
+
+def start_uvicorn(app, port: int):
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    return server, thread
+
+
+def ours(generator, args):
+    from generation.serving.app import make_app
+    from generation.serving.engine import Engine, EngineConfig
+
+    engine = Engine(generator, EngineConfig(max_batch=args.max_batch, max_length=args.max_length,
+                                            bucket_width=args.bucket_width))
+    engine.start()
+    engine.ready.wait()
+    port = free_port()
+    server, thread = start_uvicorn(make_app(engine, "bench"), port)
+    return port, lambda: (setattr(server, "should_exit", True), thread.join(10), engine.stop())
+
+
+def transformers_app(folder: Path, dtype: torch.dtype):
+    """One request at a time through ``generate``, streamed one chunk per token."""
+    import asyncio
+
+    import transformers
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+    from transformers.generation.streamers import BaseStreamer
+
+    transformers.logging.set_verbosity_error()
+    model = transformers.BloomForCausalLM.from_pretrained(folder, torch_dtype=dtype).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    lock = threading.Lock()
+    app = FastAPI()
+
+    class Tokens(BaseStreamer):
+        def __init__(self, emit):
+            self.emit, self.first = emit, True
+
+        def put(self, value):
+            if self.first:  # generate hands the prompt over first
+                self.first = False
+                return
+            self.emit(tokenizer.decode(value.reshape(-1).tolist()))
+
+        def end(self):
+            self.emit(None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = json.loads(await request.body())
+        loop, pieces = asyncio.get_running_loop(), asyncio.Queue()
+        emit = lambda x: loop.call_soon_threadsafe(pieces.put_nowait, x)  # noqa: E731
+        ids = tokenizer(body["prompt"], return_tensors="pt").input_ids
+
+        def work():
+            with lock, torch.no_grad():
+                model.generate(ids, max_new_tokens=body["max_tokens"], do_sample=False, streamer=Tokens(emit),
+                               pad_token_id=tokenizer.pad_token_id)
+
+        threading.Thread(target=work, daemon=True).start()
+
+        async def events():
+            count = 0
+            while (piece := await pieces.get()) is not None:
+                count += 1
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': piece or ' '}]})}\n\n"
+            yield f"data: {json.dumps({'choices': [], 'usage': {'completion_tokens': count}})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def baseline(folder, dtype):
+    port = free_port()
+    server, thread = start_uvicorn(transformers_app(folder, dtype), port)
+    return port, lambda: (setattr(server, "should_exit", True), thread.join(10))
+
+
+def offline_run(generator, bodies: list[dict], budget: int) -> dict:
+    from generation.jobs.runner import run_requests
+
+    with tempfile.TemporaryDirectory() as tmp:
+        requests, results = Path(tmp) / "in.jsonl", Path(tmp) / "out.jsonl"
+        requests.write_text("".join(json.dumps(b) + "\n" for b in bodies))
+        start = time.perf_counter()
+        run_requests(generator, requests, results, budget=budget, progress=False)
+        wall = time.perf_counter() - start
+        tokens = sum(json.loads(line)["result"]["usage"]["completion_tokens"] for line in results.read_text().splitlines())
+    nan = float("nan")
+    return {"variant": "offline", "load": "one job", "requests": len(bodies), "tokens": tokens, "tok_s": tokens / wall,
+            "req_s": len(bodies) / wall, "ttft_p50": nan, "ttft_p99": nan, "itl_p50": nan, "itl_p99": nan,
+            "new_shapes": ""}
+
+
+# --- main -------------------------------------------------------------------------------------------
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'variant':<13} {'load':<11} {'req':>4} {'tokens':>6} {'tok/s':>8} {'req/s':>7} " \
+           f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'new shapes':>10}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['variant']:<13} {r['load']:<11} {r['requests']:>4} {r['tokens']:>6} {r['tok_s']:>8.1f} "
+                     f"{r['req_s']:>7.2f} {r['ttft_p50']:>9.1f} {r['ttft_p99']:>9.1f} {r['itl_p50']:>8.2f} "
+                     f"{r['itl_p99']:>8.2f} {str(r['new_shapes']):>10}")
+    return "\n".join(lines) + "\n(times in ms)"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="tiny", help="tiny, a model shape of bench/generate_bench.py, or a checkpoint folder")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--max_length", type=int, default=128)
+    p.add_argument("--max_batch", type=int, default=32)
+    p.add_argument("--bucket_width", type=int, default=32)
+    p.add_argument("--clients", default="1,4,16,32", help="closed-loop client counts")
+    p.add_argument("--rates", default="", help="open-loop Poisson rates, requests/s (e.g. 2,8)")
+    p.add_argument("--requests", type=int, default=64, help="requests per load level")
+    p.add_argument("--prompt_len", default="8,64", help="prompt tokens: low,high")
+    p.add_argument("--max_tokens", type=int, default=32)
+    p.add_argument("--variants", default="ours,transformers,offline")
+    p.add_argument("--budget", type=int, default=8192, help="offline: tokens per batch (as --requests)")
+    p.add_argument("--threads", type=int, help="torch threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the rows here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from generation import Generator
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    folder = checkpoint_folder(args.config, dtype)
+    generator = Generator.from_pretrained(folder, dtype=args.dtype, device="cpu")
+    low, high = (int(x) for x in args.prompt_len.split(","))
+    high = min(high, args.max_length - args.max_tokens)
+    prompts = make_prompts(generator.tokenizer, args.requests, low, high, args.seed)
+    bodies = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": 0} for p in prompts]
+    loads = [("closed", int(c)) for c in args.clients.split(",") if c] + \
+            [("open", float(r)) for r in args.rates.split(",") if r]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    rows = []
+    for variant in variants:
+        if variant == "offline":
+            rows.append(offline_run(generator, bodies, args.budget))
+            continue
+        if variant == "ours":
+            port, stop = ours(generator, args)
+        elif variant == "transformers":
+            port, stop = baseline(folder, dtype)
+        else:
+            raise SystemExit(f"error: unknown variant {variant!r}")
+        try:
+            stream_request(port, bodies[0])  # one untimed request: connections, allocator
+            for kind, level in loads:
+                shapes_before = generator.backend.graph_count()
+                if kind == "closed":
+                    timings, wall = closed_loop(port, bodies, level)
+                    name = f"{level} clients"
+                else:
+                    timings, wall = open_loop(port, bodies, level, args.seed)
+                    name = f"{level:g} req/s"
+                new = generator.backend.graph_count() - shapes_before if variant == "ours" else ""
+                rows.append(summarize(variant, name, timings, wall, new))
+                print(table(rows[-1:]).splitlines()[2], flush=True)
+        finally:
+            stop()
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

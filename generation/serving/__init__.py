@@ -1,0 +1,2 @@
+"""Serving: the continuous-batching engine (slots, scheduler, per-row options; no HTTP) and the
+OpenAI-compatible HTTP app over it."""

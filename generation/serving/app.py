@@ -1,0 +1,290 @@
+"""The HTTP layer: OpenAI's completions and chat endpoints over the engine (FastAPI + uvicorn).
+
+Thin on purpose: read the body, check it (``openai_format``), hand prompts to the engine, and turn
+its events into a JSON answer or server-sent events. The engine's scheduler thread calls each
+request's sink; the sink moves the event into the request's asyncio queue on the server's loop.
+A client that goes away cancels its requests, and the engine frees their rows at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..logprobs import TokenText
+from .engine import EngineError, QueueFull
+from .metrics import PrometheusMetrics
+from .openai_format import (OPENAI_FINISH, ApiError, Completion, bad_request, chat_logprobs, completion_logprobs,
+                            envelope, new_id, parse_chat, parse_completion, sse)
+
+POLL_S = 0.25  # how often a waiting non-streamed request looks whether its client is still there
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+async def read_json(request: Request):
+    data = await request.body()
+    try:
+        return json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as error:
+        raise bad_request(f"the body is not valid JSON: {error}") from None
+
+
+class Answer:
+    """One HTTP request's prompts in the engine, and the events coming back for them."""
+
+    def __init__(self, engine, completion: Completion, loop: asyncio.AbstractEventLoop):
+        self.engine, self.completion = engine, completion
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.handles = []
+        request = completion.request
+        tokenizer = engine.tokenizer
+        self.prompt_ids = completion.prompt_ids or tokenizer.encode_batch(request.prompts)
+
+        def sink(prompt: int):
+            return lambda event: loop.call_soon_threadsafe(self.events.put_nowait, (prompt, event))
+
+        try:
+            if completion.offline:
+                self.handles.append(engine.submit_offline(request, self.prompt_ids, sink(0)))
+            else:
+                params = completion.params()
+                for p, ids in enumerate(self.prompt_ids):
+                    self.handles.append(engine.submit(ids, params, sink(p)))
+        except EngineError as error:
+            self.cancel()
+            param = "messages" if completion.chat and error.param == "prompt" else error.param
+            raise bad_request(f"prompt {len(self.handles) + 1}: {error}" if len(self.prompt_ids) > 1 else str(error),
+                              param) from None
+        except QueueFull as error:
+            self.cancel()
+            raise ApiError(503, str(error), "server_error", None, "queue_full") from None
+
+    @property
+    def expected(self) -> int:
+        """Final events to wait for: one "record" offline, one "done" per prompt otherwise."""
+        return 1 if self.completion.offline else len(self.handles)
+
+    def cancel(self) -> None:
+        for handle in self.handles:
+            handle.cancel()
+
+
+def make_app(engine, model_name: str, api_key: str | None = None, metrics: PrometheusMetrics | None = None) -> FastAPI:
+    app = FastAPI(title="bloom-hpu", docs_url=None, redoc_url=None)
+    text_of = TokenText(engine.tokenizer)
+    n_of = lambda c: c.request.n  # noqa: E731
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):
+        if metrics is not None:
+            metrics.requests.labels(request.url.path, str(error.status)).inc()
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        code = "not_found" if error.status_code == 404 else None
+        return JSONResponse(ApiError(error.status_code, str(error.detail), "invalid_request_error", None, code).body(),
+                            status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception):
+        return JSONResponse(ApiError(500, f"internal error: {type(error).__name__}", "server_error").body(),
+                            status_code=500)
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return JSONResponse(ApiError(401, "invalid API key", "invalid_request_error", None,
+                                             "invalid_api_key").body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not engine.ready.is_set():
+            return JSONResponse(ApiError(503, "warming up", "server_error").body(), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        if metrics is None:
+            return Response("", media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "bloom-hpu",
+                                            "max_model_len": engine.config.max_length}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        completion = parse_completion(await read_json(request), model_name, engine.tokenizer)
+        return await respond(request, completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        completion = parse_chat(await read_json(request), model_name, engine.tokenizer)
+        return await respond(request, completion)
+
+    async def respond(request: Request, completion: Completion):
+        if not engine.ready.is_set():
+            raise ApiError(503, "the server is warming up", "server_error")
+        answer = Answer(engine, completion, asyncio.get_running_loop())
+        if metrics is not None:
+            metrics.requests.labels(request.url.path, "200").inc()
+        if completion.stream:
+            return StreamingResponse(stream(answer), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await collect(request, answer)
+
+    # --- whole answers ----------------------------------------------------------------------------
+
+    async def collect(request: Request, answer: Answer):
+        c = answer.completion
+        kind = "chat.completion" if c.chat else "text_completion"
+        sequences, logprobs, usage, ended, record = {}, {}, _zero_usage(), 0, None
+        try:
+            while ended < answer.expected:
+                try:
+                    p, event = await asyncio.wait_for(answer.events.get(), POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        answer.cancel()
+                        return Response(status_code=499)
+                    continue
+                index = p * n_of(c) + event.index
+                if event.kind == "delta" and event.logprobs is not None:
+                    logprobs.setdefault(index, []).extend(event.logprobs)
+                elif event.kind == "finish":
+                    sequences[index] = (p, event.sequence)
+                elif event.kind in ("done", "record"):
+                    ended += 1
+                    record = event.record if event.kind == "record" else None
+                    usage = _add(usage, event.usage or (record or {}).get("usage"))
+                elif event.kind == "error":
+                    raise ApiError(500, event.message, "server_error")
+        finally:
+            answer.cancel()  # (no-op for finished requests)
+        if record is not None:
+            return envelope(kind, new_id(c.chat), model_name, record["choices"], record["usage"])
+        choices = []
+        for index in sorted(sequences):
+            p, seq = sequences[index]
+            lps = logprobs.get(index) if c.params().logprobs is not None else None
+            reason = OPENAI_FINISH[seq.finish_reason]
+            if c.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": seq.text},
+                                "logprobs": chat_logprobs(text_of, seq.token_ids, lps, seq.text) if lps is not None else None,
+                                "finish_reason": reason})
+            else:
+                prompt = c.request.prompts[p] if c.request.echo else ""
+                choices.append({"index": index, "text": prompt + seq.text,
+                                "logprobs": completion_logprobs(text_of, seq.token_ids, lps, seq.text)
+                                if lps is not None else None, "finish_reason": reason})
+        return envelope(kind, new_id(c.chat), model_name, choices, usage)
+
+    # --- streams ----------------------------------------------------------------------------------
+
+    async def stream(answer: Answer):
+        c = answer.completion
+        rid, kind = new_id(c.chat), "chat.completion.chunk" if c.chat else "text_completion"
+        usage, ended = _zero_usage(), 0
+        given: dict[int, int] = {}  # characters of each choice's completion sent so far (text_offset)
+        sent: dict[int, list[int]] = {}  # token ids of each choice sent so far
+
+        def chunk(index, text="", finish=None, token_ids=(), lps=None):
+            if c.chat:
+                delta = {"content": text} if text else {}
+                logprobs = chat_logprobs(text_of, list(token_ids), lps, text, sent.get(index, [])) if lps else None
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            else:
+                logprobs = completion_logprobs(text_of, list(token_ids), lps, text, given.get(index, 0),
+                                               sent.get(index, [])) if lps else None
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return sse(envelope(kind, rid, model_name, [choice]))
+
+        try:
+            choices = len(answer.prompt_ids) * n_of(c)
+            for index in range(choices):
+                if c.chat:
+                    yield sse(envelope(kind, rid, model_name, [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                                "logprobs": None, "finish_reason": None}]))
+                elif c.request.echo and not c.offline:
+                    yield chunk(index, c.request.prompts[index // n_of(c)])
+            while ended < answer.expected:
+                p, event = await answer.events.get()
+                index = p * n_of(c) + event.index
+                if event.kind == "delta":
+                    yield chunk(index, event.text, None, event.token_ids, event.logprobs)
+                    given[index] = given.get(index, 0) + len(event.text)
+                    sent.setdefault(index, []).extend(event.token_ids)
+                elif event.kind == "finish":
+                    yield chunk(index, "", OPENAI_FINISH[event.finish_reason])
+                elif event.kind == "done":
+                    ended += 1
+                    usage = _add(usage, event.usage)
+                elif event.kind == "record":
+                    ended += 1
+                    usage = _add(usage, event.record["usage"])
+                    for choice in event.record["choices"]:
+                        yield sse(envelope(kind, rid, model_name, [choice]))
+                elif event.kind == "error":
+                    yield sse(ApiError(500, event.message, "server_error").body())
+                    break
+            if c.include_usage:
+                yield sse(envelope(kind, rid, model_name, [], usage))
+            yield "data: [DONE]\n\n"
+        finally:
+            answer.cancel()  # a closed stream frees its rows at the engine's next step
+
+    return app
+
+
+def _zero_usage() -> dict:
+    return {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+
+
+def _add(usage: dict, more: dict | None) -> dict:
+    if not more:
+        return usage
+    return {k: usage[k] + more.get(k, 0) for k in usage}
+
+
+def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          model_name: str | None = None, log=print) -> None:
+    """Warm up, then answer HTTP until interrupted (``./bloom.py --serve``)."""
+    import threading
+
+    import uvicorn
+
+    from .engine import Engine
+
+    metrics = PrometheusMetrics()
+    engine = Engine(generator, config, metrics)
+    metrics.bind(engine)
+    name = model_name or generator.folder.name
+    app = make_app(engine, name, api_key, metrics)
+    start = time.perf_counter()
+    engine.start()
+
+    def report():
+        engine.ready.wait()
+        r = engine.warmup_report or {}
+        log(f"warm-up: {r.get('prefill', 0)} prefill and {r.get('decode', 0)} decode shapes in "
+            f"{time.perf_counter() - start:.2f} s; serving {name!r} on http://{host}:{port}/v1 "
+            f"(max_batch {config.max_batch}, max_length {config.max_length}, bucket_width {config.bucket_width})")
+
+    threading.Thread(target=report, daemon=True).start()
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        engine.stop()

@@ -1,0 +1,530 @@
+"""The serving engine: continuous batching over a fixed set of rows, in static shapes. No HTTP.
+
+* **Slots.** ``max_batch`` rows. A request takes ``params.rows`` free slots (sampled choices one row
+  each; greedy choices are all alike, so one row serves them) and gives them back when it ends.
+* **Caches, allocated once.** One KV cache of ``max_length`` slots per *batch bucket* (1, 2, 4, ...
+  ``max_batch`` rows), plus one 1-row cache for prefills. Decode runs over the smallest bucket
+  that holds every running row, so its cost follows the number of active rows, not ``max_batch``.
+  Running rows are kept in the lowest slots (a finished row's place is taken by the highest one), and
+  when the bucket changes their live slots move to the other bucket's cache (a copy of the live
+  window, only on a bucket change). Why separate caches rather than views of one: a step's cache
+  must be contiguous (the CPU's one-call step requires it, and a captured graph is bound to its
+  tensors), and ``cache[:, :b]`` of a [layers, B, ...] cache is not.
+* **Prefill in place, one request at a time.** A new request's prompt runs as a [1, P] prefill (P:
+  the prompt's length bucket) in the 1-row cache, whose first L slots are then copied into each of
+  its rows. The running rows' cache is never touched, and prefill shapes stay one per length
+  bucket. (A prefill over the whole batch with a row mask would recompute, or have to protect,
+  every running row.)
+* **Decode.** Each step chooses every running row's next token (per-row options as tensors:
+  ``row_options.py``), copies the [b] tokens to the host (the step's one sync: streaming, EOS,
+  stop strings and budgets are decided there), then runs one [b, 1] decode in the bucket's cache
+  with each row at its own position and a window that is the length bucket of the furthest row.
+* **Warm-up** runs every (prefill length bucket) and (batch bucket, window) once, so after it no
+  load adds a step signature (``backend.signatures``).
+* **Scheduling.** One thread owns the model. Requests arrive through a thread-safe queue and join
+  between steps, first come first served; events stream back through each request's sink.
+* **Other searches.** Beam search, ``best_of > n``, ``echo`` with log-probs, ``max_tokens`` 0 and
+  ``no_repeat_ngram_size`` are answered by the batch runner's path (``jobs.runner.answer_batch``
+  over ``Generator.generate``) in a batch of their own, between two steps. Those use the
+  generator's own shapes, not the engine's.
+"""
+
+from __future__ import annotations
+
+import codecs
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..batch import round_up
+from ..logprobs import TokenText
+from ..results import make_sequence
+from ..search.sampling import resolve_seed, row_keys
+from ..search.text_ends import first_stop, safe_length
+from .params import Event, SamplingParams, TokenLogprob
+from .row_options import RowFlags, RowOptions, choose_tokens, token_logprobs
+
+
+class EngineError(ValueError):
+    """A request the engine cannot take (prompt too long, too many rows...); message for the user,
+    ``param`` the request field it is about."""
+
+    def __init__(self, message: str, param: str = "prompt"):
+        super().__init__(message)
+        self.param = param
+
+
+class QueueFull(Exception):
+    """The engine's queue holds ``max_queue`` requests already."""
+
+
+@dataclass
+class EngineConfig:
+    max_batch: int = 8
+    max_length: int = 128
+    bucket_width: int = 32  # length buckets (prompt padding, decode windows); 0: max_length only
+    max_queue: int = 256
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... below max_batch, then max_batch."""
+    sizes = [1 << i for i in range(max_batch.bit_length()) if (1 << i) < max_batch]
+    return sizes + [max_batch]
+
+
+def length_buckets(max_length: int, width: int) -> list[int]:
+    if not width:
+        return [max_length]
+    return sorted({min(round_up(n, width), max_length) for n in range(1, max_length + 1)})
+
+
+class EngineMetrics:
+    """What the engine reports as it runs; the app backs it with Prometheus. No-ops here."""
+
+    def first_token(self, seconds: float) -> None: ...
+
+    def inter_token(self, seconds: float) -> None: ...
+
+    def tokens(self, count: int) -> None: ...
+
+
+_ids = itertools.count(1)
+
+
+class RequestHandle:
+    """One request inside the engine. Events go to ``sink`` (called from the scheduler thread), or,
+    without one, to a queue read by ``events()``. ``cancel()`` frees its rows at the next step."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, sink=None, offline=None):
+        self.id = next(_ids)
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.offline = offline  # a jobs.requests.Request for the batch runner's path, or None
+        self.cancelled = threading.Event()
+        self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+        self._queue: queue.Queue | None = queue.Queue() if sink is None else None
+        self._sink = sink or self._queue.put
+        self.sequences: dict[int, object] = {}  # choice index -> finished Sequence
+
+    def emit(self, event: Event) -> None:
+        try:
+            self._sink(event)
+        except Exception:  # a consumer that is gone (e.g. its event loop closed): stop its rows
+            self.cancel()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def events(self, timeout: float | None = None):
+        """Events until the last one ("done", "record" or "error"); only without a sink."""
+        while True:
+            event = self._queue.get(timeout=timeout)
+            yield event
+            if event.kind in ("done", "record", "error"):
+                return
+
+    def result(self, timeout: float | None = None) -> list:
+        """The finished sequences, by choice index (blocks; only without a sink)."""
+        for event in self.events(timeout):
+            if event.kind == "error":
+                raise EngineError(event.message)
+        return [self.sequences[i] for i in sorted(self.sequences)]
+
+
+@dataclass
+class _Row:
+    """Host state of one running row."""
+
+    handle: RequestHandle
+    indices: list[int]  # the choices this row answers (greedy: all n of them)
+    prompt_len: int
+    limit: int  # new tokens it may produce
+    ids: list[int] = field(default_factory=list)
+    text: str = ""  # decoded so far (EOS excluded)
+    given: int = 0  # characters of text already sent
+    ids_given: int = 0  # token ids already sent
+    pending: list = field(default_factory=list)  # TokenLogprob of ids not yet sent
+    decoder: object = None
+    last_time: float = 0.0
+
+
+class Engine:
+    def __init__(self, generator, config: EngineConfig = EngineConfig(), metrics: EngineMetrics | None = None):
+        self.generator = generator
+        self.config = config
+        self.metrics = metrics or EngineMetrics()
+        self.runner = generator.runner
+        self.tokenizer = generator.tokenizer
+        self.text_of = TokenText(self.tokenizer)
+        self.device = generator.device
+        model = self.runner.model
+        self.pad = self.tokenizer.pad_token_id
+        self.eos = self.tokenizer.eos_token_id
+        self.batch_sizes = batch_buckets(config.max_batch)
+        self.lengths = length_buckets(config.max_length, config.bucket_width)
+        # Our own caches, not the runner's pool: the offline path's generate calls use that pool
+        # and must not overwrite the running rows.
+        self.caches = {b: model.allocate_cache(b, config.max_length) for b in self.batch_sizes}
+        self.prefill_cache = model.allocate_cache(1, config.max_length)
+        vocab = model.config.vocab_size
+        self.logits = torch.zeros(config.max_batch, vocab, dtype=torch.float32, device=self.device)  # [R, V]
+        self.opts = RowOptions(config.max_batch, vocab, config.max_length, self.device, self.pad)
+        self.rows: list[_Row | None] = [None] * config.max_batch
+        self.bucket = 0  # batch bucket of the running rows (0: none)
+        self.inbox: queue.Queue = queue.Queue(maxsize=config.max_queue)
+        self.waiting: deque[RequestHandle] = deque()
+        self.ready = threading.Event()
+        self.warmup_report: dict | None = None
+        self.tokens_total = 0
+        # What the scheduler did, for tests and the benchmark: most rows at once, rows moved to
+        # lower slots, batch-bucket changes.
+        self.stats = {"peak_rows": 0, "row_moves": 0, "bucket_changes": 0}
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # --- the outside: submit, state, start/stop -------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, sink=None) -> RequestHandle:
+        """Queue one prompt; raises EngineError for what can never run and QueueFull."""
+        self._check(prompt_ids)
+        if params.rows > self.config.max_batch:
+            raise EngineError(f"n={params.n} sampled choices need {params.rows} rows; "
+                              f"the server runs at most {self.config.max_batch} (--max_batch)", "n")
+        if params.max_tokens < 1:
+            raise EngineError("max_tokens must be at least 1", "max_tokens")
+        return self._enqueue(RequestHandle(list(prompt_ids), params, sink))
+
+    def submit_offline(self, request, prompt_ids: list[list[int]], sink=None) -> RequestHandle:
+        """A jobs.requests.Request answered by the batch runner's path (beams, best_of, echo with
+        log-probs...); its one event is a "record"."""
+        for ids in prompt_ids:
+            self._check(ids)
+        return self._enqueue(RequestHandle(prompt_ids[0], SamplingParams(), sink, offline=request))
+
+    def _check(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise EngineError("the prompt is empty: nothing to continue from")
+        if len(prompt_ids) >= self.config.max_length:
+            raise EngineError(f"the prompt has {len(prompt_ids)} tokens, which leaves no room for new tokens "
+                              f"under the server's max_length {self.config.max_length}")
+
+    def _enqueue(self, handle: RequestHandle) -> RequestHandle:
+        try:
+            self.inbox.put_nowait(handle)
+        except queue.Full:
+            raise QueueFull(f"the queue is full ({self.config.max_queue} requests waiting)") from None
+        self._wake.set()
+        return handle
+
+    @property
+    def queue_length(self) -> int:
+        return self.inbox.qsize() + len(self.waiting)
+
+    @property
+    def running_rows(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    def start(self, warm_up: bool = True) -> None:
+        """Warm up (in the scheduler thread, so a server can answer /health meanwhile), then serve."""
+        self._thread = threading.Thread(target=self._run, args=(warm_up,), name="bloom-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _run(self, warm_up: bool) -> None:
+        if warm_up:
+            self.warm_up()
+        self.ready.set()
+        while not self._stopping.is_set():
+            # Cleared before looking for work: a submit after this point wakes the wait below.
+            self._wake.clear()
+            try:
+                busy = self.step()
+            except Exception as error:  # never let one bad step end the server
+                self._fail_all(f"internal error: {error!r}")
+                busy = False
+            if not busy:
+                self._wake.wait(timeout=0.5)
+
+    # --- warm-up --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def warm_up(self) -> dict:
+        """Run every step shape the engine uses: a prefill per length bucket, a decode per
+        (batch bucket, window). Returns what it ran and how long it took."""
+        start = time.perf_counter()
+        for p in self.lengths:
+            ids = torch.full((1, p), self.pad, dtype=torch.long, device=self.device)
+            self.runner.prefill(ids, torch.tensor([p], device=self.device), self.prefill_cache)
+        for b in self.batch_sizes:
+            zeros = torch.zeros(b, dtype=torch.long, device=self.device)
+            for window in self.lengths:
+                self.runner.decode(zeros[:, None], zeros, self.caches[b], window)
+        self.generator.backend.synchronize()
+        self.warmup_report = {"prefill": len(self.lengths), "decode": len(self.batch_sizes) * len(self.lengths),
+                              "seconds": time.perf_counter() - start}
+        return self.warmup_report
+
+    # --- one scheduler step ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Admit what fits, choose a token for every running row, hand out the results, decode.
+        Returns False when there was nothing to do."""
+        self._drop_cancelled()
+        ran_offline = self._admit()
+        live = [i for i, r in enumerate(self.rows) if r is not None]
+        if not live:
+            return ran_offline
+        b = self.bucket
+        rows = self.rows[:b]
+        used, steps = self._upload([r.prompt_len + len(r.ids) if r else 0 for r in rows],
+                                   [len(r.ids) if r else 0 for r in rows])
+        flags = RowFlags([self.rows[i].handle.params for i in live])
+        logits = self.logits[:b]
+        tokens = choose_tokens(logits, self.opts, b, used, steps, flags)  # [b]
+        if flags.repetition:
+            self.opts.sequence[:b].scatter_(1, used.clamp(max=self.config.max_length - 1)[:, None], tokens[:, None])
+        if flags.openai_penalties:
+            running = (used > 0).float()  # free rows hold nothing
+            self.opts.counts[:b].scatter_add_(1, tokens[:, None], running[:, None])
+        if flags.logprobs is None:
+            host = [[t] for t in tokens.tolist()]  # the step's one host sync
+        else:
+            # Tokens and log-probs in one transfer: [b, 2 + 2k] float64 (ids < 2**53 stay exact).
+            chosen, values, ids = token_logprobs(logits, tokens, flags.logprobs)
+            host = torch.cat([tokens[:, None].double(), chosen[:, None].double(), values.double(), ids.double()],
+                             dim=1).tolist()
+        k = flags.logprobs or 0
+        now = time.perf_counter()
+        for i in live:
+            token = int(host[i][0])
+            lp = None
+            if flags.logprobs is not None:
+                top = [(int(t), v) for t, v in zip(host[i][2 + k :], host[i][2 : 2 + k])]
+                lp = TokenLogprob(token, host[i][1], top)
+            self._advance(i, token, lp, now)
+        self.stats["peak_rows"] = max(self.stats["peak_rows"], len(live))
+        self.tokens_total += len(live)
+        self.metrics.tokens(len(live))
+        self._compact()
+        self._decode()
+        return True
+
+    def _decode(self) -> None:
+        """One [b, 1] decode of every running row; its logits wait for the next step's choice."""
+        if not self.bucket:
+            return
+        rows = self.rows[: self.bucket]
+        # The token chosen last sits at slot prompt_len + generated - 1; free rows write slot 0.
+        positions = [r.prompt_len + len(r.ids) - 1 if r else 0 for r in rows]
+        tokens = [r.ids[-1] if r else self.pad for r in rows]
+        window = self._length_bucket(max(positions) + 1)
+        tokens, positions = self._upload(tokens, positions)
+        out = self.runner.decode(tokens[:, None], positions, self.caches[self.bucket], window)
+        self.logits[: self.bucket].copy_(out)
+
+    def _upload(self, *columns: list[int]) -> list[torch.Tensor]:
+        """Host ints -> device [n] long tensors without a host sync: a plain
+        ``torch.tensor(..., device=)`` waits for the device's queue, an asynchronous copy from pinned
+        memory does not (PyTorch's pinned-memory allocator keeps the buffer until the copy has read it)."""
+        host = torch.tensor(columns, dtype=torch.long)
+        if self.device.type == "cpu":
+            return list(host)
+        return list(host.pin_memory().to(self.device, non_blocking=True))
+
+    def _length_bucket(self, needed: int) -> int:
+        return next(n for n in self.lengths if n >= needed)
+
+    def _batch_bucket(self, rows: int) -> int:
+        return next(b for b in self.batch_sizes if b >= rows)
+
+    # --- rows joining -----------------------------------------------------------------------------
+
+    def _admit(self) -> bool:
+        """Move queued requests into free slots, first come first served. Returns whether an
+        offline request ran."""
+        while True:
+            try:
+                self.waiting.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        ran = False
+        while self.waiting:
+            handle = self.waiting[0]
+            if handle.cancelled.is_set():
+                self.waiting.popleft()
+                continue
+            if handle.offline is not None:
+                self.waiting.popleft()
+                self._answer_offline(handle)
+                ran = True
+                continue
+            free = [i for i, r in enumerate(self.rows) if r is None]
+            if len(free) < handle.params.rows:
+                break
+            self.waiting.popleft()
+            try:
+                self._join(handle, free[: handle.params.rows])
+            except Exception as error:  # this request fails alone; the running rows go on
+                self.rows = [None if r is not None and r.handle is handle else r for r in self.rows]
+                handle.emit(Event("error", message=f"internal error: {error!r}"))
+        return ran
+
+    def _join(self, handle: RequestHandle, slots: list[int]) -> None:
+        params, ids = handle.params, handle.prompt_ids
+        occupied = [i for i, r in enumerate(self.rows) if r is not None] + slots
+        self._resize(self._batch_bucket(max(occupied) + 1))
+        length = len(ids)
+        p = self._length_bucket(length)
+        [padded] = self._upload(ids + [self.pad] * (p - length))
+        [lengths] = self._upload([length])
+        logits = self.runner.prefill(padded[None], lengths, self.prefill_cache)  # [1, V]
+        if params.sampling:
+            # The keys Generator.generate gives this prompt alone: the same seed samples the same text.
+            keys = row_keys([ids], resolve_seed(params.seed), params.rows, "cpu").tolist()
+        else:
+            keys = [0] * len(slots)
+        limit = min(params.max_tokens, self.config.max_length - length)
+        cache = self.caches[self.bucket]
+        for copy, slot in enumerate(slots):
+            for mine, theirs in ((cache.keys, self.prefill_cache.keys), (cache.values, self.prefill_cache.values)):
+                # The whole bucket, not the prompt's length: copies of a few shapes (a Gaudi compiles
+                # each new one); slots past the prompt are masked until the row writes them.
+                mine[:, slot, :, :p].copy_(theirs[:, 0, :, :p])
+            self.logits[slot].copy_(logits[0])
+            self.opts.set_row(slot, params, keys[copy], padded)
+            indices = [copy] if params.sampling else list(range(params.n))
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            self.rows[slot] = _Row(handle, indices, length, limit, decoder=decoder)
+
+    def _answer_offline(self, handle: RequestHandle) -> None:
+        from ..jobs.requests import RequestBatch, batch_length
+        from ..jobs.runner import answer_batch
+
+        request = handle.offline
+        lengths = [len(ids) for ids in self.tokenizer.encode_batch(request.prompts)]
+        request.max_tokens = min(request.max_tokens, self.config.max_length - max(lengths))
+        length = batch_length(max(lengths), request.max_tokens)
+        try:
+            batch = RequestBatch([request], [lengths], length, budget=length * len(lengths) * request.rows_per_prompt)
+            records, tokens = answer_batch(self.generator, batch)
+        except Exception as error:
+            handle.emit(Event("error", message=f"{type(error).__name__}: {error}"))
+            return
+        self.tokens_total += tokens
+        self.metrics.tokens(tokens)
+        handle.emit(Event("record", record=records[0]["result"]))
+
+    # --- rows advancing and leaving ---------------------------------------------------------------
+
+    def _advance(self, slot: int, token: int, lp: TokenLogprob | None, now: float) -> None:
+        """Row ``slot`` chose ``token``: stream what may be given out, end the row if it is done."""
+        row = self.rows[slot]
+        handle, stops = row.handle, row.handle.params.stop
+        if handle.first_token_at is None:
+            handle.first_token_at = now
+            self.metrics.first_token(now - handle.submitted)
+        elif row.ids:
+            self.metrics.inter_token(now - row.last_time)
+        row.last_time = now
+        row.ids.append(token)
+        row.pending.append(lp)
+        eos = token == self.eos
+        if not eos:
+            row.text += row.decoder.decode(self.text_of.token_bytes(token))
+        reason = ("eos" if eos else "stop" if first_stop(row.text, stops) is not None
+                  else "length" if len(row.ids) >= row.limit else None)
+        if reason is None:
+            safe = safe_length(row.text, stops)
+            if safe > row.given:
+                # Ids go out with the text they spell, once no stop string can still claim it.
+                send = len(row.ids) - row.ids_given if safe == len(row.text) else 0
+                self._send(row, row.text[row.given : safe], send)
+                row.given = safe
+            return
+        # The finished sequence is the truth (text_ends: EOS, stop strings), as offline.
+        sequence = make_sequence(self.tokenizer, row.ids, reason, stops=stops)
+        self._send(row, sequence.text[row.given :], max(0, len(sequence.token_ids) - row.ids_given))
+        for index in row.indices:
+            handle.sequences[index] = sequence
+            handle.emit(Event("finish", index=index, finish_reason=sequence.finish_reason, sequence=sequence))
+        self.rows[slot] = None
+        if len(handle.sequences) == handle.params.n:
+            completion = sum(len(s.token_ids) for s in handle.sequences.values())
+            usage = {"prompt_tokens": len(handle.prompt_ids), "completion_tokens": completion,
+                     "total_tokens": len(handle.prompt_ids) + completion}
+            handle.emit(Event("done", usage=usage))
+
+    def _send(self, row: _Row, text: str, count: int) -> None:
+        ids = row.ids[row.ids_given : row.ids_given + count]
+        lps = row.pending[:count]
+        del row.pending[:count]
+        row.ids_given += count
+        if not text and not ids:
+            return
+        logprobs = lps if row.handle.params.logprobs is not None else None
+        for index in row.indices:
+            row.handle.emit(Event("delta", index=index, text=text, token_ids=ids, logprobs=logprobs))
+
+    def _drop_cancelled(self) -> None:
+        for i, row in enumerate(self.rows):
+            if row is not None and row.handle.cancelled.is_set():
+                self.rows[i] = None
+
+    def _fail_all(self, message: str) -> None:
+        handles = {id(r.handle): r.handle for r in self.rows if r is not None}
+        self.rows = [None] * self.config.max_batch
+        self.bucket = 0
+        for handle in handles.values():
+            handle.emit(Event("error", message=message))
+
+    # --- slots and buckets ----------------------------------------------------------------------
+
+    def _extent(self) -> int:
+        """Slots written so far by any running row (what a move must copy), rounded up to its
+        length bucket so that the copies keep a few shapes."""
+        written = max((r.prompt_len + len(r.ids) for r in self.rows if r is not None), default=0)
+        return self._length_bucket(written) if written else 0
+
+    def _compact(self) -> None:
+        """Keep running rows in the lowest slots, so the batch bucket can shrink as rows leave."""
+        live = [i for i, r in enumerate(self.rows) if r is not None]
+        if not live:
+            self.bucket = 0
+            return
+        target = self._batch_bucket(len(live))
+        extent = self._extent()
+        cache = self.caches[self.bucket]
+        while max(live) >= target:
+            src, dst = max(live), self.rows.index(None)
+            for t in (cache.keys, cache.values):
+                t[:, dst, :, :extent].copy_(t[:, src, :, :extent])
+            self.opts.move_row(src, dst)
+            self.rows[dst], self.rows[src] = self.rows[src], None
+            self.stats["row_moves"] += 1
+            live = [i for i, r in enumerate(self.rows) if r is not None]
+        self._resize(target)
+
+    def _resize(self, bucket: int) -> None:
+        """Run in the cache of ``bucket`` rows from now on; the running rows' live slots move over."""
+        if bucket == self.bucket:
+            return
+        if self.bucket:
+            rows, extent = min(bucket, self.bucket), self._extent()
+            old, new = self.caches[self.bucket], self.caches[bucket]
+            for mine, theirs in ((new.keys, old.keys), (new.values, old.values)):
+                mine[:, :rows, :, :extent].copy_(theirs[:, :rows, :, :extent])
+            self.stats["bucket_changes"] += 1
+        self.bucket = bucket

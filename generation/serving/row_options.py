@@ -1,0 +1,119 @@
+"""Per-row options as device tensors, and the token choice of a whole batch of mixed requests.
+
+Every option a request may set is one entry of a [max_batch] tensor, so a batch that mixes greedy
+and sampled rows, temperatures, top-k/top-p and penalties runs the very same ops on the same
+shapes; nothing splits the batch. Whole processors are skipped when no running row uses them (a
+host-known fact from admission, not a read-back from the device).
+
+The arithmetic is that of ``search/processors.py`` and ``search/sampling.py`` row by row, so a row
+chooses exactly what ``Generator.generate`` chooses for it alone: a neutral value leaves a row's
+scores bit-identical (x * 1.0, x / 1.0), and the sampling noise of a row is a pure function of
+(row key, its own step, token), whichever rows share the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..search.processors import NEG_INF, _present
+from ..search.sampling import gumbel
+
+
+class RowOptions:
+    """[R] tensors of per-row options (R = max_batch), indexed by slot."""
+
+    def __init__(self, rows: int, vocab: int, max_length: int, device, pad_token_id: int):
+        self.vocab = vocab
+        self.pad_token_id = pad_token_id
+        f = dict(dtype=torch.float32, device=device)
+        i = dict(dtype=torch.long, device=device)
+        self.temperature = torch.zeros(rows, **f)  # 0: greedy
+        self.top_p = torch.ones(rows, **f)
+        self.top_k = torch.zeros(rows, **i)
+        self.repetition = torch.ones(rows, **f)
+        self.presence = torch.zeros(rows, **f)
+        self.frequency = torch.zeros(rows, **f)
+        self.keys = torch.zeros(rows, **i)  # sampling keys (search/sampling.row_keys)
+        # Each row's prompt + generated ids (repetition penalty) and counts of generated ids
+        # (presence/frequency penalties), [R, K] and [R, V].
+        self.sequence = torch.full((rows, max_length), pad_token_id, **i)
+        self.counts = torch.zeros(rows, vocab, **f)
+        self._tensors = [self.temperature, self.top_p, self.top_k, self.repetition, self.presence,
+                         self.frequency, self.keys, self.sequence, self.counts]
+
+    def set_row(self, slot: int, params, key: int, prompt: torch.Tensor) -> None:
+        """A new request's row (host values written once, at admission; ``prompt`` [P] its ids
+        padded to their length bucket, already on the device: the penalties only read the slots
+        the row has filled)."""
+        self.temperature[slot] = params.temperature
+        self.top_p[slot] = params.top_p
+        self.top_k[slot] = params.top_k
+        self.repetition[slot] = params.repetition_penalty
+        self.presence[slot] = params.presence_penalty
+        self.frequency[slot] = params.frequency_penalty
+        self.keys[slot] = key
+        self.sequence[slot].fill_(self.pad_token_id)
+        self.sequence[slot, : prompt.shape[0]] = prompt
+        self.counts[slot].zero_()
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Row ``dst`` takes what row ``src`` held (compaction of the slots)."""
+        for t in self._tensors:
+            t[dst] = t[src]
+
+
+class RowFlags:
+    """Which processors any running row uses (host booleans, from the rows' host params)."""
+
+    def __init__(self, params_list):
+        self.sample = any(p.sampling for p in params_list)
+        self.repetition = any(p.repetition_penalty != 1.0 for p in params_list)
+        self.openai_penalties = any(p.presence_penalty or p.frequency_penalty for p in params_list)
+        self.top_k = any(p.sampling and p.top_k for p in params_list)
+        self.top_p = any(p.sampling and p.top_p < 1.0 for p in params_list)
+        self.logprobs = max((p.logprobs for p in params_list if p.logprobs is not None), default=None)
+
+
+def choose_tokens(logits: torch.Tensor, opts: RowOptions, b: int, used: torch.Tensor, steps: torch.Tensor,
+                  flags: RowFlags) -> torch.Tensor:
+    """Next token of rows 0..b-1. logits [b, V] float (raw); used [b]: tokens the row holds
+    (prompt + generated, = the slot of the token chosen now); steps [b]: tokens the row has
+    generated (its sampling step). Returns [b] long."""
+    scores = logits
+    if flags.repetition:  # processors.repetition_penalty with a per-row penalty
+        seen = _present(opts.sequence[:b], used, scores.shape[-1])
+        penalty = opts.repetition[:b, None]
+        scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+    if flags.openai_penalties:
+        counts = opts.counts[:b]
+        scores = scores - opts.frequency[:b, None] * counts - opts.presence[:b, None] * (counts > 0)
+    greedy = scores.argmax(dim=-1)
+    if not flags.sample:
+        return greedy
+    sampled_rows = opts.temperature[:b] > 0
+    # Greedy rows divide by 1 (exact) and their draw is thrown away below.
+    scores = scores / torch.where(sampled_rows, opts.temperature[:b], 1.0)[:, None]
+    if flags.top_k:
+        k = opts.top_k[:b]
+        k = torch.where(k > 0, k.clamp(max=scores.shape[-1]), scores.shape[-1])  # 0: keep all
+        descending = scores.sort(dim=-1, descending=True).values
+        kth = descending.gather(1, (k - 1)[:, None])
+        scores = scores.masked_fill(scores < kth, NEG_INF)
+    if flags.top_p:
+        p = opts.top_p[:b, None]
+        ascending, order = torch.sort(scores, dim=-1)
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = (cumulative <= 1 - p) & (p < 1.0)
+        drop[..., -1:] = False
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), NEG_INF)
+    sampled = (scores + gumbel(opts.keys[:b], steps, scores.shape[-1])).argmax(dim=-1)
+    return torch.where(sampled_rows, sampled, greedy)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, ...]:
+    """The model's log-probs (log_softmax of the raw logits, as the batch runner reports them) of
+    the chosen tokens [b] and the ``top`` best [b, top] (values, ids)."""
+    logp = logits.log_softmax(dim=-1)
+    chosen = logp.gather(1, tokens[:, None])[:, 0]
+    values, ids = logp.topk(max(top, 1), dim=-1)
+    return chosen, values[:, :top], ids[:, :top]

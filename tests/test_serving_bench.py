@@ -1,0 +1,23 @@
+"""Smoke test of bench/serve_bench.py on the tiny checkpoint: every variant and load runs and the
+figures exist. No timing assertions: timings are the benchmark's job."""
+
+import json
+
+from bench import serve_bench
+
+
+def test_serve_bench_runs_every_variant(tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    argv = ["--clients", "1,3", "--rates", "100", "--requests", "4", "--max_tokens", "3", "--max_batch", "4",
+            "--max_length", "32", "--bucket_width", "16", "--prompt_len", "2,12", "--json", str(out)]
+    assert serve_bench.main(argv) == 0
+    printed = capsys.readouterr().out
+    for column in ("tok/s", "TTFT p50", "ITL p99", "new shapes"):
+        assert column in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["variant"], r["load"]) for r in rows] == [
+        ("ours", "1 clients"), ("ours", "3 clients"), ("ours", "100 req/s"),
+        ("transformers", "1 clients"), ("transformers", "3 clients"), ("transformers", "100 req/s"),
+        ("offline", "one job")]
+    assert all(r["requests"] == 4 and r["tokens"] > 0 and r["tok_s"] > 0 for r in rows)
+    assert all(r["new_shapes"] == 0 for r in rows if r["variant"] == "ours")  # nothing after warm-up

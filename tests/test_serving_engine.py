@@ -1,0 +1,148 @@
+"""The serving engine alone (no HTTP): mixed concurrent requests give each request's own result
+(greedy: Generator.generate alone; seeded samples: themselves alone), no new step signatures after
+warm-up, cancelled rows are freed."""
+
+import random
+import threading
+
+import pytest
+
+from generation import Generator
+from generation.serving.engine import Engine, EngineConfig, EngineError, batch_buckets, length_buckets
+from generation.serving.params import SamplingParams
+
+MAX_LENGTH, WIDTH = 64, 16
+WORDS = "the of and a to in is was it for on with as his that by at from her he said".split()
+
+
+@pytest.fixture(scope="module")
+def generator():
+    return Generator.from_pretrained("checkpoints/bloom-tiny", dtype="fp32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def engine(generator):
+    engine = Engine(generator, EngineConfig(max_batch=4, max_length=MAX_LENGTH, bucket_width=WIDTH))
+    engine.start()
+    assert engine.ready.wait(60)
+    yield engine
+    engine.stop()
+
+
+def alone(generator, prompt, params: SamplingParams):
+    extra = {}
+    if params.sampling:
+        extra = dict(do_sample=True, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                     seed=params.seed, num_return_sequences=params.n)
+    if params.repetition_penalty != 1.0:
+        extra["repetition_penalty"] = params.repetition_penalty
+    result = generator.generate([prompt], max_length=MAX_LENGTH, max_new_tokens=params.max_tokens, ignore_eos=False,
+                                bucket_width=WIDTH, stop=params.stop or None, **extra)[0]
+    return [s.token_ids for s in result.sequences]
+
+
+def test_buckets():
+    assert batch_buckets(1) == [1] and batch_buckets(6) == [1, 2, 4, 6] and batch_buckets(8) == [1, 2, 4, 8]
+    assert length_buckets(64, 16) == [16, 32, 48, 64] and length_buckets(50, 16) == [16, 32, 48, 50]
+    assert length_buckets(64, 0) == [64]
+
+
+def test_mixed_load_equals_each_request_alone(generator, engine):
+    rng = random.Random(0)
+    warm = set(generator.backend.signatures)
+    cases = []
+    for i in range(12):
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
+        kind = i % 4
+        params = SamplingParams(max_tokens=rng.randint(1, 30))
+        if kind == 1:
+            params = SamplingParams(max_tokens=12, temperature=0.7, top_k=rng.choice([0, 5]), top_p=rng.choice([1.0, 0.8]),
+                                    seed=i, n=rng.choice([1, 2]))
+        elif kind == 2:
+            params = SamplingParams(max_tokens=10, repetition_penalty=1.3)
+        elif kind == 3:
+            params = SamplingParams(max_tokens=20, stop=[" the", "and"])
+        cases.append((prompt, params))
+    handles = []
+
+    def submit_later(i, prompt, params):
+        threading.Event().wait(rng.random() * 0.05)  # arrivals spread over the running steps
+        handles.append((i, engine.submit(generator.tokenizer.encode(prompt), params)))
+
+    threads = [threading.Thread(target=submit_later, args=(i, p, s)) for i, (p, s) in enumerate(cases)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results = {i: [s.token_ids for s in h.result(timeout=60)] for i, h in handles}
+    # Signatures are checked before the reference runs (Generator.generate has its own shapes).
+    assert generator.backend.signatures == warm
+    for i, (prompt, params) in enumerate(cases):
+        assert results[i] == alone(generator, prompt, params), (i, prompt, params)
+    assert engine.running_rows == 0 and engine.queue_length == 0
+    # The load really shared steps, and rows moved down and buckets changed as rows left.
+    assert engine.stats["peak_rows"] > 1 and engine.stats["row_moves"] > 0 and engine.stats["bucket_changes"] > 1
+
+
+def test_openai_penalties(generator, engine):
+    ids = generator.tokenizer.encode("the cat")
+    plain = engine.submit(ids, SamplingParams(max_tokens=24)).result(60)[0].token_ids
+    neutral = engine.submit(ids, SamplingParams(max_tokens=24, presence_penalty=0.0, frequency_penalty=0.0,
+                                                repetition_penalty=1.0)).result(60)[0].token_ids
+    penalised = engine.submit(ids, SamplingParams(max_tokens=24, frequency_penalty=2.0, presence_penalty=1.0)).result(60)[0].token_ids
+    assert neutral == plain and penalised != plain
+    assert len(set(penalised)) > len(set(plain))  # fewer repeats
+
+
+def test_stream_events_join_to_the_result(generator, engine):
+    params = SamplingParams(max_tokens=25, stop=["and"], logprobs=2)
+    handle = engine.submit(generator.tokenizer.encode("the cat and the dog"), params)
+    text, ids, lps, final = "", [], [], None
+    for event in handle.events(timeout=60):
+        if event.kind == "delta":
+            text, ids, lps = text + event.text, ids + event.token_ids, lps + event.logprobs
+        elif event.kind == "finish":
+            final = event.sequence
+    assert text == final.text and ids == final.token_ids and len(lps) == len(ids)
+    assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.logprob - 1e-6 for lp in lps)
+
+
+def test_cancel_frees_rows(generator, engine):
+    handles = [engine.submit(generator.tokenizer.encode("a b c"), SamplingParams(max_tokens=60)) for _ in range(6)]
+    for h in handles:
+        h.cancel()
+    for _ in range(200):
+        if engine.running_rows == 0 and engine.queue_length == 0:
+            break
+        threading.Event().wait(0.01)
+    assert engine.running_rows == 0 and engine.queue_length == 0
+
+
+def test_rejects_what_cannot_run(generator, engine):
+    with pytest.raises(EngineError, match="max_length"):
+        engine.submit([5] * MAX_LENGTH, SamplingParams())
+    with pytest.raises(EngineError, match="rows"):
+        engine.submit([5], SamplingParams(temperature=1.0, n=5))
+    with pytest.raises(EngineError, match="empty"):
+        engine.submit([], SamplingParams())
+
+
+def test_a_failing_request_fails_alone(generator, engine, monkeypatch):
+    real = engine.runner
+
+    class Flaky:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def prefill(self, ids, lengths, cache):
+            if int(lengths[0]) == 7:
+                raise RuntimeError("boom")
+            return real.prefill(ids, lengths, cache)
+
+    monkeypatch.setattr(engine, "runner", Flaky())
+    ok = engine.submit([5] * 3, SamplingParams(max_tokens=5))
+    bad = engine.submit([5] * 7, SamplingParams(max_tokens=5))
+    with pytest.raises(EngineError, match="boom"):
+        bad.result(60)
+    [sequence] = ok.result(60)
+    assert 1 <= len(sequence.token_ids) <= 5 and engine.running_rows == 0
