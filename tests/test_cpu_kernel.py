@@ -65,18 +65,22 @@ def random_product(rows, out_features, in_features, dtype):
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
 def test_16_bit_products_are_the_exact_product_rounded_once(isa, dtype, rows, out_features, in_features):
-    """Against the exact product rounded once: equal, or one step away where the fp32 sums
-    (another order of addition) straddle a rounding boundary."""
+    """Against the exact product rounded once: almost always equal; elsewhere within one rounding
+    step plus the error of an fp32 sum (relative to the sum of |x w| terms: near zero, large terms
+    cancel and any fp32 order of addition, PyTorch's included, lands some fp16 steps away)."""
     needs_isa(isa)
     kernel = load(isa).few_rows_linear
     x, w, bias = random_product(rows, out_features, in_features, dtype)
+    step = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
     for b in (bias, None):
-        exact = F.linear(x.double(), w.double(), None if b is None else b.double()).to(dtype)
+        exact64 = F.linear(x.double(), w.double(), None if b is None else b.double())
+        exact = exact64.to(dtype)
         ours = kernel(x, w, b)
         assert ours.shape == exact.shape and ours.dtype == dtype
-        apart = ulps_apart(ours, exact)
-        assert apart.max() <= 1
-        assert (apart == 0).float().mean() > 0.9
+        terms = F.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
+        bound = step * exact64.abs() + in_features * 2.0**-24 * terms + 1e-30
+        assert ((ours.double() - exact64).abs() <= bound).all()
+        assert (ulps_apart(ours, exact) == 0).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)

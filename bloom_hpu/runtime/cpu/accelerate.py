@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from ...model import Attention, Linear, StaticBloom
+from ...model import Attention, StaticBloom
 from . import capability
 from .kernels import Kernels, KernelsUnavailable, load
 from .layers import (CPU_LINEAR, FEW_ROWS, CpuTiedHead, OneCallPromptAttention, kernel_suits, swap, unswap)
@@ -123,7 +123,7 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     dtype = model.word_embeddings.weight.dtype
     cap = capability.detect()
     kernels, why = choose_kernels(options.path, cap)
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    linears = [m for m in model.modules() if isinstance(m, tuple(CPU_LINEAR))]
     for linear in linears:
         swap(linear, CPU_LINEAR[getattr(linear, "plain_class", type(linear))])
     used = []
