@@ -8,8 +8,7 @@
 // (attention.h). Scores and weighted values are computed in tiles of 4 queries x 16 keys (or 16
 // value dimensions) from the head's keys and values laid out per dtype (Tiles, below): each vector
 // read serves 4 queries, and no horizontal sums are needed; the softmax's exp is vectorised too.
-// A bloom-560m block (16 heads of 64) at 512 tokens: 10 ms against 40 ms op by op, 2 threads
-// (bench/prompt_attention_bench.py --attention_only; docs/performance.md).
+// About 4x faster than op by op for long prompts (bench/prompt_attention_bench.py; docs/performance.md).
 //
 // Masking: a query at slot i of a row with `length` real tokens sees the keys at slots <= i. A pad
 // query (i >= length) gets zeros: its output is never used for a real token (real queries never
