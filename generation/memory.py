@@ -62,7 +62,8 @@ def agreed_free_bytes(device: torch.device, parallel=None) -> int | None:
         return free
     value = torch.tensor([-1 if free is None else free], dtype=torch.int64, device=getattr(parallel, "device", "cpu"))
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
-    return None if int(value.item()) < 0 else int(value.item())
+    smallest = int(value.item())
+    return None if smallest < 0 else smallest
 
 
 def human(n: int | float) -> str:

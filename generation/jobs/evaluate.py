@@ -26,6 +26,7 @@ from pathlib import Path
 from ..batch import InputError
 from ..logprobs import score_rows, static_length
 from ..progress import Progress
+from .files import read_user_file
 
 
 @dataclass
@@ -43,10 +44,8 @@ class EvalResult:
 def read_passages(path: str | Path) -> list[str]:
     """Texts of a ``{"text": ...}`` JSONL file; a bad line is an InputError naming it."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").split("\n")  # not splitlines: see runner.jsonl_lines
-    except FileNotFoundError:
-        raise InputError(f"evaluation file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as error:
+        lines = read_user_file(path, "evaluation").decode("utf-8").split("\n")  # not splitlines: see runner.jsonl_lines
+    except UnicodeDecodeError as error:
         raise InputError(f"cannot read evaluation file {path}: {error}") from None
     texts = []
     for number, line in enumerate(lines, 1):

@@ -8,6 +8,7 @@ device files what they are, and one writer per results file.
   device, a FIFO) is written through, never renamed over. A full disk is reported by name.
 - ``lock_results``: an exclusive ``flock`` on a results file, so two runs never append to it at
   once; the second one stops with a clear line.
+- ``read_user_file``: an input file's bytes, or one line naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ import stat
 from pathlib import Path
 
 from ..batch import InputError
+
+
+def read_user_file(path: str | Path, what: str) -> bytes:
+    """The bytes of the user's ``what`` file (e.g. "input", "requests"), or an InputError naming it."""
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"{what} file {path} does not exist") from None
+    except IsADirectoryError:
+        raise InputError(f"{what} file {path} is a folder") from None
+    except OSError as error:
+        raise InputError(f"cannot read {what} file {path}: {error.strerror or error}") from None
 
 
 def _identity(path: str | Path) -> tuple:

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from ..batch import InputError
+from .files import read_user_file
 
 
 def read_prompt_file(path: str | Path) -> list[str]:
@@ -15,15 +16,9 @@ def read_prompt_file(path: str | Path) -> list[str]:
     part of the text."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8-sig")
-    except FileNotFoundError:
-        raise InputError(f"input file {path} does not exist") from None
-    except IsADirectoryError:
-        raise InputError(f"input file {path} is a folder") from None
+        text = read_user_file(path, "input").decode("utf-8-sig")
     except UnicodeDecodeError as error:
         raise InputError(f"input file {path} is not UTF-8 text (byte {error.start + 1})") from None
-    except OSError as error:
-        raise InputError(f"cannot read input file {path}: {error.strerror or error}") from None
     if text.lstrip().startswith("{"):
         try:
             json.loads(text)

@@ -32,7 +32,7 @@ from ..logprobs import TokenText, score_rows
 from ..options import OptionError
 from ..progress import Progress, log
 from ..validate import check_request
-from .files import check_distinct, disk_error, is_regular_or_new, lock_results
+from .files import check_distinct, disk_error, is_regular_or_new, lock_results, read_user_file
 from .requests import (Choice, Request, RequestBatch, RequestError, batch_length, choice_record, parse_request,
                        plan_batches, request_key, result_record)
 
@@ -61,14 +61,7 @@ def jsonl_lines(data: bytes) -> list[str]:
 def read_requests(path: str | Path) -> tuple[list[Request], list[tuple[int, str, str]]]:
     """Valid requests and (line, message, text) of the malformed lines. Each line is decoded on its
     own, so a byte that is not UTF-8 refuses that line only."""
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"requests file {path} does not exist") from None
-    except IsADirectoryError:
-        raise InputError(f"requests file {path} is a folder") from None
-    except OSError as error:
-        raise InputError(f"cannot read requests file {path}: {error.strerror or error}") from None
+    data = read_user_file(path, "requests")
     requests, errors = [], []
     for number, raw in enumerate(data.split(b"\n"), 1):
         try:

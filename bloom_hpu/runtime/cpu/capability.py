@@ -24,6 +24,8 @@ KERNEL_ISAS = {
     "avx2": ("avx2", "fma", "f16c"),
 }
 ISA_NAMES = {"avx512_bf16": "AVX512-BF16", "avx512": "AVX-512", "avx2": "AVX2", "other": "no AVX2"}
+# The levels, lowest first: a CPU of a level runs everything below it.
+ISA_ORDER = ("other", "avx2", "avx512", "avx512_bf16")
 # Each level of torch's dispatch and the most our kernels may use under it.
 TORCH_LEVELS = {"AVX512": "avx512_bf16", "AVX2": "avx2"}
 
@@ -42,9 +44,8 @@ class Capability:
         return {"avx512_bf16": "avx512_bf16", "avx512": "avx2", "avx2": "avx2"}.get(self.isa)
 
     def can_run(self, kernel_isa: str) -> bool:
-        order = ["other", "avx2", "avx512", "avx512_bf16"]
         needed = "avx512_bf16" if kernel_isa == "avx512_bf16" else "avx2"
-        return order.index(self.isa) >= order.index(needed)
+        return ISA_ORDER.index(self.isa) >= ISA_ORDER.index(needed)
 
     @property
     def name(self) -> str:
@@ -81,8 +82,7 @@ def detect() -> Capability:
     if all(f in flags for f in KERNEL_ISAS["avx512_bf16"]):
         hardware = "avx512_bf16"
     ceiling = TORCH_LEVELS.get(torch_level, "other")
-    order = ["other", "avx2", "avx512", "avx512_bf16"]
-    isa = hardware if order.index(hardware) <= order.index(ceiling) else ceiling
+    isa = min(hardware, ceiling, key=ISA_ORDER.index)
     why = f"CPU flags: {ISA_NAMES[hardware]}"
     if isa != hardware:
         why += f", capped by torch's {torch_level} dispatch"
