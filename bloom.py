@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--max_batch", type=int, default=8, help="--serve: rows generating at once (default 8)")
     serving.add_argument("--bucket_width", type=int, default=32,
                          help="--serve: prompt and attention-window buckets, in tokens (default 32; 0: max_length only)")
+    serving.add_argument("--max_prefill", type=int, default=4,
+                         help="--serve: waiting prompts prefilled together in one step (default 4)")
     serving.add_argument("--max_queue", type=int, default=256, help="--serve: requests waiting before 503 (default 256)")
     serving.add_argument("--api_key", help="--serve: require 'Authorization: Bearer KEY' on /v1/ endpoints")
     return p
@@ -259,14 +261,15 @@ def run_server(args, opts) -> int:
         raise UsageError("--serve runs in --mode optimized only")
     if PARALLEL.world_size > 1:
         raise UsageError("--serve runs in one process for now (no tensor parallelism yet)")
-    if args.max_batch < 1 or args.bucket_width < 0 or args.max_queue < 1 or opts.max_length < 2:
-        raise UsageError("--max_batch and --max_queue must be >= 1, --bucket_width >= 0, --max_length >= 2")
+    if min(args.max_batch, args.max_queue, args.max_prefill) < 1 or args.bucket_width < 0 or opts.max_length < 2:
+        raise UsageError("--max_batch, --max_prefill and --max_queue must be >= 1, --bucket_width >= 0, "
+                         "--max_length >= 2")
     from generation.serving.app import serve
     from generation.serving.engine import EngineConfig
 
     generator = make_generator(args, opts)
     config = EngineConfig(max_batch=args.max_batch, max_length=opts.max_length, bucket_width=args.bucket_width,
-                          max_queue=args.max_queue)
+                          max_queue=args.max_queue, max_prefill=args.max_prefill)
     serve(generator, config, args.host, args.port, args.api_key, log=log)
     return 0
 

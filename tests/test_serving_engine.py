@@ -8,7 +8,8 @@ import threading
 import pytest
 
 from generation import Generator
-from generation.serving.engine import Engine, EngineConfig, EngineError, batch_buckets, length_buckets
+from generation.serving.device_rows import batch_buckets, length_buckets
+from generation.serving.engine import Engine, EngineConfig, EngineError
 from generation.serving.params import SamplingParams
 
 MAX_LENGTH, WIDTH = 64, 16
@@ -84,6 +85,25 @@ def test_mixed_load_equals_each_request_alone(generator, engine):
     assert engine.stats["peak_rows"] > 1 and engine.stats["row_moves"] > 0 and engine.stats["bucket_changes"] > 1
 
 
+def test_waiting_requests_are_prefilled_together(generator):
+    """A burst of arrivals is prefilled in groups of a prefill bucket's size (4, 2, 1), not one by one,
+    a prompt far longer than the others alone; every row still equals its request alone."""
+    engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH, max_prefill=4))
+    groups = []
+    real_prefill = engine.device_rows.prefill
+    engine.device_rows.prefill = lambda prompts: groups.append([len(p) for p in prompts]) or real_prefill(prompts)
+    rng = random.Random(1)
+    prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 10))) for _ in range(7)]
+    prompts.append(" ".join(["the"] * 50))  # 64 slots for it and 16 for the others: padding them wastes too much
+    params = SamplingParams(max_tokens=6)
+    handles = [engine.submit(generator.tokenizer.encode(p), params) for p in prompts]
+    while engine.step():
+        pass
+    assert [len(g) for g in groups] == [4, 2, 1, 1] and groups[-1][0] >= 50
+    for prompt, handle in zip(prompts, handles):
+        assert [s.token_ids for s in handle.result(1)] == alone(generator, prompt, params), prompt
+
+
 def test_openai_penalties(generator, engine):
     ids = generator.tokenizer.encode("the cat")
     plain = engine.submit(ids, SamplingParams(max_tokens=24)).result(60)[0].token_ids
@@ -128,18 +148,18 @@ def test_rejects_what_cannot_run(generator, engine):
 
 
 def test_a_failing_request_fails_alone(generator, engine, monkeypatch):
-    real = engine.runner
+    real = engine.device_rows.runner
 
     class Flaky:
         def __getattr__(self, name):
             return getattr(real, name)
 
         def prefill(self, ids, lengths, cache):
-            if int(lengths[0]) == 7:
+            if (lengths == 7).any():  # fails the group it is in, then alone
                 raise RuntimeError("boom")
             return real.prefill(ids, lengths, cache)
 
-    monkeypatch.setattr(engine, "runner", Flaky())
+    monkeypatch.setattr(engine.device_rows, "runner", Flaky())
     ok = engine.submit([5] * 3, SamplingParams(max_tokens=5))
     bad = engine.submit([5] * 7, SamplingParams(max_tokens=5))
     with pytest.raises(EngineError, match="boom"):

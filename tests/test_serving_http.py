@@ -314,7 +314,8 @@ def test_cli_serve(tmp_path):
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
     log = proc.stderr.read()
-    assert "warm-up: 2 prefill and 4 decode shapes" in log, log
+    # Prefills of 1 and 2 prompts and decodes of 1 and 2 rows, each at lengths 16 and 32.
+    assert "warm-up: 4 prefill and 4 decode shapes" in log, log
 
 
 def test_token_id_prompts(server, client):

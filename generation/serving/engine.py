@@ -2,24 +2,21 @@
 
 * **Slots.** ``max_batch`` rows. A request takes ``params.rows`` free slots (sampled choices one row
   each; greedy choices are all alike, so one row serves them) and gives them back when it ends.
-* **Caches, allocated once.** One KV cache of ``max_length`` slots per *batch bucket* (1, 2, 4, ...
-  ``max_batch`` rows), plus one 1-row cache for prefills. Decode runs over the smallest bucket
-  that holds every running row, so its cost follows the number of active rows, not ``max_batch``.
-  Running rows are kept in the lowest slots (a finished row's place is taken by the highest one), and
-  when the bucket changes their live slots move to the other bucket's cache (a copy of the live
-  window, only on a bucket change). Why separate caches rather than views of one: a step's cache
-  must be contiguous (the CPU's one-call step requires it, and a captured graph is bound to its
-  tensors), and ``cache[:, :b]`` of a [layers, B, ...] cache is not.
-* **Prefill in place, one request at a time.** A new request's prompt runs as a [1, P] prefill (P:
-  the prompt's length bucket) in the 1-row cache, whose first L slots are then copied into each of
-  its rows. The running rows' cache is never touched, and prefill shapes stay one per length
-  bucket. (A prefill over the whole batch with a row mask would recompute, or have to protect,
-  every running row.)
+* **Caches and steps** live in ``device_rows.py``: one KV cache per batch bucket, allocated once,
+  and the steps, called with host values only (so a tensor-parallel server can send each call to
+  every rank: ``tp_serving.py``). Decode runs over the smallest bucket that holds every running row,
+  so its cost follows the number of active rows, not ``max_batch``. Running rows are kept in the
+  lowest slots (a finished row's place is taken by the highest one), and when the bucket changes
+  their live slots move to the other bucket's cache.
+* **Prefill in place, several requests at once.** Waiting requests join in first-come order; up to
+  ``max_prefill`` of them are prefilled together as one [k, P] step (k a power of two, P the length
+  bucket of the longest), as long as padding to the longest wastes little; each prompt's slots are
+  then copied into its rows. The running rows' cache is never touched by a prefill.
 * **Decode.** Each step chooses every running row's next token (per-row options as tensors:
   ``row_options.py``), copies the [b] tokens to the host (the step's one sync: streaming, EOS,
   stop strings and budgets are decided there), then runs one [b, 1] decode in the bucket's cache
   with each row at its own position and a window that is the length bucket of the furthest row.
-* **Warm-up** runs every (prefill length bucket) and (batch bucket, window) once, so after it no
+* **Warm-up** runs every (prefill bucket, length bucket) and (batch bucket, window) once, so after it no
   load adds a step signature (``backend.signatures``).
 * **Scheduling.** One thread owns the model. Requests arrive through a thread-safe queue and join
   between steps, first come first served; events stream back through each request's sink.
@@ -41,11 +38,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..batch import round_up
 from ..logprobs import TokenText
 from ..results import make_sequence
 from ..search.sampling import resolve_seed, row_keys
 from ..search.text_ends import first_stop, safe_length
+from .device_rows import DeviceRows
 from .params import Event, SamplingParams, TokenLogprob
 from .row_options import RowFlags, RowOptions, choose_tokens, token_logprobs
 
@@ -69,18 +66,7 @@ class EngineConfig:
     max_length: int = 128
     bucket_width: int = 32  # length buckets (prompt padding, decode windows); 0: max_length only
     max_queue: int = 256
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """1, 2, 4, ... below max_batch, then max_batch."""
-    sizes = [1 << i for i in range(max_batch.bit_length()) if (1 << i) < max_batch]
-    return sizes + [max_batch]
-
-
-def length_buckets(max_length: int, width: int) -> list[int]:
-    if not width:
-        return [max_length]
-    return sorted({min(round_up(n, width), max_length) for n in range(1, max_length + 1)})
+    max_prefill: int = 4  # prompts prefilled together in one step
 
 
 class EngineMetrics:
@@ -154,25 +140,28 @@ class _Row:
     last_time: float = 0.0
 
 
+# Prompts prefilled together are padded to the longest: a group grows only while its padded
+# tokens stay within this factor of its real (bucketed) tokens.
+PREFILL_WASTE = 1.5
+
+
 class Engine:
-    def __init__(self, generator, config: EngineConfig = EngineConfig(), metrics: EngineMetrics | None = None):
+    def __init__(self, generator, config: EngineConfig = EngineConfig(), metrics: EngineMetrics | None = None,
+                 device_rows: DeviceRows | None = None):
         self.generator = generator
         self.config = config
         self.metrics = metrics or EngineMetrics()
-        self.runner = generator.runner
         self.tokenizer = generator.tokenizer
         self.text_of = TokenText(self.tokenizer)
         self.device = generator.device
-        model = self.runner.model
         self.pad = self.tokenizer.pad_token_id
         self.eos = self.tokenizer.eos_token_id
-        self.batch_sizes = batch_buckets(config.max_batch)
-        self.lengths = length_buckets(config.max_length, config.bucket_width)
-        # Our own caches, not the runner's pool: the offline path's generate calls use that pool
-        # and must not overwrite the running rows.
-        self.caches = {b: model.allocate_cache(b, config.max_length) for b in self.batch_sizes}
-        self.prefill_cache = model.allocate_cache(1, config.max_length)
-        vocab = model.config.vocab_size
+        self.device_rows = device_rows or DeviceRows(generator, config.max_batch, config.max_length,
+                                                     config.bucket_width, config.max_prefill)
+        self.batch_sizes = self.device_rows.batch_sizes
+        self.prefill_sizes = self.device_rows.prefill_sizes
+        self.lengths = self.device_rows.lengths
+        vocab = generator.runner.model.config.vocab_size
         self.logits = torch.zeros(config.max_batch, vocab, dtype=torch.float32, device=self.device)  # [R, V]
         self.opts = RowOptions(config.max_batch, vocab, config.max_length, self.device, self.pad)
         self.rows: list[_Row | None] = [None] * config.max_batch
@@ -183,8 +172,8 @@ class Engine:
         self.warmup_report: dict | None = None
         self.tokens_total = 0
         # What the scheduler did, for tests and the benchmark: most rows at once, rows moved to
-        # lower slots, batch-bucket changes.
-        self.stats = {"peak_rows": 0, "row_moves": 0, "bucket_changes": 0}
+        # lower slots, batch-bucket changes, prefill steps and the prompts they held.
+        self.stats = {"peak_rows": 0, "row_moves": 0, "bucket_changes": 0, "prefills": 0, "prompts_prefilled": 0}
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -241,6 +230,7 @@ class Engine:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.device_rows.close()
 
     def _run(self, warm_up: bool) -> None:
         if warm_up:
@@ -259,21 +249,9 @@ class Engine:
 
     # --- warm-up --------------------------------------------------------------------------------
 
-    @torch.no_grad()
     def warm_up(self) -> dict:
-        """Run every step shape the engine uses: a prefill per length bucket, a decode per
-        (batch bucket, window). Returns what it ran and how long it took."""
-        start = time.perf_counter()
-        for p in self.lengths:
-            ids = torch.full((1, p), self.pad, dtype=torch.long, device=self.device)
-            self.runner.prefill(ids, torch.tensor([p], device=self.device), self.prefill_cache)
-        for b in self.batch_sizes:
-            zeros = torch.zeros(b, dtype=torch.long, device=self.device)
-            for window in self.lengths:
-                self.runner.decode(zeros[:, None], zeros, self.caches[b], window)
-        self.generator.backend.synchronize()
-        self.warmup_report = {"prefill": len(self.lengths), "decode": len(self.batch_sizes) * len(self.lengths),
-                              "seconds": time.perf_counter() - start}
+        """Run every step shape the engine uses (``DeviceRows.warm_up``)."""
+        self.warmup_report = self.device_rows.warm_up()
         return self.warmup_report
 
     # --- one scheduler step ---------------------------------------------------------------------
@@ -289,7 +267,7 @@ class Engine:
             return ran_offline
         b = self.bucket
         rows = self.rows[:b]
-        used, steps = self._upload([r.prompt_len + len(r.ids) if r else 0 for r in rows],
+        used, steps = self.device_rows.upload([r.prompt_len + len(r.ids) if r else 0 for r in rows],
                                    [len(r.ids) if r else 0 for r in rows])
         flags = RowFlags([self.rows[i].handle.params for i in live])
         logits = self.logits[:b]
@@ -331,18 +309,8 @@ class Engine:
         positions = [r.prompt_len + len(r.ids) - 1 if r else 0 for r in rows]
         tokens = [r.ids[-1] if r else self.pad for r in rows]
         window = self._length_bucket(max(positions) + 1)
-        tokens, positions = self._upload(tokens, positions)
-        out = self.runner.decode(tokens[:, None], positions, self.caches[self.bucket], window)
+        out = self.device_rows.decode(self.bucket, tokens, positions, window)
         self.logits[: self.bucket].copy_(out)
-
-    def _upload(self, *columns: list[int]) -> list[torch.Tensor]:
-        """Host ints -> device [n] long tensors without a host sync: a plain
-        ``torch.tensor(..., device=)`` waits for the device's queue, an asynchronous copy from pinned
-        memory does not (PyTorch's pinned-memory allocator keeps the buffer until the copy has read it)."""
-        host = torch.tensor(columns, dtype=torch.long)
-        if self.device.type == "cpu":
-            return list(host)
-        return list(host.pin_memory().to(self.device, non_blocking=True))
 
     def _length_bucket(self, needed: int) -> int:
         return next(n for n in self.lengths if n >= needed)
@@ -353,8 +321,8 @@ class Engine:
     # --- rows joining -----------------------------------------------------------------------------
 
     def _admit(self) -> bool:
-        """Move queued requests into free slots, first come first served. Returns whether an
-        offline request ran."""
+        """Move queued requests into free slots, first come first served, prefilling up to
+        ``max_prefill`` of them together. Returns whether an offline request ran."""
         while True:
             try:
                 self.waiting.append(self.inbox.get_nowait())
@@ -371,55 +339,91 @@ class Engine:
                 self._answer_offline(handle)
                 ran = True
                 continue
-            free = [i for i, r in enumerate(self.rows) if r is None]
-            if len(free) < handle.params.rows:
+            group = self._next_group()
+            if not group:
                 break
-            self.waiting.popleft()
-            try:
-                self._join(handle, free[: handle.params.rows])
-            except Exception as error:  # this request fails alone; the running rows go on
-                self.rows = [None if r is not None and r.handle is handle else r for r in self.rows]
-                handle.emit(Event("error", message=f"internal error: {error!r}"))
+            for _ in group:
+                self.waiting.popleft()
+            self._join_group(group)
         return ran
 
-    def _join(self, handle: RequestHandle, slots: list[int]) -> None:
-        params, ids = handle.params, handle.prompt_ids
-        occupied = [i for i, r in enumerate(self.rows) if r is not None] + slots
+    def _next_group(self) -> list[RequestHandle]:
+        """The requests at the head of the queue to prefill together: consecutive ones that fit
+        the free slots, at most ``max_prefill``, as many as a prefill bucket holds, while padding
+        them to the longest wastes at most PREFILL_WASTE."""
+        free = sum(r is None for r in self.rows)
+        group, rows, real = [], 0, 0
+        for handle in self.waiting:
+            if handle.offline is not None or handle.cancelled.is_set() or len(group) == self.prefill_sizes[-1]:
+                break
+            length = self._length_bucket(len(handle.prompt_ids))
+            longest = max([length] + [self._length_bucket(len(h.prompt_ids)) for h in group])
+            if rows + handle.params.rows > free or (group and (len(group) + 1) * longest > PREFILL_WASTE * (real + length)):
+                break
+            group.append(handle)
+            rows += handle.params.rows
+            real += length
+        # As many as a prefill bucket holds exactly: no filler rows; the rest join next.
+        return group[: max((k for k in self.prefill_sizes if k <= len(group)), default=0)]
+
+    def _join_group(self, group: list[RequestHandle]) -> None:
+        try:
+            self._join(group)
+        except Exception as error:
+            self._unseat(group)
+            if len(group) == 1:  # this request fails alone; the running rows go on
+                group[0].emit(Event("error", message=f"internal error: {error!r}"))
+                return
+            for handle in group:  # find the one that fails: each alone
+                self._join_group([handle])
+
+    def _unseat(self, group: list[RequestHandle]) -> None:
+        self.rows = [None if r is not None and any(r.handle is h for h in group) else r for r in self.rows]
+
+    def _join(self, group: list[RequestHandle]) -> None:
+        free = [i for i, r in enumerate(self.rows) if r is None]
+        seats, start = [], 0
+        for handle in group:
+            seats.append(free[start : start + handle.params.rows])
+            start += handle.params.rows
+        occupied = [i for i, r in enumerate(self.rows) if r is not None] + [s for slots in seats for s in slots]
         self._resize(self._batch_bucket(max(occupied) + 1))
+        logits = self.device_rows.prefill([h.prompt_ids for h in group])  # [k, V]
+        self.stats["prefills"] += 1
+        self.stats["prompts_prefilled"] += len(group)
+        extent = self._length_bucket(max(len(h.prompt_ids) for h in group))
+        for row, (handle, slots) in enumerate(zip(group, seats)):
+            self.device_rows.place(len(group), row, self.bucket, slots, extent)
+            self._seat(handle, slots, logits[row], extent)
+
+    def _seat(self, handle: RequestHandle, slots: list[int], logits: torch.Tensor, extent: int) -> None:
+        """The request's rows take ``slots``: options, sampling keys, first logits, host state."""
+        params, ids = handle.params, handle.prompt_ids
         length = len(ids)
-        p = self._length_bucket(length)
-        [padded] = self._upload(ids + [self.pad] * (p - length))
-        [lengths] = self._upload([length])
-        logits = self.runner.prefill(padded[None], lengths, self.prefill_cache)  # [1, V]
         if params.sampling:
             # The keys Generator.generate gives this prompt alone: the same seed samples the same text.
             keys = row_keys([ids], resolve_seed(params.seed), params.rows, "cpu").tolist()
         else:
             keys = [0] * len(slots)
         limit = min(params.max_tokens, self.config.max_length - length)
-        cache = self.caches[self.bucket]
+        [padded] = self.device_rows.upload(ids + [self.pad] * (extent - length))
         for copy, slot in enumerate(slots):
-            for mine, theirs in ((cache.keys, self.prefill_cache.keys), (cache.values, self.prefill_cache.values)):
-                # The whole bucket, not the prompt's length: copies of a few shapes (a Gaudi compiles
-                # each new one); slots past the prompt are masked until the row writes them.
-                mine[:, slot, :, :p].copy_(theirs[:, 0, :, :p])
-            self.logits[slot].copy_(logits[0])
+            self.logits[slot].copy_(logits)
             self.opts.set_row(slot, params, keys[copy], padded)
             indices = [copy] if params.sampling else list(range(params.n))
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             self.rows[slot] = _Row(handle, indices, length, limit, decoder=decoder)
 
     def _answer_offline(self, handle: RequestHandle) -> None:
-        from ..jobs.requests import RequestBatch, batch_length
-        from ..jobs.runner import answer_batch
+        from ..jobs.requests import batch_length
 
         request = handle.offline
         lengths = [len(ids) for ids in self.tokenizer.encode_batch(request.prompts)]
         request.max_tokens = min(request.max_tokens, self.config.max_length - max(lengths))
         length = batch_length(max(lengths), request.max_tokens)
         try:
-            batch = RequestBatch([request], [lengths], length, budget=length * len(lengths) * request.rows_per_prompt)
-            records, tokens = answer_batch(self.generator, batch)
+            budget = length * len(lengths) * request.rows_per_prompt
+            records, tokens = self.device_rows.answer_offline(request, lengths, length, budget)
         except Exception as error:
             handle.emit(Event("error", message=f"{type(error).__name__}: {error}"))
             return
@@ -506,11 +510,9 @@ class Engine:
             return
         target = self._batch_bucket(len(live))
         extent = self._extent()
-        cache = self.caches[self.bucket]
         while max(live) >= target:
             src, dst = max(live), self.rows.index(None)
-            for t in (cache.keys, cache.values):
-                t[:, dst, :, :extent].copy_(t[:, src, :, :extent])
+            self.device_rows.move(self.bucket, src, dst, extent)
             self.opts.move_row(src, dst)
             self.rows[dst], self.rows[src] = self.rows[src], None
             self.stats["row_moves"] += 1
@@ -522,9 +524,6 @@ class Engine:
         if bucket == self.bucket:
             return
         if self.bucket:
-            rows, extent = min(bucket, self.bucket), self._extent()
-            old, new = self.caches[self.bucket], self.caches[bucket]
-            for mine, theirs in ((new.keys, old.keys), (new.values, old.values)):
-                mine[:, :rows, :, :extent].copy_(theirs[:, :rows, :, :extent])
+            self.device_rows.resize(self.bucket, bucket, self._extent())
             self.stats["bucket_changes"] += 1
         self.bucket = bucket

@@ -1,0 +1,136 @@
+"""The engine's device side: the KV caches, allocated once, and the steps that run on them.
+
+The engine (``engine.py``) decides everything on the host: which requests join, which slot each
+row takes, which token each row chose. It then calls one of the methods below with host values
+only (ints and lists of ints), never tensors. That is what lets a tensor-parallel server run: rank 0
+sends each call to the other ranks (``tp_serving.py``), and every rank makes the same steps on its
+own shard, with the collectives inside the steps pairing up.
+
+* ``caches[b]``: one cache of ``max_length`` slots per *batch bucket* b (1, 2, 4, ... max_batch
+  rows). Decode runs in the smallest bucket that holds every running row. Separate caches rather
+  than views of one: a step's cache must be contiguous (the CPU's one-call step requires it, and a
+  captured graph is bound to its tensors), and ``cache[:, :b]`` of a [layers, B, ...] cache is not.
+* ``prefill_caches[k]``: k prompts (k = 1, 2, 4, ... max_prefill) prefilled together as one [k, P]
+  step, P their length bucket, right-padded; each prompt's first P slots are then copied into its
+  rows of the decode cache (``place``). The running rows' cache is never touched by a prefill.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..batch import round_up
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... below max_batch, then max_batch."""
+    sizes = [1 << i for i in range(max_batch.bit_length()) if (1 << i) < max_batch]
+    return sizes + [max_batch]
+
+
+def length_buckets(max_length: int, width: int) -> list[int]:
+    if not width:
+        return [max_length]
+    return sorted({min(round_up(n, width), max_length) for n in range(1, max_length + 1)})
+
+
+class DeviceRows:
+    def __init__(self, generator, max_batch: int, max_length: int, bucket_width: int, max_prefill: int):
+        self.generator = generator
+        self.runner = generator.runner
+        self.device = generator.device
+        self.pad = generator.tokenizer.pad_token_id
+        self.max_length = max_length
+        self.batch_sizes = batch_buckets(max_batch)
+        self.prefill_sizes = batch_buckets(min(max_prefill, max_batch))
+        self.lengths = length_buckets(max_length, bucket_width)
+        model = self.runner.model
+        # Our own caches, not the runner's pool: the offline path's generate calls use that pool
+        # and must not overwrite the running rows.
+        self.caches = {b: model.allocate_cache(b, max_length) for b in self.batch_sizes}
+        self.prefill_caches = {k: model.allocate_cache(k, max_length) for k in self.prefill_sizes}
+
+    def length_bucket(self, needed: int) -> int:
+        return next(n for n in self.lengths if n >= needed)
+
+    # --- steps ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def warm_up(self) -> dict:
+        """Run every step shape the engine uses: a prefill per (prefill bucket, length bucket), a
+        decode per (batch bucket, window). Returns what it ran and how long it took."""
+        start = time.perf_counter()
+        for k in self.prefill_sizes:
+            for p in self.lengths:
+                self.prefill([[self.pad] * p] * k)
+        for b in self.batch_sizes:
+            for window in self.lengths:
+                self.decode(b, [self.pad] * b, [0] * b, window)
+        self.generator.backend.synchronize()
+        return {"prefill": len(self.prefill_sizes) * len(self.lengths),
+                "decode": len(self.batch_sizes) * len(self.lengths),
+                "seconds": time.perf_counter() - start}
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Prefill k prompts (k one of ``prefill_sizes``) into ``prefill_caches[k]``, right-padded to
+        the length bucket of the longest. Returns their last-token logits [k, V]."""
+        k, p = len(prompts), self.length_bucket(max(map(len, prompts)))
+        padded, lengths = self.upload([ids + [self.pad] * (p - len(ids)) for ids in prompts],
+                                       [len(ids) for ids in prompts])
+        return self.runner.prefill(padded, lengths, self.prefill_caches[k])
+
+    @torch.no_grad()
+    def decode(self, bucket: int, tokens: list[int], positions: list[int], window: int) -> torch.Tensor:
+        """One [b, 1] decode in ``caches[bucket]``: row i takes ``tokens[i]`` at ``positions[i]``,
+        attending over the first ``window`` slots. Returns logits [b, V]."""
+        tokens, positions = self.upload(tokens, positions)
+        return self.runner.decode(tokens[:, None], positions, self.caches[bucket], window)
+
+    # --- moving rows between caches -------------------------------------------------------------
+
+    def place(self, k: int, row: int, bucket: int, slots: list[int], extent: int) -> None:
+        """Copy prompt ``row`` of the last k-prompt prefill into ``slots`` of ``caches[bucket]``:
+        its first ``extent`` slots (its length bucket: a few copy shapes, which a Gaudi compiles
+        once each; slots past the prompt stay masked until the row writes them)."""
+        source, cache = self.prefill_caches[k], self.caches[bucket]
+        for slot in slots:
+            for mine, theirs in ((cache.keys, source.keys), (cache.values, source.values)):
+                mine[:, slot, :, :extent].copy_(theirs[:, row, :, :extent])
+
+    def move(self, bucket: int, src: int, dst: int, extent: int) -> None:
+        """Row ``dst`` of ``caches[bucket]`` takes the first ``extent`` slots of row ``src``."""
+        cache = self.caches[bucket]
+        for t in (cache.keys, cache.values):
+            t[:, dst, :, :extent].copy_(t[:, src, :, :extent])
+
+    def resize(self, old: int, new: int, extent: int) -> None:
+        """The running rows move from ``caches[old]`` to ``caches[new]`` (their first ``extent`` slots)."""
+        rows = min(old, new)
+        src, dst = self.caches[old], self.caches[new]
+        for mine, theirs in ((dst.keys, src.keys), (dst.values, src.values)):
+            mine[:, :rows, :, :extent].copy_(theirs[:, :rows, :, :extent])
+
+    # --- the batch runner's path ----------------------------------------------------------------
+
+    def answer_offline(self, request, lengths: list[int], length: int, budget: int) -> tuple[list[dict], int]:
+        """Beams, best_of, echo with log-probs...: one request through ``Generator.generate``
+        (jobs.runner.answer_batch), in the generator's own shapes."""
+        from ..jobs.requests import RequestBatch
+        from ..jobs.runner import answer_batch
+
+        return answer_batch(self.generator, RequestBatch([request], [lengths], length, budget=budget))
+
+    def close(self) -> None:
+        """The server is stopping (other ranks stop following under tensor parallelism)."""
+
+    def upload(self, *columns) -> list[torch.Tensor]:
+        """Host ints -> device long tensors without a host sync: a plain ``torch.tensor(...,
+        device=)`` waits for the device's queue, an asynchronous copy from pinned memory does not
+        (PyTorch's pinned-memory allocator keeps the buffer until the copy has read it)."""
+        tensors = [torch.tensor(c, dtype=torch.long) for c in columns]
+        if self.device.type == "cpu":
+            return tensors
+        return [t.pin_memory().to(self.device, non_blocking=True) for t in tensors]
