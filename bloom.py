@@ -259,18 +259,27 @@ def run_server(args, opts) -> int:
     """--serve: warm up every bucket, then answer HTTP (generation/serving/)."""
     if args.mode == "vanilla":
         raise UsageError("--serve runs in --mode optimized only")
-    if PARALLEL.world_size > 1:
-        raise UsageError("--serve runs in one process for now (no tensor parallelism yet)")
     if min(args.max_batch, args.max_queue, args.max_prefill) < 1 or args.bucket_width < 0 or opts.max_length < 2:
         raise UsageError("--max_batch, --max_prefill and --max_queue must be >= 1, --bucket_width >= 0, "
                          "--max_length >= 2")
     from generation.serving.app import serve
+    from generation.serving.device_rows import DeviceRows
     from generation.serving.engine import EngineConfig
 
+    check_ranks_agree(args, [])
     generator = make_generator(args, opts)
     config = EngineConfig(max_batch=args.max_batch, max_length=opts.max_length, bucket_width=args.bucket_width,
                           max_queue=args.max_queue, max_prefill=args.max_prefill)
-    serve(generator, config, args.host, args.port, args.api_key, log=log)
+    rows = DeviceRows(generator, config.max_batch, config.max_length, config.bucket_width, config.max_prefill)
+    if PARALLEL.world_size > 1:
+        # Rank 0 answers HTTP and sends each step to the other ranks, which make it too (tp_serving.py).
+        from generation.serving.tp_serving import LeaderRows, follow
+
+        if PARALLEL.rank != 0:
+            follow(rows)
+            return 0
+        rows = LeaderRows(rows, PARALLEL)
+    serve(generator, config, args.host, args.port, args.api_key, log=log, device_rows=rows)
     return 0
 
 

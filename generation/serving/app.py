@@ -260,8 +260,9 @@ def _add(usage: dict, more: dict | None) -> dict:
 
 
 def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          model_name: str | None = None, log=print) -> None:
-    """Warm up, then answer HTTP until interrupted (``./bloom.py --serve``)."""
+          model_name: str | None = None, log=print, device_rows=None) -> None:
+    """Warm up, then answer HTTP until interrupted (``./bloom.py --serve``). ``device_rows``: the
+    engine's device side when it is not the default one (tensor parallelism: tp_serving.LeaderRows)."""
     import threading
 
     import uvicorn
@@ -269,7 +270,7 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
     from .engine import Engine
 
     metrics = PrometheusMetrics()
-    engine = Engine(generator, config, metrics)
+    engine = Engine(generator, config, metrics, device_rows)
     metrics.bind(engine)
     name = model_name or generator.folder.name
     app = make_app(engine, name, api_key, metrics)

@@ -1,0 +1,128 @@
+"""The server under the deepspeed launcher on 2 ranks (rank 0 answers HTTP, the other rank follows
+each step) answers what one process answers: greedy, seeded samples, log-probs, stop strings,
+beams and echo scoring (the batch runner's path), sent concurrently."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVE = ["--serve", "--max_batch", "4", "--max_length", "48", "--bucket_width", "16", "--max_prefill", "2"]
+
+REQUESTS = [
+    dict(prompt="the cat sat on", max_tokens=12, temperature=0),
+    dict(prompt="a", max_tokens=20, temperature=0, logprobs=2),
+    dict(prompt="once upon a time there was a very long prompt indeed, longer than the others", max_tokens=8,
+         temperature=0, stop=[" the"]),
+    dict(prompt="seeded", max_tokens=10, temperature=0.8, seed=3, n=2, extra_body={"top_k": 20}),
+    dict(prompt="hello world", max_tokens=6, temperature=0, n=2, extra_body={"num_beams": 3}),
+    dict(prompt="score this text", max_tokens=0, echo=True, logprobs=1),
+    dict(prompt="and then", max_tokens=15, temperature=0, frequency_penalty=1.0),
+    dict(prompt="x y z", max_tokens=9, temperature=0.5, seed=11),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(command: list[str], port: int, log_path: Path) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    log = open(log_path, "w")
+    # Its own process group: the launcher and its ranks are stopped together.
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        assert proc.poll() is None, log_path.read_text()[-4000:]
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            connection.request("GET", "/health")
+            if connection.getresponse().status == 200:
+                return proc
+        except OSError:
+            pass
+        time.sleep(0.5)
+    stop(proc)
+    raise AssertionError("the server did not get ready: " + log_path.read_text()[-4000:])
+
+
+def stop(proc: subprocess.Popen) -> int:
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.wait(10)
+
+
+def answers(port: int, model: str) -> list[list]:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def ask(request):
+        out = client.completions.create(model=model, **request)
+        return [(c.text, c.finish_reason, c.logprobs.model_dump() if c.logprobs else None) for c in out.choices]
+
+    with ThreadPoolExecutor(len(REQUESTS)) as pool:
+        return list(pool.map(ask, REQUESTS))
+
+
+def same_choices(have, want, request) -> None:
+    """Texts, finish reasons and tokens equal; log-probs within float noise (the ranks sum their
+    halves of each product in another order than one process)."""
+    assert [(text, finish) for text, finish, _ in have] == [(text, finish) for text, finish, _ in want], request
+    for (_, _, mine), (_, _, theirs) in zip(have, want):
+        assert (mine is None) == (theirs is None), request
+        if mine is None:
+            continue
+        assert mine["tokens"] == theirs["tokens"] and mine["text_offset"] == theirs["text_offset"], request
+        assert mine["token_logprobs"] == pytest.approx(theirs["token_logprobs"], abs=1e-4, nan_ok=True), request
+        for top_mine, top_theirs in zip(mine["top_logprobs"] or [], theirs["top_logprobs"] or []):
+            assert (top_mine is None) == (top_theirs is None), request
+            if top_mine is None:  # echo: the prompt's first token has none
+                continue
+            assert top_mine.keys() == top_theirs.keys(), request
+            assert list(top_mine.values()) == pytest.approx([top_theirs[k] for k in top_mine], abs=1e-4), request
+
+
+@pytest.fixture(scope="module")
+def checkpoint(make_ckpt):
+    return make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=5)
+
+
+def test_two_ranks_serve_what_one_process_serves(checkpoint, tmp_path):
+    port = free_port()
+    one = start([sys.executable, "bloom.py", "--weights", str(checkpoint), *SERVE, "--port", str(port)],
+                port, tmp_path / "one.log")
+    try:
+        expected = answers(port, checkpoint.name)
+    finally:
+        stop(one)
+
+    port = free_port()
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
+    two = start([*launcher, "bloom.py", "--weights", str(checkpoint), *SERVE, "--port", str(port)],
+                port, tmp_path / "two.log")
+    try:
+        got = answers(port, checkpoint.name)
+        got_again = answers(port, checkpoint.name)  # a second load over the same ranks, in another mix
+    finally:
+        stop(two)
+    log = (tmp_path / "two.log").read_text()
+    assert "num_local_procs=2" in log and "warm-up:" in log, log[-3000:]
+    for request, want, have, again in zip(REQUESTS, expected, got, got_again):
+        same_choices(have, want, request)
+        same_choices(again, want, request)
+    assert any(text for choices in expected for text, _, _ in choices)
