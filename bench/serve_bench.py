@@ -171,7 +171,7 @@ def ours(generator, args):
     from generation.serving.engine import Engine, EngineConfig
 
     engine = Engine(generator, EngineConfig(max_batch=args.max_batch, max_length=args.max_length,
-                                            bucket_width=args.bucket_width))
+                                            bucket_width=args.bucket_width, max_prefill=args.max_prefill))
     engine.start()
     engine.ready.wait()
     port = free_port()
@@ -256,6 +256,43 @@ def offline_run(generator, bodies: list[dict], budget: int) -> dict:
             "new_shapes": ""}
 
 
+def batch1_decode_ms(generator, args, prompt_tokens: int) -> float:
+    """One row's decode step as the engine runs it (bucket 1, the window of a typical row), timed
+    alone: the yardstick of the inter-token latency target."""
+    from generation.serving.device_rows import DeviceRows
+
+    rows = DeviceRows(generator, 1, args.max_length, args.bucket_width, 1)
+    rows.prefill([[5] * prompt_tokens])
+    window = rows.length_bucket(min(args.max_length, prompt_tokens + args.max_tokens))
+    for _ in range(3):
+        rows.decode(1, [5], [prompt_tokens], window)
+    times = []
+    for i in range(20):
+        start = time.perf_counter()
+        rows.decode(1, [5], [prompt_tokens + i % args.max_tokens], window)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def ratios(rows: list[dict], decode_ms: float) -> str:
+    """The issue's targets, per closed-loop level: ours / transformers and ours / offline
+    throughput, ours' p99 inter-token latency / the batch-1 decode step."""
+    by = {(r["variant"], r["load"]): r for r in rows}
+    offline = by.get(("offline", "one job"))
+    lines = [f"batch-1 decode step: {decode_ms:.1f} ms"]
+    for (variant, load), r in by.items():
+        if variant != "ours":
+            continue
+        parts = [f"ours at {load}:"]
+        if ("transformers", load) in by:
+            parts.append(f"{r['tok_s'] / by[('transformers', load)]['tok_s']:.2f}x transformers")
+        if offline:
+            parts.append(f"{r['tok_s'] / offline['tok_s']:.2f}x offline")
+        parts.append(f"p99 inter-token {r['itl_p99'] / decode_ms:.2f}x the batch-1 step")
+        lines.append(" ".join(parts[:1]) + " " + ", ".join(parts[1:]))
+    return "\n".join(lines)
+
+
 # --- main -------------------------------------------------------------------------------------------
 
 
@@ -277,6 +314,7 @@ def parse_args(argv=None):
     p.add_argument("--max_length", type=int, default=128)
     p.add_argument("--max_batch", type=int, default=32)
     p.add_argument("--bucket_width", type=int, default=32)
+    p.add_argument("--max_prefill", type=int, default=4, help="ours: prompts prefilled together")
     p.add_argument("--clients", default="1,4,16,32", help="closed-loop client counts")
     p.add_argument("--rates", default="", help="open-loop Poisson rates, requests/s (e.g. 2,8)")
     p.add_argument("--requests", type=int, default=64, help="requests per load level")
@@ -333,6 +371,8 @@ def main(argv=None) -> int:
         finally:
             stop()
     print(table(rows))
+    mean_prompt = round(statistics.mean(len(generator.tokenizer.encode(p)) for p in prompts))
+    print(ratios(rows, batch1_decode_ms(generator, args, mean_prompt)))
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2) + "\n")
     return 0

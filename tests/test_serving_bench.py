@@ -12,7 +12,8 @@ def test_serve_bench_runs_every_variant(tmp_path, capsys):
             "--max_length", "32", "--bucket_width", "16", "--prompt_len", "2,12", "--json", str(out)]
     assert serve_bench.main(argv) == 0
     printed = capsys.readouterr().out
-    for column in ("tok/s", "TTFT p50", "ITL p99", "new shapes"):
+    for column in ("tok/s", "TTFT p50", "ITL p99", "new shapes", "batch-1 decode step:",
+                   "ours at 3 clients: ", "x transformers, ", "x offline, p99 inter-token "):
         assert column in printed
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["load"]) for r in rows] == [
