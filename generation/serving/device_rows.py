@@ -47,10 +47,19 @@ class DeviceRows:
         self.prefill_sizes = batch_buckets(min(max_prefill, max_batch))
         self.lengths = length_buckets(max_length, bucket_width)
         model = self.runner.model
+        self._check_memory(model)
         # Our own caches, not the runner's pool: the offline path's generate calls use that pool
         # and must not overwrite the running rows.
         self.caches = {b: model.allocate_cache(b, max_length) for b in self.batch_sizes}
         self.prefill_caches = {k: model.allocate_cache(k, max_length) for k in self.prefill_sizes}
+
+    def _check_memory(self, model) -> None:
+        """Refuse, before allocating, caches that cannot fit (every bucket's, allocated at once)."""
+        from ..validate import check_memory
+
+        rows = sum(self.batch_sizes) + sum(self.prefill_sizes)
+        check_memory(model.config, self.generator.dtype, self.device, rows, self.max_length, self.max_length,
+                     model.parallel, what="--max_batch, --max_prefill or --max_length")
 
     def length_bucket(self, needed: int) -> int:
         return next(n for n in self.lengths if n >= needed)
