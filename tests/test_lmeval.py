@@ -124,20 +124,54 @@ def run_lm_eval(lm_eval: Path, folder: Path, port: int, data: Path, work: Path) 
     return results, sorted(samples, key=lambda s: s["doc_id"])
 
 
-def test_lm_eval_against_the_server_matches_eval(lm_eval, scoring_setup, tmp_path):
+@pytest.fixture(scope="module")
+def server(scoring_setup):
+    """./bloom.py --serve on the scoring checkpoint: its port."""
+    port = free_port()
+    proc = start_server(scoring_setup[0], port)
+    yield port
+    proc.send_signal(signal.SIGINT)
+    proc.wait(30)
+
+
+def test_lm_evals_scoring_request(server, scoring_setup):
+    """The body lm-eval's local-completions sends to score (token-id prompts, echo, max_tokens 1,
+    logprobs 1, temperature 0, seed), through the official client: OpenAI's answer, whose numbers are
+    transformers' log_softmax on the same weights."""
+    import openai
+
+    folder, gen, hf = scoring_setup
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="none", max_retries=0, timeout=60)
+    prompts = [gen.tokenizer.encode(t) for t in ("the river ran fast under the old stone bridge", "one, two, three")]
+    r = client.completions.create(model=folder.name, prompt=prompts, echo=True, max_tokens=1, logprobs=1,
+                                  temperature=0, seed=1234)
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice, ids in zip(r.choices, prompts):
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)  # [len(ids), vocab]
+        greedy = logp[-1].argmax().item()
+        lp = choice.logprobs
+        assert choice.text == gen.tokenizer.decode(ids + [greedy]) and "".join(lp.tokens) == choice.text
+        assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        expected = [logp[t - 1, ids[t]].item() for t in range(1, len(ids))] + [logp[-1, greedy].item()]
+        assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+        for t, (value, top) in enumerate(zip(lp.token_logprobs[1:], lp.top_logprobs[1:])):
+            # lm-eval's greedy test: the token's log-prob is the largest of top_logprobs.
+            assert max(top.values()) == pytest.approx(logp[t].max().item(), abs=1e-4)
+            assert (value == max(top.values())) == (t == len(ids) - 1 or logp[t].argmax().item() == ids[t + 1])
+    scored = client.completions.create(model=folder.name, prompt=prompts[0], echo=True, max_tokens=0, logprobs=0)
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(r.choices[0].logprobs.token_logprobs[1:-1],
+                                                                          abs=1e-4)
+
+
+def test_lm_eval_against_the_server_matches_eval(lm_eval, server, scoring_setup, tmp_path):
     folder, gen, hf = scoring_setup
     texts = corpus_passages(hf, gen.tokenizer)
     assert max(len(gen.tokenizer.encode(t)) for t in texts) < 127  # fits the server's max_length with one token more
     data = tmp_path / "passages.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-
-    port = free_port()
-    server = start_server(folder, port)
-    try:
-        results, samples = run_lm_eval(lm_eval, folder, port, data, tmp_path)
-    finally:
-        server.send_signal(signal.SIGINT)
-        server.wait(30)
+    results, samples = run_lm_eval(lm_eval, folder, server, data, tmp_path)
 
     # lm-eval's split of each passage and its per-passage numbers are transformers' (teacher-forced).
     assert [s["doc"]["text"] for s in samples] == texts
