@@ -42,8 +42,8 @@ def lm_eval():
 
 
 def corpus_passages(hf, tokenizer) -> list[str]:
-    """Passages of the tiny corpus cut after a sentence and a few words; every other one ends with
-    transformers' own greedy next word (so accuracy is not 0), the others with the corpus' next word."""
+    """Runs of 12-36 words of the tiny corpus, each then a last word: every other one transformers'
+    own greedy next word (so accuracy is not 0), the others the corpus' next word."""
     words = (ROOT / "utils" / "tiny_corpus.txt").read_text().split(" ")
     texts, at = [], 0
     for i in range(PASSAGES):
