@@ -247,7 +247,7 @@ def run_file_job(args, opts) -> int:
 
     result = evaluate(generator, read_passages(args.eval), budget=args.budget, progress=shows_progress(args))
     print(f"passages: {result.passages}  accuracy: {result.accuracy:.4f}  perplexity: {result.perplexity:.3f}  "
-          f"last-word perplexity: {result.last_word_perplexity:.3f}")
+          f"last-word perplexity: {result.last_word_perplexity:.3f} (per word: {result.last_word_perplexity_per_word:.3f})")
     if args.results and writes:
         from generation.jobs.files import replace_file
 

@@ -29,7 +29,8 @@ def make_passages(hf, tokenizer) -> list[str]:
 
 
 def hf_numbers(hf, tokenizer, texts):
-    """Accuracy by literal greedy generation with transformers, perplexities from its logits."""
+    """Accuracy by literal greedy generation with transformers, perplexities from its logits: per
+    token over passages, per token over last words, per last word (lm-eval's LAMBADA perplexity)."""
     correct, nll, count, tgt_nll, tgt_count = 0, 0.0, 0, 0.0, 0
     for text in texts:
         context, target = split_last_word(text)
@@ -44,12 +45,27 @@ def hf_numbers(hf, tokenizer, texts):
         count += len(token_lp)
         tgt_nll -= token_lp[-len(tgt):].sum().item()
         tgt_count += len(tgt)
-    return correct / len(texts), math.exp(nll / count), math.exp(tgt_nll / tgt_count)
+    return (correct / len(texts), math.exp(nll / count), math.exp(tgt_nll / tgt_count),
+            math.exp(tgt_nll / len(texts)))
+
+
+def tgt_tokens(gen, texts) -> int:
+    return sum(len(gen.tokenizer.encode(split_last_word(t)[1])) for t in texts)
+
+
+def test_split_last_word_as_lm_eval_splits():
+    """lm-eval's lambada: context = the words but the last joined by spaces, target = a space and
+    the last word; whitespace ending the context moves to the target (its _encode_pair)."""
+    assert split_last_word("a b c") == ("a b", " c")
+    assert split_last_word("a b\n\nc d\n") == ("a b\n\nc", " d")
+    assert split_last_word("a b.\n\nc") == ("a", " b.\n\nc")
+    assert split_last_word("a \n b") == ("a", " \n b")
+    assert split_last_word("a  b") == ("a", "  b")
 
 
 @pytest.fixture(scope="module")
 def passages(scoring_setup):
-    """(texts, transformers' accuracy, perplexity, last-word perplexity)."""
+    """(texts, transformers' accuracy, perplexity, last-word perplexity per token and per word)."""
     _, gen, hf = scoring_setup
     texts = make_passages(hf, gen.tokenizer)
     return (texts, *hf_numbers(hf, gen.tokenizer, texts))
@@ -58,18 +74,20 @@ def passages(scoring_setup):
 @pytest.mark.parametrize("budget", [64, 100000])  # one passage per batch, and all in one batch
 def test_eval_matches_transformers(scoring_setup, passages, budget):
     _, gen, _ = scoring_setup
-    texts, accuracy, ppl, word_ppl = passages
+    texts, accuracy, ppl, word_ppl, per_word = passages
     assert 0 < accuracy < 1
     result = evaluate(gen, texts, budget=budget)
     assert result.passages == len(texts)
     assert result.accuracy == accuracy
     assert result.perplexity == pytest.approx(ppl, rel=1e-4)
     assert result.last_word_perplexity == pytest.approx(word_ppl, rel=1e-4)
+    assert result.last_word_perplexity_per_word == pytest.approx(per_word, rel=1e-4)
+    assert tgt_tokens(gen, texts) > len(texts)  # some last word has several tokens: per word != per token
 
 
 def test_eval_cli_and_bad_files(scoring_setup, passages, tmp_path, capsys):
     folder = scoring_setup[0]
-    texts, accuracy, ppl, _ = passages
+    texts, accuracy, ppl, _, per_word = passages
     data = tmp_path / "lambada.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     out = tmp_path / "eval.json"
@@ -78,6 +96,7 @@ def test_eval_cli_and_bad_files(scoring_setup, passages, tmp_path, capsys):
     printed = capsys.readouterr()
     numbers = json.loads(out.read_text())
     assert numbers["accuracy"] == accuracy and numbers["perplexity"] == pytest.approx(ppl, rel=1e-4)
+    assert numbers["last_word_perplexity_per_word"] == pytest.approx(per_word, rel=1e-4)
     assert f"accuracy: {accuracy:.4f}" in printed.out
 
     bad = tmp_path / "bad.jsonl"

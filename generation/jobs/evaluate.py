@@ -1,8 +1,11 @@
 """LAMBADA-style evaluation: last-word accuracy and perplexity of passages, batched.
 
 Input: JSONL, one ``{"text": ...}`` per line. Each passage is split before its last word:
-context = everything up to the last space, target = the space and the last word; the two are
-tokenized separately and concatenated (as the usual LAMBADA harnesses do).
+context = everything up to the last space, target = the space and the last word (whitespace that
+ends the context moves to the target, as lm-eval's ``_encode_pair`` moves it); the two are
+tokenized separately and concatenated. lm-eval tokenizes context + target whole and cuts at the
+context's token count instead: with BLOOM's pre-tokenizer, which splits before every space, the two
+give the same tokens.
 
 - **accuracy**: the share of passages whose greedy continuation of the context is exactly the
   target's tokens. It is computed teacher-forced from one pass: every target token must be the most
@@ -10,7 +13,11 @@ tokenized separately and concatenated (as the usual LAMBADA harnesses do).
 - **perplexity**: per token over whole passages: exp(total negative log-likelihood / number of
   predicted tokens), where every token of every passage except its first is predicted from the
   tokens before it (there is no BOS token to predict the first from).
-- **last_word_perplexity**: the same over the target tokens only (what LAMBADA papers often quote).
+- **last_word_perplexity**: the same over the target tokens only (per token).
+- **last_word_perplexity_per_word**: exp(mean over passages of the whole last word's negative
+  log-likelihood): per word, not per token. This is what EleutherAI's lm-eval reports as
+  ``perplexity`` for its LAMBADA tasks (its ``perplexity`` aggregation: exp(-mean of the per-passage
+  log-likelihoods)), and what docs/serving.md compares with lm-eval run against our server.
 
 Passages run in batches of similar length, padded to a multiple of 64 tokens (static shapes)
 under a token budget.
@@ -35,6 +42,7 @@ class EvalResult:
     accuracy: float
     perplexity: float
     last_word_perplexity: float
+    last_word_perplexity_per_word: float
     tokens: int  # predicted tokens (the perplexity's denominator)
 
     def to_dict(self) -> dict:
@@ -72,10 +80,10 @@ def read_passages(path: str | Path) -> list[str]:
 
 
 def split_last_word(text: str) -> tuple[str, str]:
-    """'a b c' -> ('a b', ' c')."""
+    """'a b c' -> ('a b', ' c'); 'a  b' -> ('a', '  b') (the context ends without whitespace)."""
     text = text.rstrip()
-    cut = text.rfind(" ")
-    return text[:cut], text[cut:]
+    context = text[:text.rfind(" ")].rstrip()
+    return context, text[len(context):]
 
 
 def evaluate(generator, texts: list[str], budget: int = 8192, progress: bool = False) -> EvalResult:
@@ -108,4 +116,5 @@ def evaluate(generator, texts: list[str], budget: int = 8192, progress: bool = F
                 correct += all(scores.greedy[-n_target:])
             bar.update(len(chunk))
             at = end
-    return EvalResult(len(rows), correct / len(rows), math.exp(nll / count), math.exp(tgt_nll / tgt_count), count)
+    return EvalResult(len(rows), correct / len(rows), math.exp(nll / count), math.exp(tgt_nll / tgt_count),
+                      math.exp(tgt_nll / len(rows)), count)
