@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", help="checkpoint folder, or a folder filled by utils/fetch_weights.py "
                    "(default: the embedded tiny random checkpoint)")
     p.add_argument("--model", help="model inside --weights, e.g. bloom-560m or bigscience/bloom-7b1")
+    p.add_argument("--peft_weights", metavar="DIR",
+                   help="a LoRA adapter saved by PEFT (adapter_config.json + adapter_model.*), merged at load")
     p.add_argument("--max_length", type=int, help="prompt + generated tokens per row (default 128)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and compute dtype")
     p.add_argument("--device", help="cpu, cuda or hpu (default: hpu if present, else cuda, else cpu)")
@@ -169,14 +171,20 @@ def make_generator(args, opts):
         from bloom_hpu.checkpoint import resolve_checkpoint
         from generation.vanilla import VanillaGenerator
 
+        if args.peft_weights:
+            raise UsageError("--peft_weights runs in --mode optimized only")
         folder = resolve_checkpoint(weights, args.model)  # weights None: checkpoints/
         return VanillaGenerator(folder, parse_dtype(args.dtype), str(make_backend(args.device, use_graphs=False).device))
     from bloom_hpu.runtime.cpu import CpuOptions
 
-    return Generator.from_pretrained(
+    generator = Generator.from_pretrained(
         weights, args.model, dtype=args.dtype, device=args.device, use_graphs=opts.use_graphs,
         compile_steps=args.compile, parallel=PARALLEL, cpu=CpuOptions(path=args.cpu_path),
+        peft_weights=args.peft_weights,
     )
+    if generator.adapter is not None:
+        log(f"{generator.adapter.describe()}, merged")
+    return generator
 
 
 # Tensor parallelism (deepspeed / torchrun launchers): this rank's Parallel, and whether it prints.

@@ -14,7 +14,9 @@ import torch
 from bloom_hpu.runtime.backends import make_backend
 from bloom_hpu.runtime.cpu import CpuOptions
 from bloom_hpu.checkpoint import resolve_checkpoint
+from bloom_hpu.config import BloomConfig
 from bloom_hpu.loading import LoadReport, load_model
+from bloom_hpu.lora import read_adapter
 from bloom_hpu.tp import Parallel, SINGLE
 from bloom_hpu.runtime.steps import StepRunner
 
@@ -51,6 +53,7 @@ class Generator:
         self.folder = folder
         self.load_report: LoadReport | None = load_report
         self.last_stats: BatchStats | None = None
+        self.adapter = None  # the LoRA adapter merged at load, if any
 
     @classmethod
     def from_pretrained(
@@ -64,20 +67,27 @@ class Generator:
         compile_steps: bool = False,
         parallel: Parallel = SINGLE,
         cpu: CpuOptions = CpuOptions(),
+        peft_weights: str | Path | None = None,
     ) -> "Generator":
         """``cpu``: the CPU fast path (``CpuOptions``: which kernels, one-call steps, packing);
-        by default the fastest this CPU can run."""
+        by default the fastest this CPU can run. ``peft_weights``: a PEFT LoRA adapter folder,
+        merged into the weights at load (``bloom_hpu/lora.py``)."""
         if weights is not None and not isinstance(weights, (str, Path)):
             raise TypeError(f"weights must be a folder path, got {type(weights).__name__}")
         torch_dtype = parse_dtype(dtype)
         folder = resolve_checkpoint(str(weights) if weights is not None else None, model)
         check_checkpoint(folder)  # a broken config.json is named before any tensor is read
+        adapter = None
+        if peft_weights is not None:  # checked against the config before the model is read
+            adapter = read_adapter(peft_weights, BloomConfig.from_json(folder / "config.json"))
         backend = make_backend(device, use_graphs=use_graphs, compile_steps=compile_steps, cpu=cpu)
         if parallel.world_size > 1 and backend.device.type != "cpu" and backend.device.index is None:
             backend.device = torch.device(backend.device.type, parallel.local_rank)
-        bloom, report = load_model(folder, torch_dtype, backend.device, parallel)
+        bloom, report = load_model(folder, torch_dtype, backend.device, parallel, adapter)
         tokenizer = load_tokenizer(folder, bloom.config)
-        return cls(bloom, tokenizer, StepRunner(bloom, backend), folder, report)
+        generator = cls(bloom, tokenizer, StepRunner(bloom, backend), folder, report)
+        generator.adapter = adapter
+        return generator
 
     @property
     def dtype(self) -> torch.dtype:
