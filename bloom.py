@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--bucket_width", type=int, default=32,
                          help="--serve: prompt and attention-window buckets, in tokens (default 32; 0: max_length only)")
     serving.add_argument("--max_queue", type=int, default=256, help="--serve: requests waiting before 503 (default 256)")
+    serving.add_argument("--lora", action="append", metavar="NAME=DIR",
+                         help="--serve: a LoRA adapter saved by PEFT, served unmerged beside the base model; a "
+                              "request's \"model\": NAME picks it (repeatable)")
     serving.add_argument("--api_key", help="--serve: require 'Authorization: Bearer KEY' on /v1/ endpoints")
     return p
 
@@ -140,6 +143,11 @@ def check_flags(args) -> None:
         raise UsageError("--results and --errors go with --requests (or --results with --eval)")
     if args.errors and not args.requests:
         raise UsageError("--errors goes with --requests")
+    if args.lora and not args.serve:
+        raise UsageError("--lora goes with --serve (to merge one adapter into the model, use --peft_weights DIR)")
+    if args.lora and args.peft_weights:
+        raise UsageError("--lora serves adapters beside the base model; it cannot be combined with --peft_weights")
+    lora_adapters(args)
     from generation.jobs.files import check_distinct
 
     errors = args.errors
@@ -147,6 +155,21 @@ def check_flags(args) -> None:
         errors = str(Path(args.results).with_name(Path(args.results).name + ".errors.jsonl"))
     check_distinct({"--input_file": args.input_file, "--requests": args.requests, "--eval": args.eval},
                    {"--output_file": args.output_file, "--results": args.results, "--errors": errors})
+
+
+def lora_adapters(args) -> dict[str, str]:
+    """--lora NAME=DIR flags as {name: folder}, in order."""
+    adapters = {}
+    for spec in args.lora or []:
+        name, sep, folder = spec.partition("=")
+        name, folder = name.strip(), folder.strip()
+        if not sep or not name or not folder:
+            raise UsageError(f"--lora takes NAME=DIR (a name for requests' \"model\" and a PEFT adapter folder), "
+                             f"got {spec!r}")
+        if name in adapters:
+            raise UsageError(f"--lora: the name {name!r} is given twice")
+        adapters[name] = folder
+    return adapters
 
 
 def collect_options(args):
@@ -180,7 +203,7 @@ def make_generator(args, opts):
     generator = Generator.from_pretrained(
         weights, args.model, dtype=args.dtype, device=args.device, use_graphs=opts.use_graphs,
         compile_steps=args.compile, parallel=PARALLEL, cpu=CpuOptions(path=args.cpu_path),
-        peft_weights=args.peft_weights,
+        peft_weights=args.peft_weights, lora=lora_adapters(args) or None,
     )
     if generator.adapter is not None:
         log(f"{generator.adapter.describe()}, merged")

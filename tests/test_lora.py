@@ -26,6 +26,7 @@ from bloom_hpu.config import BloomConfig  # noqa: E402
 from bloom_hpu.loading import load_model  # noqa: E402
 from bloom_hpu.lora import LoraError, read_adapter  # noqa: E402
 from bloom_hpu.tp import Parallel  # noqa: E402
+from lora_adapters import make_adapter, peft_reference  # noqa: E402
 
 CKPT = dict(hidden_size=64, n_layer=2, n_head=4, seed=7)
 PROMPTS = ["Hello", "The quick brown fox jumps over the", "A b"]
@@ -41,30 +42,6 @@ ADAPTERS = {
                                layers_to_transform=[1]), True),
     "regex-bin": (dict(r=3, lora_alpha=5, target_modules=r".*\.h\.0\..*(query_key_value|dense_h_to_4h)"), False),
 }
-
-
-def make_adapter(base: Path, out: Path, seed: int = 0, safetensors: bool = True, **lora) -> Path:
-    """A PEFT LoRA adapter for the checkpoint ``base``, with random non-zero A and B, saved in ``out``."""
-    from peft import LoraConfig, get_peft_model
-
-    transformers.logging.set_verbosity_error()
-    model = get_peft_model(transformers.BloomForCausalLM.from_pretrained(base), LoraConfig(**lora))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".lora_A." in name:  # [r, in]
-                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[1] ** 0.5)
-            elif ".lora_B." in name:  # [out, r]: about half a base weight's size after scaling
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.5 / param.shape[1] ** 0.5)
-    model.save_pretrained(out, safe_serialization=safetensors)
-    return out
-
-
-def peft_reference(base: Path, adapter: Path):
-    from peft import PeftModel
-
-    transformers.logging.set_verbosity_error()
-    return PeftModel.from_pretrained(transformers.BloomForCausalLM.from_pretrained(base), adapter).eval()
 
 
 def full_logits(generator, prompt: str) -> torch.Tensor:

@@ -23,6 +23,9 @@
   load adds a step signature (``backend.signatures``).
 * **Scheduling.** One thread owns the model. Requests arrive through a thread-safe queue and join
   between steps, first come first served; events stream back through each request's sink.
+* **LoRA adapters** (``bloom_hpu/lora_rows.py``, when the generator serves some): each row's
+  adapter index is written when it joins and moves with it; a request's prefill, and an offline
+  answer, run with every row reading that request's adapter.
 * **Other searches.** Beam search, ``best_of > n``, ``echo`` with log-probs, ``max_tokens`` 0 and
   ``no_repeat_ngram_size`` are answered by the batch runner's path (``jobs.runner.answer_batch``
   over ``Generator.generate``) in a batch of their own, between two steps. Those use the
@@ -32,6 +35,7 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import itertools
 import queue
 import threading
@@ -165,6 +169,7 @@ class Engine:
         self.device = generator.device
         model = self.runner.model
         self.pad = self.tokenizer.pad_token_id
+        self.lora = getattr(generator, "lora", None)  # ServedAdapters, or None
         self.eos = self.tokenizer.eos_token_id
         self.batch_sizes = batch_buckets(config.max_batch)
         self.lengths = length_buckets(config.max_length, config.bucket_width)
@@ -199,14 +204,28 @@ class Engine:
                               f"the server runs at most {self.config.max_batch} (--max_batch)", "n")
         if params.max_tokens < 1:
             raise EngineError("max_tokens must be at least 1", "max_tokens")
+        self._check_adapter(params.adapter)
         return self._enqueue(RequestHandle(list(prompt_ids), params, sink))
 
-    def submit_offline(self, request, prompt_ids: list[list[int]], sink=None) -> RequestHandle:
+    def submit_offline(self, request, prompt_ids: list[list[int]], sink=None, adapter: int = 0) -> RequestHandle:
         """A jobs.requests.Request answered by the batch runner's path (beams, best_of, echo with
-        log-probs...); its one event is a "record"."""
+        log-probs...); its one event is a "record". ``adapter``: as ``SamplingParams.adapter``."""
         for ids in prompt_ids:
             self._check(ids)
-        return self._enqueue(RequestHandle(prompt_ids[0], SamplingParams(), sink, offline=request))
+        self._check_adapter(adapter)
+        if adapter and len(prompt_ids) * request.rows_per_prompt > self.lora.rows.capacity:
+            raise EngineError(f"this search needs {len(prompt_ids) * request.rows_per_prompt} rows; with a LoRA "
+                              f"adapter at most {self.lora.rows.capacity} can run at once", "n")
+        return self._enqueue(RequestHandle(prompt_ids[0], SamplingParams(adapter=adapter), sink, offline=request))
+
+    def _check_adapter(self, adapter: int) -> None:
+        served = len(self.lora.names) if self.lora is not None else 0
+        if not 0 <= adapter <= served:
+            raise EngineError(f"no LoRA adapter {adapter}: the server has {served}", "model")
+
+    def _adapter_only(self, adapter: int):
+        """Within it, every row of a step uses ``adapter`` (a request's prefill, an offline answer)."""
+        return self.lora.rows.only(adapter) if self.lora is not None else contextlib.nullcontext()
 
     def _check(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -390,7 +409,8 @@ class Engine:
         p = self._length_bucket(length)
         [padded] = self._upload(ids + [self.pad] * (p - length))
         [lengths] = self._upload([length])
-        logits = self.runner.prefill(padded[None], lengths, self.prefill_cache)  # [1, V]
+        with self._adapter_only(params.adapter):
+            logits = self.runner.prefill(padded[None], lengths, self.prefill_cache)  # [1, V]
         if params.sampling:
             # The keys Generator.generate gives this prompt alone: the same seed samples the same text.
             keys = row_keys([ids], resolve_seed(params.seed), params.rows, "cpu").tolist()
@@ -405,6 +425,8 @@ class Engine:
                 mine[:, slot, :, :p].copy_(theirs[:, 0, :, :p])
             self.logits[slot].copy_(logits[0])
             self.opts.set_row(slot, params, keys[copy], padded)
+            if self.lora is not None:
+                self.lora.rows.set(slot, params.adapter)
             indices = [copy] if params.sampling else list(range(params.n))
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             self.rows[slot] = _Row(handle, indices, length, limit, decoder=decoder)
@@ -419,7 +441,8 @@ class Engine:
         length = batch_length(max(lengths), request.max_tokens)
         try:
             batch = RequestBatch([request], [lengths], length, budget=length * len(lengths) * request.rows_per_prompt)
-            records, tokens = answer_batch(self.generator, batch)
+            with self._adapter_only(handle.params.adapter):
+                records, tokens = answer_batch(self.generator, batch)
         except Exception as error:
             handle.emit(Event("error", message=f"{type(error).__name__}: {error}"))
             return
@@ -512,6 +535,8 @@ class Engine:
             for t in (cache.keys, cache.values):
                 t[:, dst, :, :extent].copy_(t[:, src, :, :extent])
             self.opts.move_row(src, dst)
+            if self.lora is not None:
+                self.lora.rows.move(src, dst)
             self.rows[dst], self.rows[src] = self.rows[src], None
             self.stats["row_moves"] += 1
             live = [i for i, r in enumerate(self.rows) if r is not None]
