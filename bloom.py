@@ -296,6 +296,8 @@ def run_server(args, opts) -> int:
     from generation.serving.engine import EngineConfig
 
     generator = make_generator(args, opts)
+    if generator.backend.fast_path != "none":  # with --lora: that decode runs op by op
+        log(f"CPU fast path: {generator.backend.fast_path}")
     config = EngineConfig(max_batch=args.max_batch, max_length=opts.max_length, bucket_width=args.bucket_width,
                           max_queue=args.max_queue)
     serve(generator, config, args.host, args.port, args.api_key, log=log)

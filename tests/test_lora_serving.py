@@ -141,3 +141,22 @@ def test_engine_rows_carry_their_adapter(server):
     rows = generator.lora.rows
     assert rows.index[: engine.config.max_batch].tolist() == rows.host[: engine.config.max_batch]
     assert torch.equal(rows.index, torch.tensor(rows.host))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lora", "x=y", "Hello"], "--lora goes with --serve"),
+    (["--serve", "--lora", "nameonly"], "--lora takes NAME=DIR"),
+    (["--serve", "--lora", "a={adapter}", "--lora", "a={adapter}"], "'a' is given twice"),
+    (["--serve", "--lora", "a={adapter}", "--peft_weights", "{adapter}"], "cannot be combined with --peft_weights"),
+    (["--serve", "--lora", "a={missing}"], "does not exist"),
+    (["--serve", "--lora", "{base_name}={adapter}"], "is the base model's name"),
+])
+def test_bad_lora_flags(folders, tmp_path, capsys, argv, message):
+    import bloom
+
+    base, adapters = folders
+    values = {"adapter": adapters["qkv"], "missing": tmp_path / "missing", "base_name": base.name}
+    argv = ["--weights", str(base), "--port", str(free_port()), *[a.format(**values) for a in argv]]
+    assert bloom.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: ") and message in err
