@@ -160,3 +160,42 @@ def test_bad_lora_flags(folders, tmp_path, capsys, argv, message):
     assert bloom.main(argv) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: ") and message in err
+
+
+@pytest.mark.parametrize("dtype, cpu_path", [("fp32", "auto"), ("fp32", "plain"), ("bf16", "auto")])
+def test_per_row_steps_equal_each_adapter_merged(folders, dtype, cpu_path):
+    """The model's steps directly (no engine): row k of one prefill and one decode uses adapter k,
+    on each CPU path (kernels, plain PyTorch; bf16: where the MLP's GELU was fused into the product)."""
+    from bloom_hpu.runtime.cpu import CpuOptions
+    from generation.batch import make_batch
+
+    base, adapters = folders
+    served = Generator.from_pretrained(base, device="cpu", dtype=dtype, lora=adapters, cpu=CpuOptions(path=cpu_path))
+    for block in served.model.h:  # an adapter term must come before the GELU, never inside the product
+        assert not getattr(block.mlp.dense_h_to_4h, "fused_gelu", False)
+        assert isinstance(block.mlp.gelu, torch.nn.GELU)
+    names = ["base", *adapters]
+    prompts = PROMPTS[: len(names)]
+    rows = served.lora.rows
+    for k in range(len(names)):
+        rows.set(k, k)
+
+    def steps(generator):
+        batch = make_batch(generator.tokenizer, prompts, generator.options(max_length=MAX_LENGTH), "cpu")
+        cache = generator.runner.cache(len(prompts), MAX_LENGTH)
+        first = generator.runner.prefill(batch.input_ids, batch.lengths, cache)
+        second = generator.runner.decode(first.argmax(-1)[:, None], batch.lengths, cache, MAX_LENGTH)
+        return first.float(), second.float()
+
+    got = steps(served)
+    for k, name in enumerate(names):
+        options = {} if name == "base" else {"peft_weights": adapters[name]}
+        want = steps(Generator.from_pretrained(base, device="cpu", dtype=dtype, cpu=CpuOptions(path=cpu_path),
+                                               **options))
+        for g, w in zip(got, want):
+            if dtype == "fp32":
+                torch.testing.assert_close(g[k], w[k], rtol=1e-4, atol=1e-4)
+            else:  # merged in fp32 then rounded, against two bf16 products: close, same top token
+                assert (g[k] - w[k]).abs().max() < 1.0 and g[k].argmax() == w[k].argmax()
+    for k in range(len(names)):
+        rows.set(k, 0)
