@@ -96,6 +96,7 @@ def test_merged_adapter_matches_peft(base, adapters, name):
     assert greedy != [r.token_ids for r in plain.generate(PROMPTS, max_length=MAX_LENGTH)]
 
 
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to True")
 def test_fan_in_fan_out_is_ignored_for_linears_as_peft_does(base, adapters, tmp_path):
     # PEFT turns fan_in_fan_out off for nn.Linear (BLOOM's layers) when it loads such an adapter;
     # the same adapter with the flag set must give the same model.
