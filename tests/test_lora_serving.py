@@ -89,8 +89,9 @@ def test_the_plan_decodes_op_by_op(server):
     generator = server[0]
     plan = generator.backend.cpu_plan
     assert plan is not None and plan.decode is None
-    if "kernels" in plan.description and "one-call decode step" in plan.description:
-        assert "decode op by op, not in one call: LoRA adapters are served" in plan.description
+    assert "one-call decode step" not in plan.description
+    if "kernels" in plan.description:  # the kernels would have given a one-call decode step
+        assert "decode op by op (LoRA adapters are served)" in plan.description
 
 
 def _mixed_round(client, merged, seed: int, names: list[str]):

@@ -53,7 +53,8 @@ class Answer:
             return lambda event: loop.call_soon_threadsafe(self.events.put_nowait, (prompt, event))
 
         # The LoRA adapter the request's model names (0: the base model).
-        adapter = engine.lora.names.get(completion.model, 0) if engine.lora is not None else 0
+        lora = getattr(engine, "lora", None)
+        adapter = lora.names.get(completion.model, 0) if lora is not None else 0
         try:
             if completion.offline:
                 self.handles.append(engine.submit_offline(request, self.prompt_ids, sink(0), adapter))
@@ -84,7 +85,8 @@ class Answer:
 def make_app(engine, model_name: str, api_key: str | None = None, metrics: PrometheusMetrics | None = None) -> FastAPI:
     app = FastAPI(title="bloom-hpu", docs_url=None, redoc_url=None)
     # The base model, then the LoRA adapters served beside it (a request's "model" picks one).
-    names = [model_name, *(engine.lora.names if engine.lora is not None else ())]
+    lora = getattr(engine, "lora", None)  # ServedAdapters, or None
+    names = [model_name, *(lora.names if lora is not None else ())]
     text_of = TokenText(engine.tokenizer)
     n_of = lambda c: c.request.n  # noqa: E731
 
@@ -130,7 +132,7 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "bloom-hpu",
                  "max_model_len": engine.config.max_length} for name in names]
         for entry in data[1:]:  # adapters, as vLLM lists them: their base model as root/parent
-            entry |= {"root": str(engine.lora.folders[entry["id"]]), "parent": model_name}
+            entry |= {"root": str(lora.folders[entry["id"]]), "parent": model_name}
         return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
@@ -280,7 +282,9 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
     engine = Engine(generator, config, metrics)
     metrics.bind(engine)
     name = model_name or generator.folder.name
-    if generator.lora is not None and name in generator.lora.names:
+    served = getattr(generator, "lora", None)
+    lora = list(served.names) if served is not None else []  # adapter names, beside the base model's
+    if name in lora:
         raise ValueError(f"the LoRA adapter name {name!r} is the base model's name; give the adapter another")
     app = make_app(engine, name, api_key, metrics)
     start = time.perf_counter()
@@ -290,10 +294,10 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
         engine.ready.wait()
         r = engine.warmup_report or {}
         log(f"warm-up: {r.get('prefill', 0)} prefill and {r.get('decode', 0)} decode shapes in "
-            f"{time.perf_counter() - start:.2f} s; serving {', '.join(map(repr, [name, *lora]))} on http://{host}:{port}/v1 "
+            f"{time.perf_counter() - start:.2f} s; serving {', '.join(map(repr, [name, *lora]))} "
+            f"on http://{host}:{port}/v1 "
             f"(max_batch {config.max_batch}, max_length {config.max_length}, bucket_width {config.bucket_width})")
 
-    lora = list(generator.lora.names) if generator.lora is not None else []
     threading.Thread(target=report, daemon=True).start()
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -62,7 +62,7 @@ class CpuPlan:
         """Decode op by op from now on (the one-call step computes the plain model only)."""
         if self.decode is not None:
             self.decode = None
-            self.description += f"; decode op by op, not in one call: {why}"
+            self.description = self.description.replace("one-call decode step", f"decode op by op ({why})")
 
     @contextmanager
     def op_by_op(self):
