@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", help="checkpoint folder, or a folder filled by utils/fetch_weights.py "
                    "(default: the embedded tiny random checkpoint)")
     p.add_argument("--model", help="model inside --weights, e.g. bloom-560m or bigscience/bloom-7b1")
+    p.add_argument("--peft_weights", metavar="DIR",
+                   help="a LoRA adapter saved by PEFT (adapter_config.json + adapter_model.*), merged at load")
     p.add_argument("--max_length", type=int, help="prompt + generated tokens per row (default 128)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and compute dtype")
     p.add_argument("--device", help="cpu, cuda or hpu (default: hpu if present, else cuda, else cpu)")
@@ -101,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--max_prefill", type=int, default=4,
                          help="--serve: waiting prompts prefilled together in one step (default 4)")
     serving.add_argument("--max_queue", type=int, default=256, help="--serve: requests waiting before 503 (default 256)")
+    serving.add_argument("--lora", action="append", metavar="NAME=DIR",
+                         help="--serve: a LoRA adapter saved by PEFT, served unmerged beside the base model; a "
+                              "request's \"model\": NAME picks it (repeatable)")
     serving.add_argument("--api_key", help="--serve: require 'Authorization: Bearer KEY' on /v1/ endpoints")
     return p
 
@@ -140,6 +145,11 @@ def check_flags(args) -> None:
         raise UsageError("--results and --errors go with --requests (or --results with --eval)")
     if args.errors and not args.requests:
         raise UsageError("--errors goes with --requests")
+    if args.lora and not args.serve:
+        raise UsageError("--lora goes with --serve (to merge one adapter into the model, use --peft_weights DIR)")
+    if args.lora and args.peft_weights:
+        raise UsageError("--lora serves adapters beside the base model; it cannot be combined with --peft_weights")
+    lora_adapters(args)
     from generation.jobs.files import check_distinct
 
     errors = args.errors
@@ -147,6 +157,21 @@ def check_flags(args) -> None:
         errors = str(Path(args.results).with_name(Path(args.results).name + ".errors.jsonl"))
     check_distinct({"--input_file": args.input_file, "--requests": args.requests, "--eval": args.eval},
                    {"--output_file": args.output_file, "--results": args.results, "--errors": errors})
+
+
+def lora_adapters(args) -> dict[str, str]:
+    """--lora NAME=DIR flags as {name: folder}, in order."""
+    adapters = {}
+    for spec in args.lora or []:
+        name, sep, folder = spec.partition("=")
+        name, folder = name.strip(), folder.strip()
+        if not sep or not name or not folder:
+            raise UsageError(f"--lora takes NAME=DIR (a name for requests' \"model\" and a PEFT adapter folder), "
+                             f"got {spec!r}")
+        if name in adapters:
+            raise UsageError(f"--lora: the name {name!r} is given twice")
+        adapters[name] = folder
+    return adapters
 
 
 def collect_options(args):
@@ -171,14 +196,20 @@ def make_generator(args, opts):
         from bloom_hpu.checkpoint import resolve_checkpoint
         from generation.vanilla import VanillaGenerator
 
+        if args.peft_weights:
+            raise UsageError("--peft_weights runs in --mode optimized only")
         folder = resolve_checkpoint(weights, args.model)  # weights None: checkpoints/
         return VanillaGenerator(folder, parse_dtype(args.dtype), str(make_backend(args.device, use_graphs=False).device))
     from bloom_hpu.runtime.cpu import CpuOptions
 
-    return Generator.from_pretrained(
+    generator = Generator.from_pretrained(
         weights, args.model, dtype=args.dtype, device=args.device, use_graphs=opts.use_graphs,
         compile_steps=args.compile, parallel=PARALLEL, cpu=CpuOptions(path=args.cpu_path),
+        peft_weights=args.peft_weights, lora=lora_adapters(args) or None,
     )
+    if generator.adapter is not None:
+        log(f"{generator.adapter.describe()}, merged")
+    return generator
 
 
 # Tensor parallelism (deepspeed / torchrun launchers): this rank's Parallel, and whether it prints.
@@ -268,6 +299,8 @@ def run_server(args, opts) -> int:
 
     check_ranks_agree(args, [])
     generator = make_generator(args, opts)
+    if generator.backend.fast_path != "none":  # with --lora: that decode runs op by op
+        log(f"CPU fast path: {generator.backend.fast_path}")
     config = EngineConfig(max_batch=args.max_batch, max_length=opts.max_length, bucket_width=args.bucket_width,
                           max_queue=args.max_queue, max_prefill=args.max_prefill)
     rows = DeviceRows(generator, config.max_batch, config.max_length, config.bucket_width, config.max_prefill)

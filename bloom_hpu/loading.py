@@ -16,6 +16,7 @@ import torch
 from .alibi import alibi_slopes
 from .checkpoint import CheckpointReader
 from .config import BloomConfig
+from .lora import LoraAdapter
 from .model import StaticBloom
 from .tp import SINGLE, Parallel, check_splittable, shard_slices
 
@@ -48,7 +49,10 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     parallel: Parallel = SINGLE,
+    adapter: LoraAdapter | None = None,
 ) -> tuple[StaticBloom, LoadReport]:
+    """``adapter``: a LoRA adapter (``lora.read_adapter``) merged into the weights it targets, each
+    rank merging its own slice, in fp32 before the cast to ``dtype``."""
     start = time.perf_counter()
     folder = Path(folder)
     config = BloomConfig.from_json(folder / "config.json")
@@ -60,7 +64,11 @@ def load_model(
     with CheckpointReader(folder) as reader:
         for name, param in model.named_parameters():
             rows, cols = shard_slices(name, model)
-            tensor = reader.get(name, dtype=dtype, rows=rows, cols=cols)
+            if adapter is not None and name in adapter:
+                tensor = adapter.merge(name, reader.get(name, dtype=torch.float32, rows=rows, cols=cols),
+                                       rows, cols).to(dtype)
+            else:
+                tensor = reader.get(name, dtype=dtype, rows=rows, cols=cols)
             if name == "word_embeddings.weight" and tensor.shape[0] < param.shape[0]:
                 # The last rank of a vocabulary that does not divide by the ranks: zero pad rows,
                 # never looked up, their logits dropped after the gather (see tp.vocab_shard).

@@ -14,7 +14,10 @@ import torch
 from bloom_hpu.runtime.backends import make_backend
 from bloom_hpu.runtime.cpu import CpuOptions
 from bloom_hpu.checkpoint import resolve_checkpoint
+from bloom_hpu.config import BloomConfig
 from bloom_hpu.loading import LoadReport, load_model
+from bloom_hpu.lora import read_adapter
+from bloom_hpu.lora_rows import ServedAdapters, stack
 from bloom_hpu.tp import Parallel, SINGLE
 from bloom_hpu.runtime.steps import StepRunner
 
@@ -51,6 +54,8 @@ class Generator:
         self.folder = folder
         self.load_report: LoadReport | None = load_report
         self.last_stats: BatchStats | None = None
+        self.adapter = None  # the LoRA adapter merged at load, if any
+        self.lora: ServedAdapters | None = None  # adapters served unmerged, row by row
 
     @classmethod
     def from_pretrained(
@@ -64,20 +69,38 @@ class Generator:
         compile_steps: bool = False,
         parallel: Parallel = SINGLE,
         cpu: CpuOptions = CpuOptions(),
+        peft_weights: str | Path | None = None,
+        lora: dict[str, str | Path] | None = None,
     ) -> "Generator":
         """``cpu``: the CPU fast path (``CpuOptions``: which kernels, one-call steps, packing);
-        by default the fastest this CPU can run."""
+        by default the fastest this CPU can run. ``peft_weights``: a PEFT LoRA adapter folder,
+        merged into the weights at load (``bloom_hpu/lora.py``). ``lora``: {name: folder} of
+        adapters served side by side, unmerged, each row of a step with its own
+        (``bloom_hpu/lora_rows.py``; ``self.lora`` then holds them, for the server's engine)."""
         if weights is not None and not isinstance(weights, (str, Path)):
             raise TypeError(f"weights must be a folder path, got {type(weights).__name__}")
         torch_dtype = parse_dtype(dtype)
         folder = resolve_checkpoint(str(weights) if weights is not None else None, model)
         check_checkpoint(folder)  # a broken config.json is named before any tensor is read
+        adapter, served = None, {}
+        if peft_weights is not None or lora:  # checked against the config before the model is read
+            config = BloomConfig.from_json(folder / "config.json")
+            adapter = read_adapter(peft_weights, config) if peft_weights is not None else None
+            served = {name: read_adapter(path, config) for name, path in (lora or {}).items()}
         backend = make_backend(device, use_graphs=use_graphs, compile_steps=compile_steps, cpu=cpu)
         if parallel.world_size > 1 and backend.device.type != "cpu" and backend.device.index is None:
             backend.device = torch.device(backend.device.type, parallel.local_rank)
-        bloom, report = load_model(folder, torch_dtype, backend.device, parallel)
+        bloom, report = load_model(folder, torch_dtype, backend.device, parallel, adapter)
         tokenizer = load_tokenizer(folder, bloom.config)
-        return cls(bloom, tokenizer, StepRunner(bloom, backend), folder, report)
+        generator = cls(bloom, tokenizer, StepRunner(bloom, backend), folder, report)
+        generator.adapter = adapter
+        if served:
+            rows = stack(list(served.values()), bloom)
+            names = {name: k for k, name in enumerate(served, start=1)}
+            generator.lora = ServedAdapters(names, {n: a.folder for n, a in served.items()}, rows)
+            if backend.cpu_plan is not None:  # its one-call decode step knows no adapters
+                backend.cpu_plan.drop_one_call_decode("LoRA adapters are served")
+        return generator
 
     @property
     def dtype(self) -> torch.dtype:

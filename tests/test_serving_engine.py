@@ -91,7 +91,7 @@ def test_waiting_requests_are_prefilled_together(generator):
     engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH, max_prefill=4))
     groups = []
     real_prefill = engine.device_rows.prefill
-    engine.device_rows.prefill = lambda prompts: groups.append([len(p) for p in prompts]) or real_prefill(prompts)
+    engine.device_rows.prefill = lambda prompts, *rest: groups.append([len(p) for p in prompts]) or real_prefill(prompts, *rest)
     rng = random.Random(1)
     prompts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 10))) for _ in range(7)]
     prompts.append(" ".join(["the"] * 50))  # 64 slots for it and 16 for the others: padding them wastes too much

@@ -52,11 +52,15 @@ class Answer:
         def sink(prompt: int):
             return lambda event: loop.call_soon_threadsafe(self.events.put_nowait, (prompt, event))
 
+        # The LoRA adapter the request's model names (0: the base model).
+        lora = getattr(engine, "lora", None)
+        adapter = lora.names.get(completion.model, 0) if lora is not None else 0
         try:
             if completion.offline:
-                self.handles.append(engine.submit_offline(request, self.prompt_ids, sink(0)))
+                self.handles.append(engine.submit_offline(request, self.prompt_ids, sink(0), adapter))
             else:
                 params = completion.params()
+                params.adapter = adapter
                 for p, ids in enumerate(self.prompt_ids):
                     self.handles.append(engine.submit(ids, params, sink(p)))
         except EngineError as error:
@@ -80,6 +84,9 @@ class Answer:
 
 def make_app(engine, model_name: str, api_key: str | None = None, metrics: PrometheusMetrics | None = None) -> FastAPI:
     app = FastAPI(title="bloom-hpu", docs_url=None, redoc_url=None)
+    # The base model, then the LoRA adapters served beside it (a request's "model" picks one).
+    lora = getattr(engine, "lora", None)  # ServedAdapters, or None
+    names = [model_name, *(lora.names if lora is not None else ())]
     text_of = TokenText(engine.tokenizer)
     n_of = lambda c: c.request.n  # noqa: E731
 
@@ -122,17 +129,20 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "bloom-hpu",
-                                            "max_model_len": engine.config.max_length}]}
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "bloom-hpu",
+                 "max_model_len": engine.config.max_length} for name in names]
+        for entry in data[1:]:  # adapters, as vLLM lists them: their base model as root/parent
+            entry |= {"root": str(lora.folders[entry["id"]]), "parent": model_name}
+        return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        completion = parse_completion(await read_json(request), model_name, engine.tokenizer)
+        completion = parse_completion(await read_json(request), names, engine.tokenizer)
         return await respond(request, completion)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        completion = parse_chat(await read_json(request), model_name, engine.tokenizer)
+        completion = parse_chat(await read_json(request), names, engine.tokenizer)
         return await respond(request, completion)
 
     async def respond(request: Request, completion: Completion):
@@ -175,7 +185,7 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
         finally:
             answer.cancel()  # (no-op for finished requests)
         if record is not None:
-            return envelope(kind, new_id(c.chat), model_name, record["choices"], record["usage"])
+            return envelope(kind, new_id(c.chat), c.model, record["choices"], record["usage"])
         choices = []
         for index in sorted(sequences):
             p, seq = sequences[index]
@@ -190,7 +200,7 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
                 choices.append({"index": index, "text": prompt + seq.text,
                                 "logprobs": completion_logprobs(text_of, seq.token_ids, lps, seq.text)
                                 if lps is not None else None, "finish_reason": reason})
-        return envelope(kind, new_id(c.chat), model_name, choices, usage)
+        return envelope(kind, new_id(c.chat), c.model, choices, usage)
 
     # --- streams ----------------------------------------------------------------------------------
 
@@ -210,13 +220,13 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
                 logprobs = completion_logprobs(text_of, list(token_ids), lps, text, given.get(index, 0),
                                                sent.get(index, [])) if lps else None
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            return sse(envelope(kind, rid, model_name, [choice]))
+            return sse(envelope(kind, rid, c.model, [choice]))
 
         try:
             choices = len(answer.prompt_ids) * n_of(c)
             for index in range(choices):
                 if c.chat:
-                    yield sse(envelope(kind, rid, model_name, [{"index": index, "delta": {"role": "assistant", "content": ""},
+                    yield sse(envelope(kind, rid, c.model, [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                                 "logprobs": None, "finish_reason": None}]))
                 elif c.request.echo and not c.offline:
                     yield chunk(index, c.request.prompts[index // n_of(c)])
@@ -236,12 +246,12 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
                     ended += 1
                     usage = _add(usage, event.record["usage"])
                     for choice in event.record["choices"]:
-                        yield sse(envelope(kind, rid, model_name, [choice]))
+                        yield sse(envelope(kind, rid, c.model, [choice]))
                 elif event.kind == "error":
                     yield sse(ApiError(500, event.message, "server_error").body())
                     break
             if c.include_usage:
-                yield sse(envelope(kind, rid, model_name, [], usage))
+                yield sse(envelope(kind, rid, c.model, [], usage))
             yield "data: [DONE]\n\n"
         finally:
             answer.cancel()  # a closed stream frees its rows at the engine's next step
@@ -273,6 +283,10 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
     engine = Engine(generator, config, metrics, device_rows)
     metrics.bind(engine)
     name = model_name or generator.folder.name
+    served = getattr(generator, "lora", None)
+    lora = list(served.names) if served is not None else []  # adapter names, beside the base model's
+    if name in lora:
+        raise ValueError(f"the LoRA adapter name {name!r} is the base model's name; give the adapter another")
     app = make_app(engine, name, api_key, metrics)
     start = time.perf_counter()
     engine.start()
@@ -281,7 +295,8 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
         engine.ready.wait()
         r = engine.warmup_report or {}
         log(f"warm-up: {r.get('prefill', 0)} prefill and {r.get('decode', 0)} decode shapes in "
-            f"{time.perf_counter() - start:.2f} s; serving {name!r} on http://{host}:{port}/v1 "
+            f"{time.perf_counter() - start:.2f} s; serving {', '.join(map(repr, [name, *lora]))} "
+            f"on http://{host}:{port}/v1 "
             f"(max_batch {config.max_batch}, max_length {config.max_length}, bucket_width {config.bucket_width})")
 
     threading.Thread(target=report, daemon=True).start()

@@ -17,6 +17,7 @@ own shard, with the collectives inside the steps pairing up.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -42,6 +43,7 @@ class DeviceRows:
         self.runner = generator.runner
         self.device = generator.device
         self.pad = generator.tokenizer.pad_token_id
+        self.lora = getattr(generator, "lora", None)  # served LoRA adapters (bloom_hpu/lora_rows.py), or None
         self.max_length = max_length
         self.batch_sizes = batch_buckets(max_batch)
         self.prefill_sizes = batch_buckets(min(max_prefill, max_batch))
@@ -83,13 +85,15 @@ class DeviceRows:
                 "seconds": time.perf_counter() - start}
 
     @torch.no_grad()
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+    def prefill(self, prompts: list[list[int]], adapter: int = 0) -> torch.Tensor:
         """Prefill k prompts (k one of ``prefill_sizes``) into ``prefill_caches[k]``, right-padded to
-        the length bucket of the longest. Returns their last-token logits [k, V]."""
+        the length bucket of the longest, all with LoRA ``adapter`` (0: the base model). Returns
+        their last-token logits [k, V]."""
         k, p = len(prompts), self.length_bucket(max(map(len, prompts)))
         padded, lengths = self.upload([ids + [self.pad] * (p - len(ids)) for ids in prompts],
-                                       [len(ids) for ids in prompts])
-        return self.runner.prefill(padded, lengths, self.prefill_caches[k])
+                                      [len(ids) for ids in prompts])
+        with self._adapter_only(adapter):
+            return self.runner.prefill(padded, lengths, self.prefill_caches[k])
 
     @torch.no_grad()
     def decode(self, bucket: int, tokens: list[int], positions: list[int], window: int) -> torch.Tensor:
@@ -100,12 +104,15 @@ class DeviceRows:
 
     # --- moving rows between caches -------------------------------------------------------------
 
-    def place(self, k: int, row: int, bucket: int, slots: list[int], extent: int) -> None:
+    def place(self, k: int, row: int, bucket: int, slots: list[int], extent: int, adapter: int = 0) -> None:
         """Copy prompt ``row`` of the last k-prompt prefill into ``slots`` of ``caches[bucket]``:
         its first ``extent`` slots (its length bucket: a few copy shapes, which a Gaudi compiles
-        once each; slots past the prompt stay masked until the row writes them)."""
+        once each; slots past the prompt stay masked until the row writes them). The slots decode
+        with LoRA ``adapter`` from now on."""
         source, cache = self.prefill_caches[k], self.caches[bucket]
         for slot in slots:
+            if self.lora is not None:
+                self.lora.rows.set(slot, adapter)
             for mine, theirs in ((cache.keys, source.keys), (cache.values, source.values)):
                 mine[:, slot, :, :extent].copy_(theirs[:, row, :, :extent])
 
@@ -114,6 +121,8 @@ class DeviceRows:
         cache = self.caches[bucket]
         for t in (cache.keys, cache.values):
             t[:, dst, :, :extent].copy_(t[:, src, :, :extent])
+        if self.lora is not None:
+            self.lora.rows.move(src, dst)
 
     def resize(self, old: int, new: int, extent: int) -> None:
         """The running rows move from ``caches[old]`` to ``caches[new]`` (their first ``extent`` slots)."""
@@ -124,13 +133,20 @@ class DeviceRows:
 
     # --- the batch runner's path ----------------------------------------------------------------
 
-    def answer_offline(self, request, lengths: list[int], length: int, budget: int) -> tuple[list[dict], int]:
+    def answer_offline(self, request, lengths: list[int], length: int, budget: int,
+                       adapter: int = 0) -> tuple[list[dict], int]:
         """Beams, best_of, echo with log-probs...: one request through ``Generator.generate``
-        (jobs.runner.answer_batch), in the generator's own shapes."""
+        (jobs.runner.answer_batch), in the generator's own shapes, every row with LoRA ``adapter``."""
         from ..jobs.requests import RequestBatch
         from ..jobs.runner import answer_batch
 
-        return answer_batch(self.generator, RequestBatch([request], [lengths], length, budget=budget))
+        with self._adapter_only(adapter):
+            return answer_batch(self.generator, RequestBatch([request], [lengths], length, budget=budget))
+
+    def _adapter_only(self, adapter: int):
+        """Within it, every row of a step reads ``adapter`` (a prefill, an offline answer); the
+        running rows' adapters are put back after it."""
+        return self.lora.rows.only(adapter) if self.lora is not None else contextlib.nullcontext()
 
     def close(self) -> None:
         """The server is stopping (other ranks stop following under tensor parallelism)."""

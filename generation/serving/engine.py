@@ -20,6 +20,10 @@
   load adds a step signature (``backend.signatures``).
 * **Scheduling.** One thread owns the model. Requests arrive through a thread-safe queue and join
   between steps, first come first served; events stream back through each request's sink.
+* **LoRA adapters** (``bloom_hpu/lora_rows.py``, when the generator serves some): requests
+  prefilled together share one adapter; each row's adapter index is written when it joins and
+  moves with it (``DeviceRows.place`` / ``move``); an offline answer runs with every row reading
+  its request's adapter.
 * **Other searches.** Beam search, ``best_of > n``, ``echo`` with log-probs, ``max_tokens`` 0 and
   ``no_repeat_ngram_size`` are answered by the batch runner's path (``jobs.runner.answer_batch``
   over ``Generator.generate``) in a batch of their own, between two steps. Those use the
@@ -155,6 +159,7 @@ class Engine:
         self.text_of = TokenText(self.tokenizer)
         self.device = generator.device
         self.pad = self.tokenizer.pad_token_id
+        self.lora = getattr(generator, "lora", None)  # ServedAdapters, or None
         self.eos = self.tokenizer.eos_token_id
         self.device_rows = device_rows or DeviceRows(generator, config.max_batch, config.max_length,
                                                      config.bucket_width, config.max_prefill)
@@ -188,14 +193,25 @@ class Engine:
                               f"the server runs at most {self.config.max_batch} (--max_batch)", "n")
         if params.max_tokens < 1:
             raise EngineError("max_tokens must be at least 1", "max_tokens")
+        self._check_adapter(params.adapter)
         return self._enqueue(RequestHandle(list(prompt_ids), params, sink))
 
-    def submit_offline(self, request, prompt_ids: list[list[int]], sink=None) -> RequestHandle:
+    def submit_offline(self, request, prompt_ids: list[list[int]], sink=None, adapter: int = 0) -> RequestHandle:
         """A jobs.requests.Request answered by the batch runner's path (beams, best_of, echo with
-        log-probs...); its one event is a "record"."""
+        log-probs...); its one event is a "record". ``adapter``: as ``SamplingParams.adapter``."""
         for ids in prompt_ids:
             self._check(ids)
-        return self._enqueue(RequestHandle(prompt_ids[0], SamplingParams(), sink, offline=request))
+        self._check_adapter(adapter)
+        if adapter and len(prompt_ids) * request.rows_per_prompt > self.lora.rows.capacity:
+            raise EngineError(f"this search needs {len(prompt_ids) * request.rows_per_prompt} rows; with a LoRA "
+                              f"adapter at most {self.lora.rows.capacity} can run at once", "n")
+        return self._enqueue(RequestHandle(prompt_ids[0], SamplingParams(adapter=adapter), sink, offline=request))
+
+    def _check_adapter(self, adapter: int) -> None:
+        served = len(self.lora.names) if self.lora is not None else 0
+        if not 0 <= adapter <= served:
+            raise EngineError(f"no LoRA adapter {adapter}: the server has {served}", "model")
+
 
     def _check(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -356,6 +372,8 @@ class Engine:
         for handle in self.waiting:
             if handle.offline is not None or handle.cancelled.is_set() or len(group) == self.prefill_sizes[-1]:
                 break
+            if group and handle.params.adapter != group[0].params.adapter:  # a prefill runs one adapter
+                break
             length = self._length_bucket(len(handle.prompt_ids))
             longest = max([length] + [self._length_bucket(len(h.prompt_ids)) for h in group])
             if rows + handle.params.rows > free or (group and (len(group) + 1) * longest > PREFILL_WASTE * (real + length)):
@@ -388,12 +406,12 @@ class Engine:
             start += handle.params.rows
         occupied = [i for i, r in enumerate(self.rows) if r is not None] + [s for slots in seats for s in slots]
         self._resize(self._batch_bucket(max(occupied) + 1))
-        logits = self.device_rows.prefill([h.prompt_ids for h in group])  # [k, V]
+        logits = self.device_rows.prefill([h.prompt_ids for h in group], group[0].params.adapter)  # [k, V]
         self.stats["prefills"] += 1
         self.stats["prompts_prefilled"] += len(group)
         extent = self._length_bucket(max(len(h.prompt_ids) for h in group))
         for row, (handle, slots) in enumerate(zip(group, seats)):
-            self.device_rows.place(len(group), row, self.bucket, slots, extent)
+            self.device_rows.place(len(group), row, self.bucket, slots, extent, handle.params.adapter)
             self._seat(handle, slots, logits[row], extent)
 
     def _seat(self, handle: RequestHandle, slots: list[int], logits: torch.Tensor, extent: int) -> None:
@@ -423,7 +441,7 @@ class Engine:
         length = batch_length(max(lengths), request.max_tokens)
         try:
             budget = length * len(lengths) * request.rows_per_prompt
-            records, tokens = self.device_rows.answer_offline(request, lengths, length, budget)
+            records, tokens = self.device_rows.answer_offline(request, lengths, length, budget, handle.params.adapter)
         except Exception as error:
             handle.emit(Event("error", message=f"{type(error).__name__}: {error}"))
             return

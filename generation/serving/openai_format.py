@@ -56,6 +56,7 @@ class Completion:
     chat_logprobs: int | None = None  # chat: top_logprobs when logprobs is true
     prompt_ids: list[list[int]] | None = None  # prompts given as token ids
     extra_stops: list[str] = field(default_factory=list)
+    model: str = ""  # the served model it asked for (the base model or a LoRA adapter's name)
 
     @property
     def offline(self) -> bool:
@@ -112,10 +113,11 @@ def token_prompts(prompt, tokenizer) -> list[list[int]] | None:
     return prompts
 
 
-def parse_completion(body, model: str, tokenizer=None) -> Completion:
+def parse_completion(body, model: str | list[str], tokenizer=None) -> Completion:
+    """``model``: the name the server serves, or its names (the base model first, then LoRA adapters)."""
     if not isinstance(body, dict):
         raise bad_request(f"the body must be a JSON object, got {type(body).__name__}")
-    check_model(body, model)
+    chosen = check_model(body, model)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -143,18 +145,24 @@ def parse_completion(body, model: str, tokenizer=None) -> Completion:
     except (RequestError, ValueError, TypeError, OverflowError) as error:
         raise bad_request(str(error), _param_of(str(error), sorted(body, key=len, reverse=True))) from None
     request.prompt_ids = ids
-    completion = Completion(request, stream, options.get("include_usage", False), presence, frequency, prompt_ids=ids)
+    completion = Completion(request, stream, options.get("include_usage", False), presence, frequency, prompt_ids=ids,
+                            model=chosen)
     if completion.offline and (presence or frequency):
         raise bad_request("presence_penalty and frequency_penalty work with greedy search and sampling "
                           "(not with beams, best_of > n, echo with logprobs or max_tokens 0)", "presence_penalty")
     return completion
 
 
-def check_model(body: dict, model: str) -> None:
+def check_model(body: dict, model: str | list[str]) -> str:
+    """The served model the body asks for (the first of ``model`` when it names none)."""
+    names = [model] if isinstance(model, str) else list(model)
     name = body.get("model")
-    if name is not None and name != model:
-        raise ApiError(404, f"the model {name!r} does not exist: this server serves {model!r}",
+    if name is None:
+        return names[0]
+    if name not in names:
+        raise ApiError(404, f"the model {name!r} does not exist: this server serves {', '.join(map(repr, names))}",
                        "invalid_request_error", "model", "model_not_found")
+    return name
 
 
 # --- chat ---------------------------------------------------------------------------------------
@@ -185,7 +193,7 @@ def chat_prompt(messages, tokenizer) -> tuple[str, list[str]]:
     return "".join(lines) + "Assistant:", list(TURN_STOPS)
 
 
-def parse_chat(body, model: str, tokenizer) -> Completion:
+def parse_chat(body, model: str | list[str], tokenizer) -> Completion:
     if not isinstance(body, dict):
         raise bad_request(f"the body must be a JSON object, got {type(body).__name__}")
     for key in sorted(set(body) - CHAT_KEYS):

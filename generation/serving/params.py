@@ -21,6 +21,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # None: none; k: the chosen token's log-prob and k alternatives
     n: int = 1  # choices
+    adapter: int = 0  # the LoRA adapter its rows use (the engine's generator.lora; 0: the base model)
 
     @property
     def sampling(self) -> bool:

@@ -58,6 +58,12 @@ class CpuPlan:
     decode: Callable | None = None
     prompt_attention: list[Attention] = field(default_factory=list)
 
+    def drop_one_call_decode(self, why: str) -> None:
+        """Decode op by op from now on (the one-call step computes the plain model only)."""
+        if self.decode is not None:
+            self.decode = None
+            self.description = self.description.replace("one-call decode step", f"decode op by op ({why})")
+
     @contextmanager
     def op_by_op(self):
         """Within it, the one-call steps are off and the steps run op by op from Python, as on the
