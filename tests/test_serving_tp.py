@@ -1,6 +1,7 @@
 """The server under the deepspeed launcher on 2 ranks (rank 0 answers HTTP, the other rank follows
 each step) answers what one process answers: greedy, seeded samples, log-probs, stop strings,
-beams and echo scoring (the batch runner's path), sent concurrently."""
+beams and echo scoring (the batch runner's path), rows of a served LoRA adapter beside the base
+model's, sent concurrently."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ REQUESTS = [
     dict(prompt="score this text", max_tokens=0, echo=True, logprobs=1),
     dict(prompt="and then", max_tokens=15, temperature=0, frequency_penalty=1.0),
     dict(prompt="x y z", max_tokens=9, temperature=0.5, seed=11),
+    dict(prompt="the cat sat on", max_tokens=12, temperature=0, model="tuned"),
+    dict(prompt="hello world", max_tokens=6, temperature=0, n=2, extra_body={"num_beams": 3}, model="tuned"),
 ]
 
 
@@ -72,7 +75,7 @@ def answers(port: int, model: str) -> list[list]:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
 
     def ask(request):
-        out = client.completions.create(model=model, **request)
+        out = client.completions.create(**({"model": model} | request))
         return [(c.text, c.finish_reason, c.logprobs.model_dump() if c.logprobs else None) for c in out.choices]
 
     with ThreadPoolExecutor(len(REQUESTS)) as pool:
@@ -103,8 +106,13 @@ def checkpoint(make_ckpt):
 
 
 def test_two_ranks_serve_what_one_process_serves(checkpoint, tmp_path):
+    from lora_adapters import make_adapter
+
+    adapter = make_adapter(checkpoint, tmp_path / "adapter", seed=2, r=4, lora_alpha=8,
+                           target_modules=["query_key_value", "dense_4h_to_h"])
+    serve = [*SERVE, "--lora", f"tuned={adapter}"]
     port = free_port()
-    one = start([sys.executable, "bloom.py", "--weights", str(checkpoint), *SERVE, "--port", str(port)],
+    one = start([sys.executable, "bloom.py", "--weights", str(checkpoint), *serve, "--port", str(port)],
                 port, tmp_path / "one.log")
     try:
         expected = answers(port, checkpoint.name)
@@ -113,7 +121,7 @@ def test_two_ranks_serve_what_one_process_serves(checkpoint, tmp_path):
 
     port = free_port()
     launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
-    two = start([*launcher, "bloom.py", "--weights", str(checkpoint), *SERVE, "--port", str(port)],
+    two = start([*launcher, "bloom.py", "--weights", str(checkpoint), *serve, "--port", str(port)],
                 port, tmp_path / "two.log")
     try:
         got = answers(port, checkpoint.name)
@@ -126,3 +134,4 @@ def test_two_ranks_serve_what_one_process_serves(checkpoint, tmp_path):
         same_choices(have, want, request)
         same_choices(again, want, request)
     assert any(text for choices in expected for text, _, _ in choices)
+    assert expected[0] != expected[-2]  # the adapter changes the answer
