@@ -14,8 +14,12 @@ normally). Ctrl-D (end of input) leaves with status 0.
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 
+from ..streaming import generate_streaming
 from .lines import line_source, use_line_editing
 from .settings import HYPERPARAMETERS, SettingError, Settings
 from .turns import BOT, HUMAN, Conversation, TurnTooLong, turn_format
@@ -32,6 +36,27 @@ HELP = f"""Type a message and press Enter: the model replies. Commands:
   /raw_say TEXT                send TEXT to the model as is (no turn format, not kept in the conversation)
   /quit                        leave (Ctrl-D too)
 Ctrl-C stops a reply being generated (what was printed stays in the conversation)."""
+
+
+@contextmanager
+def ctrl_c_sets(event: threading.Event, enabled: bool = True):
+    """While inside: the first Ctrl-C sets ``event`` (the generation stops at its next step
+    boundary), a second one interrupts at once. Only in the main thread, where Python runs signal
+    handlers."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if event.is_set():
+            raise KeyboardInterrupt
+        event.set()
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class ChatShell:
@@ -122,30 +147,32 @@ class ChatShell:
         """Print the reply to ``prompt`` as it comes; returns its text (None after an error).
         ``strip``: leave out the blanks a reply starts with (the space after ``<bot>:``)."""
         shown: list[str] = []
-        pieces = None
+
+        def show(piece: str) -> None:
+            if strip and not shown:
+                piece = piece.lstrip()
+                if not piece:
+                    return
+            shown.append(piece)
+            self.out.write(piece)
+            self.out.flush()
+
+        stop_now = threading.Event()
         try:
-            pieces = self.generator.stream(prompt, self.settings.options, stop=stops or None)
-            for piece in pieces:
-                if strip and not shown:
-                    piece = piece.lstrip()
-                    if not piece:
-                        continue
-                shown.append(piece)
-                self.out.write(piece)
-                self.out.flush()
-        except KeyboardInterrupt:
+            with ctrl_c_sets(stop_now, enabled=self.interruptible):
+                generate_streaming(self.generator, prompt, self.settings.options, show, stop=stops or None,
+                                   cancelled=stop_now)
+        except KeyboardInterrupt:  # a second Ctrl-C, or one under a launcher
             if not self.interruptible:
                 raise
-            self.say("" if not shown else "\n", end="")
-            self.say("(stopped)")
-            return "".join(shown)
+            stop_now.set()
         except ValueError as error:  # the prompt or the options against the model: the session goes on
             self.say(f"{chr(10) if shown else ''}error: {error}")
             return None
-        finally:
-            if pieces is not None:
-                pieces.close()  # stops the generation if it is still running
-        self.say()
+        if stop_now.is_set():
+            self.say("\n(stopped)" if shown else "(stopped)")
+        else:
+            self.say()
         return "".join(shown)
 
     # --- commands ---------------------------------------------------------------------------------
