@@ -308,3 +308,51 @@ def test_a_chat_under_deepspeed_on_two_ranks(make_ckpt):
     shell.sendeof()
     shell.expect(pexpect.EOF, timeout=120)
     assert shell.wait() == 0, shell.before
+
+
+class Typed:
+    """Lines typed at the shell, for a shell run in this process."""
+
+    def __init__(self, *lines: str):
+        self.lines = list(lines)
+
+    def read(self, prompt: str) -> str | None:
+        return self.lines.pop(0) if self.lines else None
+
+
+def test_a_checkpoint_with_a_chat_template_talks_through_it(make_ckpt, tmp_path):
+    """The shell in this process on a checkpoint whose tokenizer_config.json has a ChatML template:
+    the prompt is the template's, and the greedy reply is transformers' on that prompt."""
+    import io
+    import json
+    import shutil
+
+    from transformers import PreTrainedTokenizerFast
+
+    from bloom_hpu.runtime.cpu import CpuOptions
+    from generation.chat.shell import ChatShell
+    from generation.generator import Generator
+
+    folder = tmp_path / "templated"
+    shutil.copytree(make_ckpt(**RANDOM), folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    generator = Generator.from_pretrained(folder, device="cpu", cpu=CpuOptions(path="plain"))
+    out = io.StringIO()
+    options = chat_options(max_length=128, max_new_tokens=12, do_sample=False)
+    shell = ChatShell(generator, Settings(options), Conversation(turn_format(generator.tokenizer)),
+                      Typed("Hello", "/raw_prompt"), out=out)
+    assert shell.run() == 0
+
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"))
+    reference.chat_template = CHATML
+    prompt = reference.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert prompt == "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n"
+    want = reference_reply(folder, prompt, 12)
+    for stop in ("<|im_end|>\n<|im_start|>user", "<|im_end|>"):
+        want = want.split(stop)[0]
+    lines = out.getvalue().splitlines()
+    assert "chat template" in lines[0]
+    history = prompt.removesuffix("<|im_start|>assistant\n") + f"<|im_start|>assistant\n{want.strip()}<|im_end|>\n"
+    assert out.getvalue().endswith(f"{want}\n{history}\n")

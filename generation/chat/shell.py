@@ -3,11 +3,12 @@ they are generated, and slash commands.
 
 A reply is generated from the whole conversation (``turns.Conversation``) and ends at the model's
 EOS, at ``max_tokens``, or where the model starts the next turn: the turn marker is a stop string,
-which ``Generator.stream`` never gives out, not even its first characters (they are held back until
-the text is known not to be the marker).
+which streaming (``streaming.generate_streaming``) never gives out, not even its first characters
+(they are held back until the text is known not to be the marker).
 
-Ctrl-C while a reply is generated stops it and returns to the prompt; the part already printed
-stays in the conversation, as the user saw it. Under a launcher (deepspeed, torchrun) the launcher
+Ctrl-C while a reply is generated stops it at the next step boundary and returns to the prompt (a
+second Ctrl-C interrupts at once); the part already printed stays in the conversation, as the user
+saw it. The reply is generated on the main thread, so the shell needs no other. Under a launcher (deepspeed, torchrun) the launcher
 itself stops every rank on Ctrl-C, so there Ctrl-C ends the session (use /quit or Ctrl-D to leave
 normally). Ctrl-D (end of input) leaves with status 0.
 """
