@@ -356,3 +356,31 @@ def test_a_checkpoint_with_a_chat_template_talks_through_it(make_ckpt, tmp_path)
     assert "chat template" in lines[0]
     history = prompt.removesuffix("<|im_start|>assistant\n") + f"<|im_start|>assistant\n{want.strip()}<|im_end|>\n"
     assert out.getvalue().endswith(f"{want}\n{history}\n")
+
+
+def test_rank_0_broadcasts_each_line_and_heartbeats_while_nobody_types(monkeypatch):
+    """The line protocol of a tensor-parallel chat, with the collective recorded (the 2-rank run
+    above covers it for real, but not a user who thinks for minutes)."""
+    import time
+
+    from bloom_hpu.tp import Parallel
+    from generation.chat.lines import BroadcastLines
+
+    sent = []
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda t, src: sent.append(t.clone()))
+
+    class Slow:
+        def read(self, prompt):
+            time.sleep(0.35)
+            return "héllo"
+
+    assert BroadcastLines(Parallel(0, 2), Slow(), heartbeat=0.1).read(">>> ") == "héllo"
+    assert BroadcastLines(Parallel(0, 2), Typed()).read(">>> ") is None  # Ctrl-D
+    lengths = [int(t[0]) for t in sent if t.dtype == torch.int64]
+    assert len(lengths) >= 3 and set(lengths[:-2]) == {-2}  # heartbeats while the user thinks
+    assert lengths[-2:] == [len("héllo".encode()), -1]
+
+    replay = iter(sent)
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda t, src: t.copy_(next(replay)))
+    rank1 = BroadcastLines(Parallel(1, 2))
+    assert rank1.read(">>> ") == "héllo" and rank1.read(">>> ") is None
