@@ -6,6 +6,9 @@ keeps a reference to each step's token tensor, which costs no synchronisation; e
 ``copy_every`` steps the pending tokens go to the host in one copy (on the CPU after every step,
 since a copy there is free; on accelerators every 4 steps, the one sync that printing needs).
 
+``generate_streaming`` does the same on the calling thread, handing each piece to a callback as it
+comes (the chat shell, which stops a reply on Ctrl-C at a step boundary).
+
 The pieces always join to exactly ``generate(prompt, ...)[0].text``: text stops at the first EOS,
 text that may be the start of a stop string is held back until it is known not to be one, and
 the last piece is whatever the finished result adds to what was already given out.
