@@ -128,16 +128,14 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
-CHAT_FLAGS = {"max_tokens": "max_new_tokens", "sample": "do_sample", "temperature": "temperature",
-              "top_k": "top_k", "repetition_penalty": "repetition_penalty"}
-
-
 def check_chat_flags(args) -> None:
-    given = [f"--{name}" for name in CHAT_FLAGS if getattr(args, name) is not None]
+    from generation.chat.settings import CHAT_FLAGS, HYPERPARAMETERS
+
+    given = [name for name in CHAT_FLAGS if getattr(args, name) is not None]
     if not args.chat:
         if given:
-            raise UsageError(f"{given[0]} goes with --chat (to generate, set it in --options, e.g. "
-                             f"--options {CHAT_FLAGS[given[0][2:]]}=...)")
+            raise UsageError(f"--{given[0]} goes with --chat (to generate, set it in --options, e.g. "
+                             f"--options {HYPERPARAMETERS[given[0]]}=...)")
         return
     for flag, used in (("prompts on the command line", args.prompts), ("--input_file", args.input_file),
                        ("--output_file", args.output_file), ("--stream", args.stream), ("--serve", args.serve),
@@ -181,9 +179,10 @@ def collect_options(args):
 
     flags = {name: getattr(args, name) for name in ("max_length", "ignore_eos", "use_graphs", "static_shapes", "seed")}
     if args.chat:
-        from generation.chat.settings import chat_options
+        from generation.chat.settings import CHAT_FLAGS, HYPERPARAMETERS, chat_options
 
-        return chat_options(args.options, **flags, **{option: getattr(args, name) for name, option in CHAT_FLAGS.items()})
+        flags.update({HYPERPARAMETERS[name]: getattr(args, name) for name in CHAT_FLAGS})
+        return chat_options(args.options, **flags)
     return build_options(args.options, **{k: v for k, v in flags.items() if v is not None})
 
 

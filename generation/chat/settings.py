@@ -33,6 +33,8 @@ HYPERPARAMETERS = {
 }
 
 
+# The hyperparameters bloom.py also takes as flags (--max_tokens, --sample...).
+CHAT_FLAGS = ("max_tokens", "sample", "temperature", "top_k", "repetition_penalty")
 KINDS = {bool: "true or false", int: "an integer", float: "a number"}
 
 
