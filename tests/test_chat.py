@@ -205,12 +205,12 @@ def reference_reply(folder: Path, prompt: str, max_new_tokens: int, eos: bool = 
 
 
 def spawn(*args: str, launcher: list[str] = ()) -> pexpect.spawn:
+    """``./bloom.py ARGS`` in a pseudo-terminal; with ``launcher``, ``python LAUNCHER bloom.py ARGS``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TERM": "dumb", "PYTHONPATH": str(ROOT)}
-    command = [*launcher] if launcher else [str(ROOT / "bloom.py")]
-    shell = pexpect.spawn(sys.executable if launcher else command[0], [*command[1:], *args] if not launcher
-                          else [*command, str(ROOT / "bloom.py"), *args], cwd=str(ROOT), env=env,
-                          encoding="utf-8", codec_errors="replace", timeout=TIMEOUT, dimensions=(50, 400))
-    return shell
+    bloom_py = str(ROOT / "bloom.py")
+    program, argv = (sys.executable, [*launcher, bloom_py, *args]) if launcher else (bloom_py, list(args))
+    return pexpect.spawn(program, argv, cwd=str(ROOT), env=env, encoding="utf-8", codec_errors="replace",
+                         timeout=TIMEOUT, dimensions=(50, 400))
 
 
 def ask(shell: pexpect.spawn, line: str) -> str:
