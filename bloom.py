@@ -93,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor parallel runs: every rank prints (prefixed [rank r]) and writes its own "
                    "--output_file (name.rankR.json), not only rank 0")
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    chat = p.add_argument_group("chat (--chat: an interactive shell; README's Chat section)")
+    chat.add_argument("--chat", action="store_true", help="talk with the model: >>> prompt, replies streamed, "
+                      "/help lists the commands (default max_length 1024 so that the history fits)")
+    chat.add_argument("--max_tokens", "--max-tokens", type=int, help="--chat: new tokens per reply (default 128)")
+    chat.add_argument("--sample", type=flag_bool, help="--chat: t: sample (default); f: greedy")
+    chat.add_argument("--temperature", type=float, help="--chat: sampling temperature (default 0.6)")
+    chat.add_argument("--top_k", "--top-k", type=int, help="--chat: sample among the k most likely tokens (default 40)")
+    chat.add_argument("--repetition_penalty", "--repetition-penalty", type=float,
+                      help="--chat: penalise tokens already in the conversation (default 1.0: off)")
     serving = p.add_argument_group("server (--serve: an OpenAI-compatible HTTP server, see docs/serving.md)")
     serving.add_argument("--serve", action="store_true", help="answer /v1/completions and /v1/chat/completions over HTTP")
     serving.add_argument("--host", default="127.0.0.1", help="--serve: address to listen on (default 127.0.0.1)")
@@ -126,9 +135,27 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
+def check_chat_flags(args) -> None:
+    from generation.chat.settings import CHAT_FLAGS, HYPERPARAMETERS
+
+    given = [name for name in CHAT_FLAGS if getattr(args, name) is not None]
+    if not args.chat:
+        if given:
+            raise UsageError(f"--{given[0]} goes with --chat (to generate, set it in --options, e.g. "
+                             f"--options {HYPERPARAMETERS[given[0]]}=...)")
+        return
+    for flag, used in (("prompts on the command line", args.prompts), ("--input_file", args.input_file),
+                       ("--output_file", args.output_file), ("--stream", args.stream), ("--serve", args.serve),
+                       ("--requests", args.requests), ("--eval", args.eval), ("--warmup", args.warmup),
+                       ("--mode vanilla", args.mode == "vanilla"), ("--batch_size", args.batch_size != 1)):
+        if used:
+            raise UsageError(f"--chat reads its messages from the keyboard: {flag} cannot be used with it")
+
+
 def check_flags(args) -> None:
     """Flags that contradict each other, and file paths that would overwrite one another; all
     before the model is loaded."""
+    check_chat_flags(args)
     if args.batch_size < 1:
         raise UsageError(f"--batch_size must be >= 1, got {args.batch_size}")
     if args.budget < 1:
@@ -178,6 +205,11 @@ def collect_options(args):
     from generation.options import build_options
 
     flags = {name: getattr(args, name) for name in ("max_length", "ignore_eos", "use_graphs", "static_shapes", "seed")}
+    if args.chat:
+        from generation.chat.settings import CHAT_FLAGS, HYPERPARAMETERS, chat_options
+
+        flags.update({HYPERPARAMETERS[name]: getattr(args, name) for name in CHAT_FLAGS})
+        return chat_options(args.options, **flags)
     return build_options(args.options, **{k: v for k, v in flags.items() if v is not None})
 
 
@@ -316,6 +348,20 @@ def run_server(args, opts) -> int:
     return 0
 
 
+def run_chat(args, opts) -> int:
+    """--chat: the interactive shell (generation/chat/); every rank generates, rank 0 reads and prints."""
+    if opts.num_beams > 1 or opts.num_return_sequences > 1:
+        raise UsageError("--chat streams one reply at a time: num_beams and num_return_sequences must be 1")
+    check_ranks_agree(args, [])
+    generator = make_generator(args, opts)
+    generator.check_fits(["."], opts)  # the memory of a full-length reply, before the first message
+    if generator.load_report is not None:
+        log(generator.load_report.describe())
+    from generation.chat.shell import run_chat as chat
+
+    return chat(generator, opts, PARALLEL, name=generator.folder.name)
+
+
 def stream_prompts(args, generator, prompts, opts, writer) -> int:
     """--stream: each prompt, then its continuation piece by piece as it is generated; with
     --output_file each finished result is saved as without --stream."""
@@ -371,6 +417,8 @@ def run(args) -> int:
     opts = collect_options(args)
     if args.serve:
         return run_server(args, opts)
+    if args.chat:
+        return run_chat(args, opts)
     if args.requests or args.eval:
         return run_file_job(args, opts)
     prompts = read_prompts(args)

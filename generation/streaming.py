@@ -6,6 +6,9 @@ keeps a reference to each step's token tensor, which costs no synchronisation; e
 ``copy_every`` steps the pending tokens go to the host in one copy (on the CPU after every step,
 since a copy there is free; on accelerators every 4 steps, the one sync that printing needs).
 
+``generate_streaming`` does the same on the calling thread, handing each piece to a callback as it
+comes (the chat shell, which stops a reply on Ctrl-C at a step boundary).
+
 The pieces always join to exactly ``generate(prompt, ...)[0].text``: text stops at the first EOS,
 text that may be the start of a stop string is held back until it is known not to be one, and
 the last piece is whatever the finished result adds to what was already given out.
@@ -70,6 +73,35 @@ class _TokenWatcher:
             self.given = safe
 
 
+def _generate_watched(generator, prompt: str, options, stops: list[str], watcher: _TokenWatcher):
+    result = generator.generate([prompt], options, stop=stops or None, on_step=watcher)[0]
+    watcher.flush()
+    # The finished result is the truth; whatever it adds to the pieces is the last one.
+    if result.text[: watcher.given] == watcher.text[: watcher.given] and len(result.text) > watcher.given:
+        watcher.emit(result.text[watcher.given :])
+    return result
+
+
+def generate_streaming(generator, prompt: str, options, emit, stop=None, copy_every: int | None = None,
+                       cancelled: threading.Event | None = None):
+    """Generate ``prompt``'s continuation on the calling thread, handing ``emit`` the same pieces
+    ``stream_text`` yields, as they come; returns the GenerationResult, or None when ``cancelled``
+    was set: the loop then ends at its next step boundary (never inside a step or a graph capture).
+
+    No worker thread: the caller keeps its thread (the chat shell sets ``cancelled`` from its
+    Ctrl-C handler), and no torch per-thread state is left to be torn down while the process exits,
+    which can abort the exit of a short-lived shell."""
+    stops = normalize_stops(stop)
+    if copy_every is None:
+        copy_every = 1 if generator.device.type == "cpu" else 4
+    watcher = _TokenWatcher(generator.tokenizer, stops, copy_every, emit, cancelled or threading.Event())
+    try:
+        return _generate_watched(generator, prompt, options, stops, watcher)
+    except _Cancelled:
+        watcher.flush()  # what the steps before the stop produced, still held back at a possible marker
+        return None
+
+
 def stream_text(generator, prompt: str, options, stop=None, copy_every: int | None = None,
                 on_result=None) -> Iterator[str]:
     """Iterate over text pieces of ``prompt``'s continuation (see the module doc)."""
@@ -84,11 +116,7 @@ def stream_text(generator, prompt: str, options, stop=None, copy_every: int | No
 
     def work():
         try:
-            result = generator.generate([prompt], options, stop=stops or None, on_step=watcher)[0]
-            watcher.flush()
-            # The finished result is the truth; whatever it adds to the pieces is the last one.
-            if result.text[: watcher.given] == watcher.text[: watcher.given] and len(result.text) > watcher.given:
-                pieces.put(result.text[watcher.given :])
+            result = _generate_watched(generator, prompt, options, stops, watcher)
             if on_result is not None:
                 on_result(result)
             pieces.put(_DONE)

@@ -54,3 +54,25 @@ def test_cli_stream_prints_prompt_and_continuation(scoring_setup, capsys):
     folder, gen, hf = scoring_setup
     assert bloom.main(["--weights", str(folder), "--max_length", "24", "--stream", PROMPT]) == 0
     assert capsys.readouterr().out == PROMPT + hf_text(hf, gen.tokenizer, PROMPT, 24) + "\n"
+
+
+def test_generate_streaming_on_the_calling_thread_and_its_cancel(scoring_setup):
+    import threading
+
+    from generation.streaming import generate_streaming
+
+    _, gen, hf = scoring_setup
+    want = hf_text(hf, gen.tokenizer, PROMPT, 40)
+    pieces = []
+    result = generate_streaming(gen, PROMPT, gen.options(max_length=40), pieces.append)
+    assert "".join(pieces) == result.text == want and len(pieces) > 5
+    # Cancelled after the third piece: the loop stops at its next step, what was given is a prefix.
+    pieces, cancel = [], threading.Event()
+
+    def emit(piece):
+        pieces.append(piece)
+        if len(pieces) == 3:
+            cancel.set()
+
+    assert generate_streaming(gen, PROMPT, gen.options(max_length=40), emit, cancelled=cancel) is None
+    assert len(pieces) == 3 and want.startswith("".join(pieces))
