@@ -367,14 +367,15 @@ def stream_prompts(args, generator, prompts, opts, writer) -> int:
     --output_file each finished result is saved as without --stream."""
     if args.mode == "vanilla":
         raise UsageError("--stream runs in --mode optimized only")
+    from generation.streaming import generate_streaming
+
     for prompt in prompts:
-        finished = []
         print(prompt, end="", flush=True)
-        for piece in generator.stream(prompt, opts, on_result=finished.append):
-            print(piece, end="", flush=True)
+        # On this thread (no worker thread left to tear down while a short run exits).
+        result = generate_streaming(generator, prompt, opts, emit=lambda piece: print(piece, end="", flush=True))
         print(flush=True)
-        if writer and finished:
-            writer.add(finished)
+        if writer and result is not None:
+            writer.add([result])
     if writer:
         writer.finish()
     return 0
