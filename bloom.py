@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("prompts", nargs="*", help="prompts to continue")
     p.add_argument("--weights", help="checkpoint folder, or a folder filled by utils/fetch_weights.py "
-                   "(default: the embedded tiny random checkpoint)")
+                   "(default: the embedded tiny checkpoint, checkpoints/bloom-tiny)")
     p.add_argument("--model", help="model inside --weights, e.g. bloom-560m or bigscience/bloom-7b1")
     p.add_argument("--max_length", type=int, help="prompt + generated tokens per row (default 128)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and compute dtype")
@@ -163,7 +163,7 @@ def make_generator(args, opts):
     if weights is None and args.model is None:
         weights = str(DEFAULT_CHECKPOINT)
         log(f"no --weights given: using the embedded default checkpoint {DEFAULT_CHECKPOINT.relative_to(ROOT)} "
-            "(tiny, random weights: the output is gibberish; pass --weights for a real model)")
+            "(a tiny model trained on the King James Bible; pass --weights for a real model)")
     if args.mode == "vanilla":
         from bloom_hpu.runtime.backends import make_backend
         from bloom_hpu.checkpoint import resolve_checkpoint
