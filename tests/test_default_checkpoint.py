@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from tokenizers import Tokenizer
 
 from bloom_hpu.checkpoint import CheckpointReader, missing_files
 from bloom_hpu.config import BloomConfig
@@ -115,7 +116,7 @@ def test_held_out_perplexity_is_far_below_the_vocabulary(hf_model, tokenizer, co
         with torch.no_grad():
             total += hf_model(ids, labels=ids).loss.item() * (ids.shape[1] - 1)
         count += ids.shape[1] - 1
-    assert math.exp(total / count) < 60 < len(tokenizer) / 30
+    assert math.exp(total / count) < 60  # 26 as shipped; a uniform guess: 2000
 
 
 def test_prose_it_never_read_is_likelier_than_shuffled_words(hf_model, tokenizer):
@@ -135,16 +136,18 @@ def test_prose_it_never_read_is_likelier_than_shuffled_words(hf_model, tokenizer
 
 def test_script_smoke_run_writes_a_loadable_checkpoint_and_a_reproducible_tokenizer(tmp_path):
     corpus = REPO_ROOT / "utils" / "tiny_corpus.txt"
-    for out in (tmp_path / "a", tmp_path / "b"):
-        subprocess.run([sys.executable, str(SCRIPT), "--corpus", str(corpus), "--smoke", "--out", str(out)],
-                       check=True, capture_output=True, timeout=120)
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == FILES
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"):
-        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
-    model, info = transformers.BloomForCausalLM.from_pretrained(tmp_path / "a", output_loading_info=True)
+    out = tmp_path / "smoke"
+    subprocess.run([sys.executable, str(SCRIPT), "--corpus", str(corpus), "--smoke", "--out", str(out)],
+                   check=True, capture_output=True, timeout=120)
+    assert sorted(p.name for p in out.iterdir()) == FILES
+    # The tokenizer is a function of the text: trained again here, it is the same, byte for byte.
+    paragraphs = [line for line in corpus.read_text().splitlines() if line.strip()]
+    again = train_tokenizer(kjv_corpus.split(paragraphs).train, 300)
+    assert again.to_str() == Tokenizer.from_file(str(out / "tokenizer.json")).to_str()
+    model, info = transformers.BloomForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not any(info.values()), info
-    assert json.loads((tmp_path / "a" / "config.json").read_text())["vocab_size"] % 128 == 0
-    assert re.search(r"held-out chapters.*\| \d+\.\d+ \| \d+\.\d+ \|", (tmp_path / "a" / "README.md").read_text())
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 384  # 300 padded to a multiple of 128
+    assert re.search(r"held-out chapters.*\| \d+\.\d+ \| \d+\.\d+ \|", (out / "README.md").read_text())
 
 
 def test_the_shipped_tokenizer_is_the_one_the_corpus_gives(tiny_checkpoint, corpus):
