@@ -157,3 +157,10 @@ def test_script_smoke_run_writes_a_loadable_checkpoint_and_a_reproducible_tokeni
 def test_the_shipped_tokenizer_is_the_one_the_corpus_gives(tiny_checkpoint, corpus):
     retrained = train_tokenizer(corpus.train, 2000)
     assert json.loads(retrained.to_str()) == json.loads((tiny_checkpoint / "tokenizer.json").read_text())
+
+
+def test_script_says_what_is_wrong_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--corpus", str(tmp_path / "missing.txt"), "--smoke",
+                           "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.startswith("error: ") and "missing.txt" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -21,6 +21,7 @@ import argparse
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -218,14 +219,16 @@ def save(model, recipe: Recipe, out: Path) -> BloomConfig:
     return config
 
 
-def make_default_checkpoint(out_dir: str | Path = DEFAULT_OUT, recipe: Recipe = Recipe(), corpus_file: Path | None = None,
-                            cache: Path = kjv_corpus.DEFAULT_CACHE, log=print) -> Path:
+def make_default_checkpoint(out_dir: str | Path = DEFAULT_OUT, recipe: Recipe = Recipe(),
+                            corpus_file: Path | None = None, cache: Path = kjv_corpus.DEFAULT_CACHE,
+                            log=print) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if corpus_file is None:
         corpus, source = kjv_corpus.load(cache), kjv_corpus.SOURCE
     else:  # any text: paragraphs are its non-empty lines
-        corpus, source = kjv_corpus.split([line for line in corpus_file.read_text().splitlines() if line.strip()]), str(corpus_file)
+        paragraphs = [line for line in corpus_file.read_text().splitlines() if line.strip()]
+        corpus, source = kjv_corpus.split(paragraphs), str(corpus_file)
     tokenizer = train_tokenizer(corpus.train, recipe.tokenizer_vocab)
     write_tokenizer(tokenizer, out)
     train_ids, held_ids = encode(tokenizer, corpus.train), encode(tokenizer, corpus.held_out)
@@ -260,18 +263,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder to write (default: %(default)s)")
     parser.add_argument("--steps", type=int, help=f"training steps (default: {Recipe.steps})")
     parser.add_argument("--corpus", type=Path, help="train on this text file (paragraph a line) instead of the KJV")
-    parser.add_argument("--cache", type=Path, default=kjv_corpus.DEFAULT_CACHE, help="download folder (default: %(default)s)")
+    parser.add_argument("--cache", type=Path, default=kjv_corpus.DEFAULT_CACHE,
+                        help="download folder (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1,
                         help="PyTorch threads (default: %(default)s; on shared cores one thread is the fastest)")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model and a few steps: checks the script in seconds")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny model and a few steps: checks the script in seconds")
     args = parser.parse_args(argv)
     recipe = SMOKE if args.smoke else Recipe()
     if args.steps is not None:
         recipe = replace(recipe, steps=args.steps)
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
-    out = make_default_checkpoint(args.out, recipe, args.corpus, args.cache,
-                                  log=lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        out = make_default_checkpoint(args.out, recipe, args.corpus, args.cache,
+                                      log=lambda line: print(line, file=sys.stderr, flush=True))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:  # no corpus, no network, unwritable --out
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {out}")
     return 0
 
