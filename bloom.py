@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("prompts", nargs="*", help="prompts to continue")
     p.add_argument("--weights", help="checkpoint folder, or a folder filled by utils/fetch_weights.py "
-                   "(default: the embedded tiny random checkpoint)")
+                   "(default: the embedded tiny checkpoint, checkpoints/bloom-tiny)")
     p.add_argument("--model", help="model inside --weights, e.g. bloom-560m or bigscience/bloom-7b1")
     p.add_argument("--peft_weights", metavar="DIR",
                    help="a LoRA adapter saved by PEFT (adapter_config.json + adapter_model.*), merged at load")
@@ -222,7 +222,7 @@ def make_generator(args, opts):
     if weights is None and args.model is None:
         weights = str(DEFAULT_CHECKPOINT)
         log(f"no --weights given: using the embedded default checkpoint {DEFAULT_CHECKPOINT.relative_to(ROOT)} "
-            "(tiny, random weights: the output is gibberish; pass --weights for a real model)")
+            "(a tiny model trained on the King James Bible; pass --weights for a real model)")
     if args.mode == "vanilla":
         from bloom_hpu.runtime.backends import make_backend
         from bloom_hpu.checkpoint import resolve_checkpoint

@@ -38,7 +38,7 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 
 DEFAULT_ORG = "bigscience"  # bare names like `bloom-560m` are BigScience models
 DEFAULT_WEIGHTS = Path(__file__).resolve().parent.parent / "checkpoints"
-DEFAULT_MODEL = "bloom-tiny"  # the small random checkpoint that ships with the repository
+DEFAULT_MODEL = "bloom-tiny"  # the small trained checkpoint that ships with the repository
 FETCH_SCRIPT = "utils/fetch_weights.py"
 
 
@@ -190,7 +190,7 @@ def resolve_checkpoint(weights: str | Path | None, model: str | None) -> Path:
     models, in which `model` (`bloom-560m`, `bigscience/bloom-7b1`, any `org/name`) is looked up as
     `<name>`, `<org>--<name>`, `<org>/<name>` or huggingface_hub's `models--<org>--<name>` cache.
     `weights=None` means the repository's `checkpoints/` folder, and then `model=None` means the
-    embedded random `bloom-tiny`. Raises CheckpointError with a one-line, actionable message.
+    embedded `bloom-tiny`. Raises CheckpointError with a one-line, actionable message.
     """
     if weights is None:
         weights, model = DEFAULT_WEIGHTS, model or DEFAULT_MODEL

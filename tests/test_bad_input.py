@@ -19,7 +19,7 @@ from generation.memory import MemoryCheckError
 from generation.options import OptionError
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "checkpoints" / "bloom-tiny"  # vocabulary of 1024
+TINY = ROOT / "checkpoints" / "bloom-tiny"  # vocabulary of 2048, 4 heads
 
 
 def cli(argv, capsys) -> tuple[int, str]:
@@ -39,7 +39,7 @@ def gen():
 # --- the command line -----------------------------------------------------------------------------
 
 CLI_CASES = [
-    (["--options", "num_beams=513", "Hello"], "num_beams must be at most 512"),
+    (["--options", "num_beams=1025", "Hello"], "num_beams must be at most 1024"),
     (["--options", "top_k=5000", "Hello"], "top_k"),
     (["--options", "do_sample,temperature=1e-45", "Hello"], "temperature"),
     (["--options", "do_sample,temperature=inf", "Hello"], "finite"),
@@ -107,7 +107,7 @@ CONFIGS = [
     ({"n_head": 0}, "n_head must be between"),
     ({"vocab_size": -1}, "vocab_size must be between"),
     ({"model_type": "gpt2"}, "BLOOM models only"),
-    ({"hidden_size": 100}, "not a multiple of n_head"),
+    ({"hidden_size": 126}, "not a multiple of n_head"),
     ({"eos_token_id": 5000}, "outside the vocabulary"),
 ]
 
@@ -144,9 +144,9 @@ def test_library_argument_types_are_named_at_the_call(gen, kwargs, name):
 
 def test_library_refuses_what_the_model_cannot_do(gen):
     with pytest.raises(OptionError, match="num_beams"):
-        gen.generate(["Hello"], num_beams=513, max_length=8)
+        gen.generate(["Hello"], num_beams=1025, max_length=8)
     with pytest.raises(OptionError, match="num_beams"):
-        gen.stream("Hello", num_beams=513, max_length=8)
+        gen.stream("Hello", num_beams=1025, max_length=8)
     with pytest.raises(MemoryCheckError, match="max_length"):
         gen.generate(["Hello"], max_length=10**9)
     with pytest.raises(ValueError, match="dtype"):
@@ -159,7 +159,7 @@ def test_library_refuses_what_the_model_cannot_do(gen):
 
 GOOD = {"prompt": "Hello there", "max_tokens": 2, "temperature": 0}
 POISONED = [
-    '{"prompt": "a", "num_beams": 600, "temperature": 0}',
+    '{"prompt": "a", "num_beams": 1100, "temperature": 0}',
     '{"prompt": "a", "max_tokens": 1e400}',
     '{"prompt": "a", "max_tokens": 1000000000}',
     '{"prompt": "a", "n": 100000}',

@@ -44,7 +44,7 @@ BAD_FLAGS = [
     ["--input_file", "/nonexistent/p.txt"], ["--cpu_path", "avx9"], ["--use_graphs", "2"],
 ]
 BAD_OPTIONS = [
-    "num_beams=513", "num_beams=0", "top_k=5000", "top_k=-1", "top_p=0", "top_p=1.5", "top_p=nan",
+    "num_beams=1025", "num_beams=0", "top_k=5000", "top_k=-1", "top_p=0", "top_p=1.5", "top_p=nan",
     "do_sample,temperature=1e-45", "do_sample,temperature=inf", "temperature=-1", "length_penalty=nan",
     "length_penalty=-inf", "repetition_penalty=0", "repetition_penalty=inf", "num_return_sequences=3",
     "max_new_tokens=0", "min_new_tokens=-1", "seed=-3", "bogus=1", "max_length=abc", "max_length:str=3",

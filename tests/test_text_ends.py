@@ -1,5 +1,6 @@
 """Where a row's text ends (generation/search/text_ends.py): EOS, stop strings, and how much of an
-unfinished row streaming may give out. No model: token ids of the tiny checkpoint's tokenizer."""
+unfinished row streaming may give out. No model: token ids of the test checkpoints' tokenizer (which
+splits " four" in two)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import threading
 import pytest
 import torch
 
-from bloom_hpu.checkpoint import DEFAULT_MODEL, DEFAULT_WEIGHTS
 from generation.batch import BloomTokenizer
 from generation.search.text_ends import TextEnd, first_stop, safe_length, text_end
 from generation.streaming import _TokenWatcher
@@ -17,8 +17,8 @@ EOS = 2
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return BloomTokenizer(DEFAULT_WEIGHTS / DEFAULT_MODEL)
+def tok(make_ckpt):
+    return BloomTokenizer(make_ckpt())
 
 
 @pytest.fixture(scope="module")

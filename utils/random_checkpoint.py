@@ -21,6 +21,7 @@ those comparisons meaningful:
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shutil
@@ -32,10 +33,14 @@ from tokenizers import Tokenizer
 
 from bloom_hpu.checkpoint import BIN, BIN_INDEX, SAFETENSORS, SAFETENSORS_INDEX, expected_names
 from bloom_hpu.config import BloomConfig
+from utils.bloom_tokenizer import TOKENIZER_FILES, train_tokenizer, write_tokenizer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TOKENIZER_DIR = REPO_ROOT / "checkpoints" / "bloom-tiny"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# The test checkpoints' tokenizer: trained on a few KB of English written for this purpose, with
+# 1000 tokens (a vocabulary of 1024 once padded). It is fixed here rather than copied from the
+# default checkpoint, so that retraining the default model never changes a test checkpoint.
+TEST_CORPUS = REPO_ROOT / "utils" / "tiny_corpus.txt"
+TEST_TOKENIZER_VOCAB = 1000
 FORMATS = ("safetensors", "safetensors-sharded", "bin", "bin-sharded")
 
 DEFAULT_WEIGHT_SCALE = 10.0  # std of the logits; see the module docstring
@@ -78,6 +83,17 @@ def random_weights(config: BloomConfig, *, live_vocab: int, seed: int, weight_sc
 
 def _tokenizer_vocab_size(folder: Path) -> int:
     return Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+
+
+@functools.cache
+def _test_tokenizer_json() -> str:
+    lines = TEST_CORPUS.read_text().splitlines(keepends=True)
+    return train_tokenizer(lines, TEST_TOKENIZER_VOCAB).to_str()
+
+
+def write_test_tokenizer(out: Path) -> None:
+    """The test checkpoints' tokenizer (trained once per process, in milliseconds) into `out`."""
+    write_tokenizer(Tokenizer.from_str(_test_tokenizer_json()), out)
 
 
 def copy_tokenizer(src: Path, out: Path) -> None:
@@ -151,7 +167,8 @@ def make_random_checkpoint(
         pads it; it may not be smaller than the tokenizer's.
     fmt: one of FORMATS. prefixed: store `transformer.`-prefixed names plus a (tied) `lm_head.weight`,
         like checkpoints saved from BloomForCausalLM, instead of the unprefixed BloomModel names.
-    tokenizer_from: a folder to copy the tokenizer files from; default: checkpoints/bloom-tiny.
+    tokenizer_from: a folder to copy the tokenizer files from; default: the test tokenizer
+        (`write_test_tokenizer`).
     dtype: the stored dtype; the values are drawn in float32 first, so one seed gives the same
         weights (up to rounding) in every dtype.
     """
@@ -160,7 +177,10 @@ def make_random_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    copy_tokenizer(Path(tokenizer_from) if tokenizer_from is not None else DEFAULT_TOKENIZER_DIR, out)
+    if tokenizer_from is None:
+        write_test_tokenizer(out)
+    else:
+        copy_tokenizer(Path(tokenizer_from), out)
     live_vocab = _tokenizer_vocab_size(out)
     if vocab_size is None:
         vocab_size = -(-live_vocab // _VOCAB_MULTIPLE) * _VOCAB_MULTIPLE
