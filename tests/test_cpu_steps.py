@@ -124,3 +124,37 @@ def test_one_call_steps_are_used_where_they_can_be(isa):
     assert used(compile_steps=True) == (False, True)  # torch.compile builds the decode step instead
     assert used(parallel=Parallel(rank=0, world_size=2)) == (False, True)  # all-reduces stay in Python
     assert used(one_call_steps=False) == (False, False)
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, monkeypatch):
+    """With AMX, bf16 steps of more than 8 rows go op by op (oneDNN's products), fewer rows take the
+    one-call step and the kernel; other dtypes and CPUs keep 16. Every path gives the same tokens."""
+    import dataclasses
+
+    from bloom_hpu.runtime.backends import Backend
+    from bloom_hpu.runtime.cpu import capability
+    from bloom_hpu.runtime.steps import StepRunner
+
+    needs_isa("avx512_bf16")
+    real = capability.detect()
+    monkeypatch.setattr(capability, "detect", lambda: dataclasses.replace(real, amx=amx))
+    model = random_model(torch.bfloat16, hidden_size=64, n_layer=2, n_head=4)
+    backend = Backend("cpu", cpu=CpuOptions(path="avx512_bf16"))
+    runner = StepRunner(model, backend)
+    plan = backend.cpu_plan
+    assert plan.decode_rows == (8 if amx else 16)
+    assert accelerate(random_model(torch.float32, hidden_size=64, n_layer=2, n_head=4),
+                      CpuOptions(path="avx512_bf16")).decode_rows == 16  # fp32: the kernel up to 16 rows
+    calls = []
+    one_call = plan.decode
+    plan.decode = lambda *args: calls.append(args[0].shape[0]) or one_call(*args)
+    for rows in (8, 12):
+        cache = model.allocate_cache(rows, 32)
+        ids, lengths = torch.randint(4, 1000, (rows, 10)), torch.full((rows,), 10)
+        logits = runner.prefill(ids, lengths, cache)
+        tokens = logits.argmax(-1)
+        ours = runner.decode(tokens[:, None], lengths, cache, 16)
+        reference = op_by_op(plan, lambda: model.decode(tokens[:, None], lengths, cache, 16))
+        assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+    assert calls == ([8] if amx else [8, 12])

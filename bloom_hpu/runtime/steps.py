@@ -78,7 +78,8 @@ class DecodeStep(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         plan = self.backend.cpu_plan
-        if plan is not None and plan.decode is not None:  # the CPU's one-call step (cpu/accelerate.py)
+        if plan is not None and plan.decode is not None and tokens.shape[0] <= plan.decode_rows:
+            # The CPU's one-call step (cpu/accelerate.py); more rows run op by op, through oneDNN.
             return plan.decode(tokens, positions, self.cache, self.window)
         return self.model.decode(tokens, positions, self.cache, self.window)
 

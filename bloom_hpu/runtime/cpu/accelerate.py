@@ -24,7 +24,7 @@ import torch
 from ...model import Attention, StaticBloom
 from . import capability
 from .kernels import Kernels, KernelsUnavailable, load
-from .layers import (CPU_LINEAR, FEW_ROWS, CpuTiedHead, OneCallPromptAttention, kernel_suits, swap, unswap)
+from .layers import (CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, OneCallPromptAttention, kernel_suits, swap, unswap)
 
 PATHS = ("auto", "avx512_bf16", "avx2", "onednn", "plain")
 
@@ -51,11 +51,13 @@ class CpuOptions:
 
 @dataclass
 class CpuPlan:
-    """What ``accelerate`` chose. ``decode``: the one-call decode step (``OneCallDecode``) or None."""
+    """What ``accelerate`` chose. ``decode``: the one-call decode step (``OneCallDecode``) or None,
+    for steps of at most ``decode_rows`` rows (more run op by op, where oneDNN takes the products)."""
 
     description: str
     kernels: Kernels | None = None
     decode: Callable | None = None
+    decode_rows: int = FEW_ROWS
     prompt_attention: list[Attention] = field(default_factory=list)
 
     def drop_one_call_decode(self, why: str) -> None:
@@ -133,14 +135,16 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     for linear in linears:
         swap(linear, CPU_LINEAR[getattr(linear, "plain_class", type(linear))])
     used = []
+    # The kernel's row limit: lower where AMX gives oneDNN's bf16 products of many rows the edge.
+    few_rows = FEW_ROWS_AMX if cap.amx and dtype == torch.bfloat16 else FEW_ROWS
     if kernels is not None:
         for linear in linears:
             if kernel_suits(linear.weight):
-                linear.kernel, linear.few_rows_limit = kernels.few_rows_linear, FEW_ROWS * linear.weight.shape[1]
+                linear.kernel, linear.few_rows_limit = kernels.few_rows_linear, few_rows * linear.weight.shape[1]
         if kernel_suits(model.word_embeddings.weight):
             swap(model.head, CpuTiedHead, kernel=kernels.few_rows_linear,
-                 few_rows_limit=FEW_ROWS * model.word_embeddings.weight.shape[1])
-        used.append("few-rows products")
+                 few_rows_limit=few_rows * model.word_embeddings.weight.shape[1])
+        used.append(f"few-rows products (up to {few_rows} rows)")
     onednn = options.path != "plain" and not compile_steps and dtype == torch.bfloat16
     if onednn and capability.onednn_fuses_gelu(dtype):
         for block in model.h:
@@ -151,7 +155,7 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         for linear in linears:
             linear.pack()
         used.append("oneDNN packed weights")
-    plan = CpuPlan("", kernels)
+    plan = CpuPlan("", kernels, decode_rows=few_rows)
     if kernels is not None and options.one_call_steps:
         all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
         if not compile_steps and model.parallel.world_size == 1 and all_kernel:

@@ -37,6 +37,7 @@ class Capability:
 
     isa: str
     why: str
+    amx: bool = False  # AMX tiles for bf16 (oneDNN's products of many rows use them)
 
     @property
     def kernel_isa(self) -> str | None:
@@ -86,7 +87,8 @@ def detect() -> Capability:
     why = f"CPU flags: {ISA_NAMES[hardware]}"
     if isa != hardware:
         why += f", capped by torch's {torch_level} dispatch"
-    return Capability(isa, why)
+    amx = isa == "avx512_bf16" and "amx_bf16" in flags
+    return Capability(isa, why + (" with AMX" if amx else ""), amx)
 
 
 def _agrees(run, dtype: torch.dtype, gelu: bool = False) -> bool:

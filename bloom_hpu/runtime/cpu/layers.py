@@ -24,6 +24,9 @@ from ...model import Attention, Linear, TiedHead
 from ...tp import RowParallelLinear
 
 FEW_ROWS = 16  # up to this many rows the kernel beat oneDNN on every bloom-560m shape measured
+# With AMX, oneDNN's bf16 products of more rows than this beat the kernel (bloom-560m, 16 rows:
+# a decode step 98 ms op by op through oneDNN against 140 ms in one call of the kernel).
+FEW_ROWS_AMX = 8
 
 
 def kernel_suits(weight: torch.Tensor) -> bool:
