@@ -24,6 +24,19 @@ from .openai_format import (OPENAI_FINISH, ApiError, Completion, bad_request, ch
                             envelope, new_id, parse_chat, parse_completion, sse)
 
 POLL_S = 0.25  # how often a waiting non-streamed request looks whether its client is still there
+DRAIN_S = 0.02  # the most a decode step waits for the event loop to send the last step's tokens
+
+
+def drain(loop: asyncio.AbstractEventLoop) -> None:
+    """Wait (from the engine's thread, at most DRAIN_S) until ``loop`` has run what was queued so
+    far and the tasks that woke: the tokens of a step are on their way to the clients before the
+    next decode starts. On a small CPU, the loop's work beside a decode step slows the step's
+    threads by more than the work itself takes."""
+    import threading
+
+    done = threading.Event()
+    loop.call_soon_threadsafe(lambda: loop.call_soon(done.set))
+    done.wait(DRAIN_S)
 
 
 def _reject_constant(name: str):
@@ -51,6 +64,9 @@ class Answer:
 
         def sink(prompt: int):
             return lambda event: loop.call_soon_threadsafe(self.events.put_nowait, (prompt, event))
+
+        if engine.before_decode is None:
+            engine.before_decode = lambda: drain(loop)
 
         # The LoRA adapter the request's model names (0: the base model).
         lora = getattr(engine, "lora", None)

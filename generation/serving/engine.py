@@ -179,6 +179,9 @@ class Engine:
         # What the scheduler did, for tests and the benchmark: most rows at once, rows moved to
         # lower slots, batch-bucket changes, prefill steps and the prompts they held.
         self.stats = {"peak_rows": 0, "row_moves": 0, "bucket_changes": 0, "prefills": 0, "prompts_prefilled": 0}
+        # Called between handing out a step's events and the next decode (the app: wait, briefly,
+        # until its event loop has sent them), so that the two do not compete for the cores.
+        self.before_decode = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -313,6 +316,8 @@ class Engine:
         self.tokens_total += len(live)
         self.metrics.tokens(len(live))
         self._compact()
+        if self.before_decode is not None:
+            self.before_decode()
         self._decode()
         return True
 
