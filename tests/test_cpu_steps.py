@@ -57,6 +57,7 @@ def test_one_call_step_equals_the_op_by_op_step(isa, dtype, config):
     model, plan = accelerated(isa, dtype, **config)
     assert plan.decode is not None
     one_call, reference_cache = model.allocate_cache(3, 40), model.allocate_cache(3, 40)
+    torch.manual_seed(0)  # the same prompts whichever tests ran before (not the global stream's next draw)
     ids, lengths = torch.randint(4, 1000, (3, 20)), torch.tensor([20, 7, 13])
     op_by_op(plan, lambda: model.prefill(ids, lengths, one_call))
     op_by_op(plan, lambda: model.prefill(ids, lengths, reference_cache))
