@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ import torch
 
 import bloom
 from generation.jobs.evaluate import split_last_word
+from servers import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 LM_EVAL = ROOT / ".venv-lmeval" / "bin" / "lm_eval"
@@ -73,33 +73,13 @@ def reference(hf, tokenizer, text: str) -> tuple[float, bool]:
     return sum(logp[t, whole[t + 1]].item() for t in steps), all(logp[t].argmax().item() == whole[t + 1] for t in steps)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(folder: Path, port: int) -> subprocess.Popen:
     """./bloom.py --serve on ``folder``, once /health answers 200."""
-    import http.client
-
     proc = subprocess.Popen([sys.executable, "bloom.py", "--serve", "--weights", str(folder), "--port", str(port),
                              "--max_length", "128", "--max_batch", "4", "--bucket_width", "32"], cwd=ROOT,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    for _ in range(1200):
-        assert proc.poll() is None, proc.stderr.read()
-        try:
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return proc
-        except OSError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("the server did not become ready")
+    wait_until_healthy(proc, port, 120, log=lambda: proc.stderr.read() if proc.poll() is not None else "")
+    return proc
 
 
 def run_lm_eval(lm_eval: Path, folder: Path, port: int, data: Path, work: Path) -> tuple[dict, list[dict]]:

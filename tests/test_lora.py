@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # the 2-rank workers run this file as a script

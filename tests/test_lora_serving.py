@@ -6,20 +6,18 @@ of adapters may add a step signature."""
 from __future__ import annotations
 
 import random
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 import torch
-import uvicorn
 
 from generation import Generator
 from generation.serving.app import make_app
 from generation.serving.engine import Engine, EngineConfig
 from lora_adapters import make_adapter
-from test_serving_http import free_port
+from servers import app_in_thread, free_port
 
 CKPT = dict(hidden_size=64, n_layer=2, n_head=4, seed=7)
 MAX_LENGTH, WIDTH = 48, 16
@@ -44,20 +42,8 @@ def server(folders):
     base, adapters = folders
     generator = Generator.from_pretrained(base, device="cpu", lora=adapters)
     engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH))
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(make_app(engine, "base"), host="127.0.0.1", port=port, log_level="warning"))
-    engine.start()
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    for _ in range(300):
-        if uv.started and engine.ready.is_set():
-            break
-        time.sleep(0.05)
-    assert uv.started and engine.ready.is_set()
-    yield generator, engine, port
-    uv.should_exit = True
-    thread.join(10)
-    engine.stop()
+    with app_in_thread(engine, make_app(engine, "base")) as port:
+        yield generator, engine, port
 
 
 @pytest.fixture(scope="module")

@@ -20,15 +20,10 @@ from generation import Generator
 from generation.serving.app import make_app
 from generation.serving.engine import Engine, EngineConfig
 from generation.serving.metrics import PrometheusMetrics
+from servers import app_in_thread, free_port
 
 MAX_LENGTH, WIDTH, KEY = 128, 32, "test-key"
 WORDS = "the of and a to in is was it for on with as his that by at from her he said".split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -37,21 +32,8 @@ def server():
     metrics = PrometheusMetrics()
     engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH), metrics)
     metrics.bind(engine)
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(make_app(engine, "bloom-tiny", KEY, metrics), host="127.0.0.1", port=port,
-                                       log_level="warning"))
-    engine.start()
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    for _ in range(300):
-        if uv.started and engine.ready.is_set():
-            break
-        time.sleep(0.05)
-    assert uv.started and engine.ready.is_set()
-    yield generator, engine, port
-    uv.should_exit = True
-    thread.join(10)
-    engine.stop()
+    with app_in_thread(engine, make_app(engine, "bloom-tiny", KEY, metrics)) as port:
+        yield generator, engine, port
 
 
 @pytest.fixture(scope="module")

@@ -5,18 +5,16 @@ model's, sent concurrently."""
 
 from __future__ import annotations
 
-import http.client
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
+from servers import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVE = ["--serve", "--max_batch", "4", "--max_length", "48", "--bucket_width", "16", "--max_prefill", "2"]
@@ -36,30 +34,17 @@ REQUESTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(command: list[str], port: int, log_path: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     log = open(log_path, "w")
     # Its own process group: the launcher and its ranks are stopped together.
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        assert proc.poll() is None, log_path.read_text()[-4000:]
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            connection.request("GET", "/health")
-            if connection.getresponse().status == 200:
-                return proc
-        except OSError:
-            pass
-        time.sleep(0.5)
-    stop(proc)
-    raise AssertionError("the server did not get ready: " + log_path.read_text()[-4000:])
+    try:
+        wait_until_healthy(proc, port, 300, log=lambda: log_path.read_text()[-4000:])
+    except AssertionError:
+        stop(proc)
+        raise
+    return proc
 
 
 def stop(proc: subprocess.Popen) -> int:
