@@ -46,6 +46,20 @@ class CheckpointError(Exception):
     """A checkpoint is missing or unusable. The message is one line meant for the end user."""
 
 
+def read_json_object(path: Path, error: type[Exception] = CheckpointError) -> dict:
+    """The JSON object in ``path`` (a config.json, an adapter_config.json); ``error`` with one line
+    naming the file when it cannot be read, is not JSON, or holds something else than an object."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise error(f"cannot read {path}: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise error(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise error(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
 # ---------------------------------------------------------------------------------------------
 # Names and messages
 

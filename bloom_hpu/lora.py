@@ -21,7 +21,6 @@ Every check that needs only the config (module names, layer numbers, shapes, ran
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from .checkpoint import read_json_object
 from .config import BloomConfig
 
 CONFIG = "adapter_config.json"
@@ -130,14 +130,7 @@ def _read_config(folder: Path) -> dict:
     path = folder / CONFIG
     if not path.is_file():
         raise LoraError(f"adapter folder {folder} has no {CONFIG} (is it a PEFT adapter, saved with save_pretrained?)")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as error:
-        raise LoraError(f"cannot read {path}: {error}") from None
-    except (ValueError, RecursionError) as error:
-        raise LoraError(f"{path} is not valid JSON ({error})") from None
-    if not isinstance(raw, dict):
-        raise LoraError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(path, LoraError)
 
     peft_type = raw.get("peft_type")
     if peft_type != "LORA":

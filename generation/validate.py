@@ -15,13 +15,12 @@ Options' own types and ranges live with the options (``options.GenerationOptions
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
 
-from bloom_hpu.checkpoint import CheckpointError
+from bloom_hpu.checkpoint import CheckpointError, read_json_object
 
 from .batch import InputError
 from .memory import MemoryCheckError, agreed_free_bytes, estimate_bytes, human
@@ -38,14 +37,7 @@ MAX_CONFIG_SIZE = 1 << 40  # no BLOOM has a dimension near this; bigger numbers 
 def check_checkpoint(folder: str | Path) -> dict:
     """The checkpoint's config.json, checked; CheckpointError names the file and the field."""
     path = Path(folder) / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"cannot read {path}: {error}") from None
-    except (ValueError, RecursionError) as error:
-        raise CheckpointError(f"{path} is not valid JSON ({error})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(path)
     model_type = raw.get("model_type", "bloom")
     if model_type != "bloom":
         raise CheckpointError(f"{path}: model_type is {model_type!r}; this program runs BLOOM models only")
