@@ -343,7 +343,7 @@ def run_server(args, opts) -> int:
         if PARALLEL.rank != 0:
             follow(rows)
             return 0
-        rows = LeaderRows(rows, PARALLEL)
+        rows = LeaderRows(rows)
     serve(generator, config, args.host, args.port, args.api_key, log=log, device_rows=rows)
     return 0
 

@@ -373,19 +373,20 @@ class Engine:
         the free slots, at most ``max_prefill``, as many as a prefill bucket holds, while padding
         them to the longest wastes at most PREFILL_WASTE."""
         free = sum(r is None for r in self.rows)
-        group, rows, real = [], 0, 0
+        group, rows, real, longest = [], 0, 0, 0
         for handle in self.waiting:
             if handle.offline is not None or handle.cancelled.is_set() or len(group) == self.prefill_sizes[-1]:
                 break
             if group and handle.params.adapter != group[0].params.adapter:  # a prefill runs one adapter
                 break
             length = self._length_bucket(len(handle.prompt_ids))
-            longest = max([length] + [self._length_bucket(len(h.prompt_ids)) for h in group])
-            if rows + handle.params.rows > free or (group and (len(group) + 1) * longest > PREFILL_WASTE * (real + length)):
+            padded = (len(group) + 1) * max(longest, length)
+            if rows + handle.params.rows > free or (group and padded > PREFILL_WASTE * (real + length)):
                 break
             group.append(handle)
             rows += handle.params.rows
             real += length
+            longest = max(longest, length)
         # As many as a prefill bucket holds exactly: no filler rows; the rest join next.
         return group[: max((k for k in self.prefill_sizes if k <= len(group)), default=0)]
 

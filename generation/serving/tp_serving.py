@@ -24,12 +24,18 @@ from .device_rows import DeviceRows
 FOLLOWED = ("warm_up", "prefill", "decode", "place", "move", "resize", "answer_offline", "close")
 
 
+def _message_device(rows: DeviceRows):
+    """Where broadcast_object_list stages a message: the default on the CPU (gloo); nccl and hccl
+    send device tensors."""
+    return None if rows.device.type == "cpu" else rows.device
+
+
 class LeaderRows:
     """Rank 0's DeviceRows: each followed call goes to the other ranks first, then runs here."""
 
-    def __init__(self, rows: DeviceRows, parallel):
+    def __init__(self, rows: DeviceRows):
         self._rows = rows
-        self._device = None if rows.device.type == "cpu" else rows.device  # nccl/hccl send device tensors
+        self._device = _message_device(rows)
 
     def __getattr__(self, name):
         value = getattr(self._rows, name)
@@ -45,7 +51,7 @@ class LeaderRows:
 
 def follow(rows: DeviceRows) -> None:
     """Another rank: make rank 0's calls until it closes."""
-    device = None if rows.device.type == "cpu" else rows.device
+    device = _message_device(rows)
     while True:
         message = [None]
         dist.broadcast_object_list(message, src=0, device=device)
