@@ -263,7 +263,8 @@ def shows_progress(args) -> bool:
 def setup_parallel(args):
     """Join the launcher's process group (a no-op without one); only rank 0 prints from now on."""
     global PARALLEL, SHOWS_OUTPUT
-    from bloom_hpu.tp import ParallelError, init_parallel, route_output, sync_random_seed
+    from bloom_hpu.runtime.launch import init_parallel, route_output, sync_random_seed
+    from bloom_hpu.tp import ParallelError
 
     PARALLEL = init_parallel(args.device)
     SHOWS_OUTPUT = route_output(PARALLEL, args.all_ranks)
@@ -273,7 +274,7 @@ def setup_parallel(args):
 
 
 def check_ranks_agree(args, prompts) -> None:
-    from bloom_hpu.tp import check_agreement
+    from bloom_hpu.runtime.launch import check_agreement
 
     values = {k: v for k, v in vars(args).items() if k not in ("local_rank", "all_ranks", "prompts")}
     check_agreement(PARALLEL, {**values, "prompts": prompts})
@@ -466,7 +467,8 @@ def main(argv=None) -> int:
     from bloom_hpu.runtime.cpu import CpuPathError
     from bloom_hpu.checkpoint import CheckpointError
     from generation.batch import InputError
-    from bloom_hpu.tp import ParallelError, shutdown
+    from bloom_hpu.runtime.launch import shutdown
+    from bloom_hpu.tp import ParallelError
     from generation.options import OptionError
 
     try:

@@ -131,6 +131,31 @@ class KVCache:
             # [n_layer, B*c, H, P, D] seen as [n_layer, B, c, H, P, D]; theirs broadcast over c.
             mine[:, :, :, :length].unflatten(1, (b, copies)).copy_(theirs[:, :, None])
 
+    def copy_rows(self, source: "KVCache", src_rows: list[int], dst_rows: list[int], extent: int) -> None:
+        """Row ``dst_rows[i]`` takes the first ``extent`` slots of row ``src_rows[i]`` of ``source``
+        (a cache of the same length and heads; it may be this one). What the server's engine uses
+        to move prompts and running rows between its caches. Per layer, whole-tensor index ops of
+        whole rows: the row numbers travel as one index tensor, so moving any rows is the same few
+        ops (the slots past ``extent`` are masked until written, so copying them changes nothing)."""
+        if not self.per_layer:
+            for mine, theirs in ((self.keys, source.keys), (self.values, source.values)):
+                for src, dst in zip(src_rows, dst_rows):
+                    mine[:, dst, :, :extent].copy_(theirs[:, src, :, :extent])
+            return
+        # Whole rows (every slot, whatever ``extent``): the index shapes then depend on the two
+        # caches alone, a few shapes in all, which lazy mode compiles once each.
+        extent = self.length
+        device = self.slots.device
+        take = source._flat_slots(torch.tensor(src_rows, dtype=torch.long).to(device), extent)
+        put = self._flat_slots(torch.tensor(dst_rows, dtype=torch.long).to(device), extent)
+        for mine, theirs in zip(self.flat_keys + self.flat_values, source.flat_keys + source.flat_values):
+            mine.index_copy_(0, put, theirs.index_select(0, take))
+
+    def _flat_slots(self, rows: torch.Tensor, extent: int) -> torch.Tensor:
+        """Flat rows of slots 0..extent-1 of every head of ``rows`` [n]: [n * H * extent]."""
+        first = self.row_heads.index_select(0, rows)  # [n, H]: slot 0 of each (row, head)
+        return (first[:, :, None] + self.slots[None, None, :extent]).reshape(-1)
+
     def reorder(self, rows: torch.Tensor, upto: int | None = None) -> None:
         """Make row i hold what row ``rows[i]`` held (beam search: follow each beam's parent).
 

@@ -52,7 +52,10 @@ class AdapterRows:
     def set(self, row: int, adapter: int) -> None:
         if self.host[row] != adapter:
             self.host[row] = adapter
-            self.index[row].fill_(adapter)
+            # The whole index from the host mirror: one op of one shape whatever the row
+            # (``index[row].fill_(adapter)`` is a view at a new offset and a new scalar each time,
+            # which lazy mode on a Gaudi compiles anew for every row and adapter).
+            self.index.copy_(torch.tensor(self.host, dtype=torch.long))
 
     def move(self, src: int, dst: int) -> None:
         """The row in ``src`` now lives in ``dst`` (the engine compacting its rows)."""

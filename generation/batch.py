@@ -134,9 +134,11 @@ def make_batch(
     if max_new_tokens_each is not None:
         limits = [min(limit, own) for limit, own in zip(limits, max_new_tokens_each)]
     plan = plan_shapes(lengths, [n + k for n, k in zip(lengths, limits)], options)
-    padded = torch.full((len(prompts), plan.prompt_len), tokenizer.pad_token_id, dtype=torch.long)
-    for row, ids in enumerate(prompt_ids):
-        padded[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    # Padded on the host and made in one piece, a [B, P] tensor whatever the prompt lengths: row by
+    # row slice writes would be ops of a new shape for every prompt length (a lazy-mode compile
+    # each, where they run on a Gaudi).
+    padded = torch.tensor([ids + [tokenizer.pad_token_id] * (plan.prompt_len - len(ids)) for ids in prompt_ids],
+                          dtype=torch.long)
     return Batch(
         prompts=list(prompts),
         prompt_ids=prompt_ids,

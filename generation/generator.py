@@ -137,6 +137,7 @@ class Generator:
         """
         prompts = check_call(prompts, options, on_step, max_new_tokens_each)
         opts = self.options(options, **kwargs)
+        self.backend.check_static(opts.static_shapes)
         stops = stops_per_prompt(stop, len(prompts))
         self.check_fits(prompts, opts)
         start = time.perf_counter()
@@ -193,7 +194,7 @@ class Generator:
         )
         tokens, finish = loop.tokens.tolist(), loop.finish.tolist()
         limits = rows.new_limits.tolist()
-        flat = [self.make_sequence(row[:limit], FINISH_REASONS[reason], stops=stops[i // copies])
+        flat = [self.make_sequence(row[:min(limit, loop.steps_run)], FINISH_REASONS[reason], stops=stops[i // copies])
                 for i, (row, limit, reason) in enumerate(zip(tokens, limits, finish))]
         return [flat[i * copies : (i + 1) * copies] for i in range(batch.size)]
 

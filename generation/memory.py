@@ -40,8 +40,16 @@ def free_bytes(device: torch.device) -> int | None:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free
+    if device.type == "hpu":
+        try:  # Habana's bridge: the device's allocator limit and what is in use
+            import habana_frameworks.torch.hpu as hthpu
+
+            stats = hthpu.memory_stats()
+            return int(stats["Limit"]) - int(stats["InUse"])
+        except (ImportError, AttributeError, KeyError, RuntimeError):
+            return None
     if device.type != "cpu":
-        return None  # a Gaudi's free memory is not exposed through a stable API
+        return None
     if psutil is not None:
         return psutil.virtual_memory().available
     try:
@@ -60,10 +68,12 @@ def agreed_free_bytes(device: torch.device, parallel=None) -> int | None:
     free = free_bytes(device)
     if parallel is None or parallel.world_size <= 1:
         return free
-    value = torch.tensor([-1 if free is None else free], dtype=torch.int64, device=getattr(parallel, "device", "cpu"))
+    # In MiB, so the number fits int32 (lazy mode on a Gaudi computes int64 as int32).
+    mib = -1 if free is None else free >> 20
+    value = torch.tensor([mib], dtype=torch.int64, device=getattr(parallel, "device", "cpu"))
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
     smallest = int(value.item())
-    return None if smallest < 0 else smallest
+    return None if smallest < 0 else smallest << 20
 
 
 def human(n: int | float) -> str:

@@ -79,7 +79,7 @@ def scoring_setup(make_ckpt):
 
 
 HPU_ENV_PREFIXES = ("PT_HPU_", "PT_ENABLE_", "HCL_")
-HPU_STAND_IN = Path(__file__).resolve().parent / "hpu_stand_in"
+HPU_STAND_IN = Path(__file__).resolve().parent / "graph_stand_in" / "bridge"
 
 
 def _forget_habana() -> None:
@@ -89,7 +89,7 @@ def _forget_habana() -> None:
 
 @pytest.fixture
 def hpu_stand_in(monkeypatch):
-    """Put the stand-in for Habana's bridge (tests/hpu_stand_in, see its README) on the import path
+    """Put the stand-in for Habana's bridge (tests/graph_stand_in/bridge, see its README) on the import path
     with a clean environment; returns a function that imports its root the way a real bridge would
     be imported, and the HPU environment keys are restored afterwards.
 
@@ -111,5 +111,20 @@ def hpu_stand_in(monkeypatch):
         return importlib.import_module("habana_frameworks.torch")
 
     yield bridge
+    tracker = getattr(sys.modules.get("habana_frameworks.torch"), "LAZY_TRACKER", None)
+    if tracker is not None:
+        tracker.close()
     _forget_habana()
     clear_environment()  # what the test set; monkeypatch then restores the rest
+
+
+@pytest.fixture(params=["hpu", "cuda"])
+def graph_stand_in(request, hpu_stand_in, monkeypatch):
+    """The graph stand-in (tests/graph_stand_in) installed with one personality, HPU (lazy mode)
+    or CUDA: ``make_backend`` then builds that backend over graphs that record and replay.
+    Returns its ``Runtime`` (captures, lazy graphs); ``.personality`` says which."""
+    from graph_stand_in import install
+
+    runtime = install(request.param, monkeypatch.setattr)
+    yield runtime
+    runtime.close()

@@ -255,7 +255,7 @@ def test_two_rank_merge_matches_one_process(base, adapters, tmp_path):
 
 
 def _tp_worker(base: str, adapter: str, out: str) -> int:
-    from bloom_hpu.tp import init_parallel, shutdown
+    from bloom_hpu.runtime.launch import init_parallel, shutdown
     from generation.generator import Generator
 
     parallel = init_parallel("cpu")

@@ -21,7 +21,8 @@ import torch
 from bloom_hpu.alibi import alibi_slopes
 from bloom_hpu.config import BloomConfig
 from bloom_hpu.loading import load_model
-from bloom_hpu.tp import Parallel, ParallelError, _RankPrefixed, check_splittable, launch_info
+from bloom_hpu.runtime.launch import _RankPrefixed, launch_info
+from bloom_hpu.tp import Parallel, ParallelError, check_splittable
 
 ROOT = Path(__file__).resolve().parent.parent
 CKPT = dict(hidden_size=64, n_layer=2, n_head=4, seed=7)  # vocab 1024
@@ -283,7 +284,7 @@ def test_cli_under_deepspeed_matches_one_process(two_rank_run, single):
 
 def _worker(folder: str, out: str) -> int:
     import bloom
-    from bloom_hpu.tp import check_agreement, init_parallel, sync_random_seed
+    from bloom_hpu.runtime.launch import check_agreement, init_parallel, sync_random_seed
     from generation.generator import Generator
 
     parallel = init_parallel("cpu")

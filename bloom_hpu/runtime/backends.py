@@ -49,6 +49,16 @@ class Backend:
     # The KV cache's layout for this backend (kv_cache.py): one 5-D tensor (False) or one tensor per
     # layer written whole (True, for HPU graphs).
     per_layer_cache = False
+    # A prefill may stop at the longest real prompt (``steps.real_span``, a host read of the
+    # lengths): where prefill runs eagerly (CPU, and CUDA, where only decode steps are captured),
+    # not on a Gaudi, where the prefill is a graph and every new shape a new compile.
+    trim_prefill = True
+    # Step shapes that change every token (``static_shapes=False``: the window grows) are fine
+    # where steps run eagerly; a graph runtime would capture one graph per token.
+    graphs_every_shape = False
+    # Eager ops between steps are compiled, per sequence of ops and shapes (lazy mode on a Gaudi):
+    # callers then prefer one fixed sequence of ops to skipping the ones a batch does not need.
+    compiles_eager_ops = False
 
     def __init__(self, device: str = "cpu", use_graphs: bool = True, compile_steps: bool = False,
                  cpu: CpuOptions = CpuOptions()):
@@ -57,12 +67,7 @@ class Backend:
         self.compile_steps = compile_steps
         self.cpu_options = cpu
         self.cpu_plan: CpuPlan | None = None  # set by prepare_model on the CPU
-        # A prefill may stop at the longest real prompt (``steps.real_span``): where prefill runs
-        # eagerly (CPU, and CUDA, where only decode steps are captured), not on a Gaudi, where
-        # every new shape is a new graph to compile.
-        self.trim_prefill = self.device.type in ("cpu", "cuda")
         self.signatures: set[tuple] = set()
-        self._compiled: dict[int, object] = {}
 
     @property
     def fast_path(self) -> str:
@@ -82,56 +87,91 @@ class Backend:
 
     def prepare_model(self, model) -> None:
         """Once per model: on the CPU, its fast path (``cpu/accelerate.py``)."""
-        if self.device.type == "cpu":
-            self.cpu_plan = accelerate(model, self.cpu_options, self.compile_steps)
+        self.cpu_plan = accelerate(model, self.cpu_options, self.compile_steps)
+
+    def check_static(self, static_shapes: bool) -> None:
+        """Refuse, in one line, a run whose step shapes would change every token on a runtime
+        that captures every shape."""
+        if not static_shapes and self.use_graphs and self.graphs_every_shape:
+            raise DeviceError(f"static_shapes=false grows the attention window every token, which on {self.name} "
+                              "would capture a new graph per token; run it with --use_graphs f")
 
     def run(self, name: str, step, *inputs: torch.Tensor):
         self.signatures.add(signature(name, step, inputs))
+        plan = self.cpu_plan
+        if name == "decode" and plan is not None and plan.decode is not None and inputs[0].shape[0] <= plan.decode_rows:
+            # The CPU's one-call step (cpu/accelerate.py); more rows run op by op, through oneDNN.
+            tokens, positions = inputs
+            return plan.decode(tokens, positions, step.cache, step.window)
         if self.compile_steps and name == "decode":
-            fn = self._compiled.get(id(step))
+            fn = step.__dict__.get("compiled")
             if fn is None:
                 # dynamic=False: one specialised graph per shape, as on the accelerators. On CPU,
                 # freezing (weights as constants, prepacked for oneDNN) and a C++ wrapper (less
                 # host time per kernel) are what make it pay off: without them the compiled step
                 # measured slower than eager (tiny and bloom-560m bf16 alike).
                 options = {"freezing": True, "cpp_wrapper": True} if self.device.type == "cpu" else None
-                fn = self._compiled[id(step)] = torch.compile(step, dynamic=False, fullgraph=True, options=options)
+                fn = step.__dict__["compiled"] = torch.compile(step, dynamic=False, fullgraph=True, options=options)
             return fn(*inputs)
         return step(*inputs)
 
     def synchronize(self) -> None:
         pass
 
+    def mark_step(self) -> None:
+        """End a unit of eager device work (lazy mode on a Gaudi compiles the ops queued since the
+        last one as one graph): called at fixed points between steps, so each unit is one kind of
+        work with a few shapes, compiled once, whatever order a server interleaves them in."""
+
 
 class CudaBackend(Backend):
     """Decode steps captured as CUDA graphs, one per (step module, signature), then replayed.
 
-    Capturing records the addresses of every tensor the step touches; the step's weights and cache
-    never move, and its inputs are copied into static buffers before each replay. The output is a
-    static buffer too: callers consume it before the next replay of the same step.
+    Following PyTorch's CUDA-graph notes:
+
+    * capturing records the addresses of every tensor the step touches: the step's weights and
+      cache never move, and its inputs are copied into static buffers before each replay;
+    * the output is a static buffer too, overwritten by the next replay of the same graph: callers
+      consume it before then (the search loops and the engine read logits once per step);
+    * warm-up runs and captures happen on a side stream of the step's own device (``cuda:N``, not
+      the current device), under ``torch.cuda.device`` of it;
+    * under tensor parallelism the graphs hold NCCL collectives: before a capture every queued
+      collective has finished (synchronize, then a barrier), and the capture runs in
+      ``thread_local`` error mode, so NCCL's watchdog thread polling events of earlier work cannot
+      invalidate it (PyTorch made the watchdog's own polls thread-local in 2.7; older releases need
+      the capture side to do it);
+    * graphs live on their step module, so they go when the step goes (``release_caches``), and a
+      recycled object id can never replay a graph into freed memory.
     """
 
     name = "cuda"
+    graphs_every_shape = True
 
     def __init__(self, device: str = "cuda", use_graphs: bool = True, compile_steps: bool = False, cpu=None):
         if not torch.cuda.is_available():
             raise DeviceError("--device cuda was asked for, but no CUDA device is available")
         super().__init__(device, use_graphs, compile_steps)
-        self._graphs: dict[tuple, tuple] = {}
+        # The card this backend's streams and captures belong to (the current one for a bare 'cuda').
+        self.cuda_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.tensor_parallel = False
         # One memory pool for every captured graph: steps replay one after another and each output
         # is consumed before the next replay, so graphs can share their scratch memory instead of
         # each holding its own (the original's HPU graphs multiplied memory this way).
         self._pool = None
+
+    def prepare_model(self, model) -> None:
+        """No CPU fast path: a card runs the model's own operations."""
+        self.tensor_parallel = model.parallel.world_size > 1
 
     def run(self, name: str, step, *inputs: torch.Tensor):
         if not self.use_graphs or name != "decode":
             return super().run(name, step, *inputs)
         sig = signature(name, step, inputs)
         self.signatures.add(sig)
-        key = (id(step), sig)
-        entry = self._graphs.get(key)
+        graphs = step.__dict__.setdefault("cuda_graphs", {})
+        entry = graphs.get(sig)
         if entry is None:
-            entry = self._graphs[key] = self._capture(step, inputs)
+            entry = graphs[sig] = self._capture(step, inputs)
         graph, static_inputs, static_output = entry
         for buffer, value in zip(static_inputs, inputs):
             buffer.copy_(value)
@@ -140,40 +180,37 @@ class CudaBackend(Backend):
 
     def _capture(self, step, inputs):
         static_inputs = [t.clone() for t in inputs]
-        # Warm up on a side stream (lazy initialisation must not happen during capture). A decode
-        # step only writes the cache slots it was given, with the values it computes from them, so
-        # running it with the real inputs before the real replay is harmless.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step(*static_inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            static_output = step(*static_inputs)
+        with torch.cuda.device(self.cuda_index):
+            # Warm up on a side stream (lazy initialisation must not happen during capture). A decode
+            # step only writes the cache slots it was given, with the values it computes from them, so
+            # running it with the real inputs before the real replay is harmless.
+            side = torch.cuda.Stream(device=self.cuda_index)
+            side.wait_stream(torch.cuda.current_stream(self.cuda_index))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    step(*static_inputs)
+            torch.cuda.current_stream(self.cuda_index).wait_stream(side)
+            mode = "global"
+            if self.tensor_parallel:
+                torch.cuda.synchronize(self.cuda_index)
+                torch.distributed.barrier()
+                mode = "thread_local"
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode=mode):
+                static_output = step(*static_inputs)
         return graph, static_inputs, static_output
 
     def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.cuda_index)
 
 
-# Graphs each wrapped step may keep (Habana's ``max_graphs``). A step module serves one input
-# signature (steps.py makes one per cache and window), so it captures one graph; the bound only
-# keeps memory finite if some caller ever feeds a new input layout each call.
+# Graphs each wrapped step may keep (Habana's ``max_graphs``; past it the bridge runs a new input
+# layout eagerly). A step module serves one input signature (steps.py makes one per cache and
+# window), so it captures one graph; the bound only keeps memory finite if some caller ever feeds
+# a new input layout each call.
 HPU_MAX_GRAPHS = 4
-
-# The int64 product the sampling noise relies on (sampling.py: values < 2**31 times a multiplier
-# < 2**27); lazy mode without int64 support computes it in int32 and gets another number.
-_INT64_PROBE = ((1 << 31) - 1, 0x45D9F3B)
-
-
-def int64_is_exact(device: torch.device) -> bool:
-    a, b = _INT64_PROBE
-    product = torch.tensor([a], dtype=torch.long, device=device) * b
-    return int(product.cpu()[0]) == a * b
 
 
 class HpuBackend(Backend):
@@ -185,15 +222,23 @@ class HpuBackend(Backend):
     * each step module gets inputs of one layout (fresh tensors, see the search loops), and the
       cache is written whole with ``index_copy_`` (``KVCache(per_layer=True)``): HPU graphs do not
       support in-place writes into views;
-    * under tensor parallelism the prefill runs without a graph (Habana's scripts skip the first
-      token's graph: on the 176B model its tensors would stay allocated), and each step keeps at
-      most ``HPU_MAX_GRAPHS`` graphs.
+    * every integer a step or the loop computes fits int32 (lazy mode computes int64 as int32;
+      ``PT_ENABLE_INT64_SUPPORT`` is documented for eager and compile modes only);
+    * graphs keep no intermediate tensors between replays (``disable_tensor_cache``): a step's
+      output is consumed before the next replay;
+    * the prefill (first token) runs without a graph when ``graph_prefill`` is off (Habana's
+      ``--limit_hpu_graphs``): its [B, H, P, P] scores would stay allocated with the graph. That is
+      the default under tensor parallelism, where the 176B model leaves little memory.
     """
 
     name = "hpu"
     per_layer_cache = True
+    trim_prefill = False
+    graphs_every_shape = True
+    compiles_eager_ops = True
 
-    def __init__(self, device: str = "hpu", use_graphs: bool = True, compile_steps: bool = False, cpu=None):
+    def __init__(self, device: str = "hpu", use_graphs: bool = True, compile_steps: bool = False, cpu=None,
+                 graph_prefill: bool | None = None):
         late = hpu_env.set_defaults(use_graphs)
         if late:
             raise DeviceError(hpu_env.late_message(late))
@@ -207,29 +252,30 @@ class HpuBackend(Backend):
                               f"PT_HPU_LAZY_MODE=1 (it is {os.environ.get('PT_HPU_LAZY_MODE')!r}); "
                               "set it before starting, or run with --use_graphs f")
         super().__init__(device, use_graphs, compile_steps=False)
-        self.tensor_parallel = False  # set by prepare_model
+        self.graph_prefill = graph_prefill  # None: yes on one card, no under tensor parallelism
         self._htcore = htcore
         self._hthpu = hthpu
 
     def prepare_model(self, model) -> None:
         """Once per model, its weights on the device. No CPU fast path here, even when a test runs
         this backend on the CPU: a Gaudi runs the model's own operations."""
-        if not int64_is_exact(self.device):
-            raise DeviceError("int64 arithmetic on this HPU is computed as int32 (sampling would change); "
-                              "set PT_ENABLE_INT64_SUPPORT=1 before starting")
-        self.tensor_parallel = model.parallel.world_size > 1
+        if self.graph_prefill is None:
+            self.graph_prefill = model.parallel.world_size == 1
 
     def prepare(self, step: torch.nn.Module) -> torch.nn.Module:
         first_token = getattr(step, "runs_prompts", False)
-        if not self.use_graphs or (self.tensor_parallel and first_token):
+        if not self.use_graphs or (first_token and not self.graph_prefill):
             return step
-        return self._hthpu.wrap_in_hpu_graph(step, max_graphs=HPU_MAX_GRAPHS)
+        return self._hthpu.wrap_in_hpu_graph(step, disable_tensor_cache=True, max_graphs=HPU_MAX_GRAPHS)
 
     def run(self, name: str, step, *inputs: torch.Tensor):
         self.signatures.add(signature(name, step, inputs))
         out = step(*inputs)
         self._htcore.mark_step()
         return out
+
+    def mark_step(self) -> None:
+        self._htcore.mark_step()
 
     def synchronize(self) -> None:
         self._hthpu.synchronize()

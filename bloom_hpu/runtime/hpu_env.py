@@ -24,10 +24,13 @@ HPU_ENV_DEFAULTS = {
     "HCL_USE_IN_ORDER_COLLECTIVE_GAUDI2": "1",
     # Every shape here is static: no dynamic-shape refinement (Habana's inference scripts set this).
     "PT_HPU_ENABLE_REFINE_DYNAMIC_SHAPES": "0",
-    # Lazy mode computes int64 as int32 unless told otherwise; the sampling noise's integer hash
-    # (generation/search/sampling.py) multiplies values up to 2**58 and needs real int64.
-    "PT_ENABLE_INT64_SUPPORT": "1",
+    # Compiled graphs (lazy ones and HPU graphs) kept on disk, so a restart does not recompile
+    # every shape: <folder>,<clear it at start>,<size limit in MB>.
+    "PT_HPU_RECIPE_CACHE_CONFIG": "/tmp/bloom_hpu_recipe_cache,false,16384",
 }
+# Not set: PT_ENABLE_INT64_SUPPORT, documented for eager and compile modes, not lazy mode. Lazy mode
+# computes int64 as int32, so every integer the steps and loops compute stays below 2**31
+# (generation/search/sampling.py's hash included).
 # Under tensor parallelism (Habana's scripts set it for more than one rank).
 HPU_ENV_TENSOR_PARALLEL = {"PT_HPU_LAZY_ACC_PAR_MODE": "0"}
 # When steps run without graphs: smaller compound ops in lazy mode (as Habana's scripts do).
@@ -54,8 +57,7 @@ def bridge_loaded() -> bool:
 
 def required(use_graphs: bool = True) -> set[str]:
     """The variables without which the run fails (the others tune speed and memory): lazy mode for
-    graphs, lazy collectives for all-reduces inside graphs. (int64 support is checked by a probe
-    on the device instead: see ``backends.int64_is_exact``.)"""
+    graphs, lazy collectives for all-reduces inside graphs."""
     if not use_graphs:
         return set()
     return {"PT_HPU_LAZY_MODE"} | ({"PT_HPU_ENABLE_LAZY_COLLECTIVES"} if world_size() > 1 else set())

@@ -65,22 +65,17 @@ class PrefillStep(nn.Module):
 
 
 class DecodeStep(nn.Module):
-    def __init__(self, model: StaticBloom, cache: KVCache, window: int, backend: Backend):
+    def __init__(self, model: StaticBloom, cache: KVCache, window: int):
         super().__init__()
         self.model = model
         self.cache = cache
         self.window = window
-        self.backend = backend
 
     @property
     def static_shape(self) -> tuple:
         return (self.cache.batch_size, self.cache.length, self.window)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        plan = self.backend.cpu_plan
-        if plan is not None and plan.decode is not None and tokens.shape[0] <= plan.decode_rows:
-            # The CPU's one-call step (cpu/accelerate.py); more rows run op by op, through oneDNN.
-            return plan.decode(tokens, positions, self.cache, self.window)
         return self.model.decode(tokens, positions, self.cache, self.window)
 
 
@@ -122,7 +117,7 @@ class StepRunner:
             step = {
                 "prefill": lambda: PrefillStep(self.model, cache, self.backend),
                 "hidden": lambda: PrefillStep(self.model, cache, self.backend, hidden_only=True),
-                "decode": lambda: DecodeStep(self.model, cache, window, self.backend),
+                "decode": lambda: DecodeStep(self.model, cache, window),
                 "head": lambda: HeadStep(self.model),
             }[kind]()
             self._steps[key] = self.backend.prepare(step)

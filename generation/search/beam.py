@@ -56,12 +56,12 @@ class Hypotheses:
     def full(self) -> torch.Tensor:  # [B]
         return self.real.all(dim=1)
 
-    def merge(self, scores, sequences, new_tokens: int, finished) -> None:
+    def merge(self, scores, sequences, new_tokens: torch.Tensor, finished) -> None:
         """Keep the N best of the current places and the candidates (``scores`` [B, 2N], already
         pushed to NEG where a candidate may not enter), as transformers' top-k merge does."""
         n = self.scores.shape[1]
         best, keep = torch.topk(torch.cat((self.scores, scores), dim=1), n, dim=-1)  # of [B, 3N]
-        cand_new = torch.full_like(finished, new_tokens, dtype=torch.long)
+        cand_new = torch.zeros_like(finished, dtype=torch.long) + new_tokens  # new_tokens: [1] on the device
         self.sequences.copy_(torch.cat((self.sequences, sequences), dim=1).gather(
             1, keep[:, :, None].expand(-1, -1, self.sequences.shape[2])))
         self.new_tokens.copy_(torch.cat((self.new_tokens, cand_new), dim=1).gather(1, keep))
@@ -69,7 +69,7 @@ class Hypotheses:
         self.scores.copy_(best)
 
 
-def top_candidates(log_probs: torch.Tensor, running: torch.Tensor, k: int, step: int, sample_keys: torch.Tensor | None):
+def top_candidates(log_probs: torch.Tensor, running: torch.Tensor, k: int, step: torch.Tensor, sample_keys: torch.Tensor | None):
     """The k best continuations of the beams (``log_probs`` [B, N, V] plus each beam's ``running``
     score [B, N]), or k drawn without replacement from their softmax when sampling (Gumbel-top-k):
     (their scores [B, k], flat indices parent * V + token [B, k])."""
@@ -121,19 +121,22 @@ def beam_search(
 
     cache = runner.cache(rows, k_len)
     logits = runner.prefill_shared(step_input(batch.input_ids), step_input(batch.lengths), cache, n)  # each prompt once
+    # The step as a device tensor for every op that uses it: a Python int in an op is a new lazy
+    # graph per token on a Gaudi (token_loop.py says more).
+    step_t = torch.zeros(1, dtype=torch.long, device=device)  # [1]
     steps_run = 0
     for step in range(batch.steps):
-        positions = lengths + step  # [R] slot of the token chosen now
+        positions = lengths + step_t  # [R] slot of the token chosen now
         log_probs = torch.log_softmax(logits.float(), dim=-1)
-        log_probs = processors(log_probs, LoopState(sequence, lengths, positions, step))
+        log_probs = processors(log_probs, LoopState(sequence, lengths, positions, step, step_t))
         vocab = log_probs.shape[-1]
         # 2N candidates: enough to keep N running beams even if N of them end here.
-        cand_scores, flat = top_candidates(log_probs.view(b, n, vocab), running, 2 * n, step, sample_keys)
+        cand_scores, flat = top_candidates(log_probs.view(b, n, vocab), running, 2 * n, step_t, sample_keys)
         parent, token = flat // vocab, flat % vocab  # [B, 2N]
-        slot = (batch.lengths + step).clamp(max=k_len - 1)  # [B] where this token goes
+        slot = (batch.lengths + step_t).clamp(max=k_len - 1)  # [B] where this token goes
         cand_seq = sequence.view(b, n, k_len).gather(1, parent[:, :, None].expand(b, 2 * n, k_len))
         cand_seq.scatter_(2, slot[:, None, None].expand(b, 2 * n, 1), token[:, :, None])
-        ends = (step + 1 >= limits)[:, None].expand(b, 2 * n)
+        ends = (step_t + 1 >= limits)[:, None].expand(b, 2 * n)
         if eos_token_id is not None:
             ends = ends | (token == eos_token_id)
 
@@ -147,9 +150,9 @@ def beam_search(
         closed = ~open_ | done[:, None]
         if stop_when_full:
             closed = closed | finished.full()[:, None]
-        scored = cand_scores / ((step + 1) ** length_penalty)
+        scored = cand_scores / (step_t + 1).float() ** length_penalty
         scored = scored + closed.float() * NEG + (~just_finished).float() * NEG
-        finished.merge(scored, cand_seq, step + 1, just_finished)
+        finished.merge(scored, cand_seq, step_t + 1, just_finished)
 
         # Running beams: histories and cache rows follow their parents (in place).
         sequence.copy_(cand_seq.gather(1, pick[:, :, None].expand(b, n, k_len)).view(rows, k_len))
@@ -158,11 +161,11 @@ def beam_search(
 
         # transformers' heuristic: can the best running beam still beat the worst finished one?
         # ("never" with a positive penalty assumes the beam could still grow to the full budget.)
-        best_length = limits[:, None].float() if never else float(step + 1)
+        best_length = limits[:, None].float() if never else (step_t + 1).float()
         best_running = running[:, :1] / best_length**length_penalty
         worst = torch.where(finished.real, finished.scores.min(dim=1, keepdim=True).values, NEG)
         open_ = open_ & (best_running > worst).any(dim=1, keepdim=True)
-        done = done | ~open_[:, 0] | (step + 1 >= limits)
+        done = done | ~open_[:, 0] | (step_t + 1 >= limits)
         if stop_when_full:
             done = done | finished.full()
 
@@ -171,6 +174,7 @@ def beam_search(
             break
         if (step + 1) % EOS_CHECK_EVERY == 0 and bool(done.all()):  # the only host read
             break
+        step_t += 1
         slots = positions.clamp(max=k_len - 1)  # done prompts may run past their end
         if use_kv_cache:
             # Step inputs of one layout every step (steps.step_input): graph keys stay the same.

@@ -16,8 +16,10 @@ batch, the device or the number of steps run before.
   ``topk(scores + gumbel, k)`` draws k tokens without replacement in order of draw, the same
   distribution as ``torch.multinomial(softmax(scores), k)`` (beam sampling uses that).
 
-The hash keeps every value below 2**31 and multiplies by constants below 2**27, so products stay
-below 2**58: plain int64 arithmetic, no overflow, the same bits on every device.
+Every value the hash makes stays below 2**31 and every product too (15-bit multipliers on 16-bit
+halves), so it is exact in int32 as in int64: lazy mode on a Gaudi computes int64 as int32, and
+the same bits come out on every device. The step is a device tensor where the loop has one, so a
+captured or lazily compiled step never bakes a Python counter into its ops.
 """
 
 from __future__ import annotations
@@ -29,29 +31,38 @@ import torch
 from .token_loop import LoopState, TokenChooser
 
 _MASK = (1 << 31) - 1
-_MULT = 0x45D9F3B  # an odd multiplier with good avalanche for 32-bit hashes (< 2**27)
-_GOLDEN = 0x9E3779B  # spreads consecutive counters apart
+_MULT = 0x6B43  # odd and below 2**15: a 16-bit half times it stays below 2**31
+_STEP_SALT = 0x1234567
+
+
+def _mul(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of [0, 2**31) that multiplies by ``_MULT`` half by half (no product >= 2**31):
+    the low 16 bits are ``lo * M`` mod 2**16, the high 15 bits ``hi * M`` mod 2**15 mixed with the
+    carries of ``lo * M``."""
+    hi, lo = x >> 16, x & 0xFFFF
+    return (((hi * _MULT) & 0x7FFF) << 16) ^ (lo * _MULT)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
     """A bijection of [0, 2**31) that scrambles bits (xor-shift / multiply rounds)."""
-    for _ in range(3):
+    for _ in range(4):
         x = x ^ (x >> 15)
-        x = (x * _MULT) & _MASK
+        x = _mul(x)
     return x ^ (x >> 16)
 
 
-def uniform(keys: torch.Tensor, step: int, n: int) -> torch.Tensor:
-    """[R, n] float32 uniform in (0, 1): a pure function of (keys[r], step, column)."""
-    base = _mix((keys ^ ((step * _GOLDEN + 0x1234567) & _MASK)) & _MASK)  # [R]
+def uniform(keys: torch.Tensor, step: torch.Tensor | int, n: int) -> torch.Tensor:
+    """[R, n] float32 uniform in (0, 1): a pure function of (keys[r], step, column). ``step``: an
+    int, a [1] tensor (every row's) or an [R] tensor (each row's own)."""
+    base = _mix(keys ^ _mix((step + _STEP_SALT) & _MASK))  # [R]
     columns = torch.arange(n, device=keys.device, dtype=torch.long)
-    bits = _mix((base[:, None] + _mix(columns)[None, :] * 0x3F) & _MASK)  # [R, n]
+    bits = _mix(base[:, None] ^ _mix(columns)[None, :])  # [R, n]
     # The top 23 bits, centred in their cell: k + 0.5 < 2**23 is exact in float32, so u is never
     # 0 or 1 (with 24 bits the top cell would round to 1.0 and its Gumbel noise to infinity).
     return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-def gumbel(keys: torch.Tensor, step: int, n: int) -> torch.Tensor:
+def gumbel(keys: torch.Tensor, step: torch.Tensor | int, n: int) -> torch.Tensor:
     return -torch.log(-torch.log(uniform(keys, step, n)))
 
 
@@ -80,7 +91,7 @@ def sampling_chooser(processors, keys: torch.Tensor) -> TokenChooser:
 
     def choose(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
         scores = processors(logits, state)
-        return (scores + gumbel(keys, state.step, scores.shape[-1])).argmax(dim=-1)
+        return (scores + gumbel(keys, state.step_tensor, scores.shape[-1])).argmax(dim=-1)
 
     return choose
 

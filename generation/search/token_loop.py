@@ -44,6 +44,7 @@ class LoopState:
     lengths: torch.Tensor  # [B] prompt tokens per row
     positions: torch.Tensor  # [B] slot of the token being chosen now = lengths + step (capped at the cache's end)
     step: int  # host int: how many tokens each row has generated so far
+    step_tensor: torch.Tensor | None = None  # [1] the same on the device (what ops should use)
 
 
 # (logits [B, V] float, state) -> next tokens [B] long
@@ -56,7 +57,7 @@ def greedy_chooser(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
 
 @dataclass
 class LoopOutput:
-    tokens: torch.Tensor  # [B, steps] generated ids (pad after a row finished)
+    tokens: torch.Tensor  # [B, K] generated ids in the first steps_run columns (pad after a row finished)
     finish: torch.Tensor  # [B] LENGTH or EOS
     steps_run: int
 
@@ -84,30 +85,35 @@ def run_token_loop(
     cache = runner.cache(b, plan.cache_len)
     sequence = torch.full((b, plan.cache_len), pad_token_id, dtype=torch.long, device=device)
     sequence[:, : plan.prompt_len] = batch.input_ids
-    out = torch.full((batch.steps, b), pad_token_id, dtype=torch.long, device=device)  # [steps, B]
+    # Buffers of the plan's shape, not of this batch's budgets: [K, B] holds any row's tokens (a
+    # row gets fewer than K), so batches of one plan run the same ops on the same shapes.
+    out = torch.full((plan.cache_len, b), pad_token_id, dtype=torch.long, device=device)  # [K, B]
     finish = torch.full((b,), RUNNING, dtype=torch.long, device=device)
     # What each step needs of the rows' lengths and budgets, made once: a step picks one row of
-    # each ([S, B] -> [B], one cheap view), rather than computing it with a few small ops per token
-    # (on a CPU, each costs microseconds; a small model's whole step is ~100 us).
-    steps = torch.arange(batch.steps, device=device)[:, None]
+    # each ([S, B] -> [B]) with ``index_select`` at ``step_index``, a device counter. Not
+    # ``slots[step]``: a view at a new offset every token, which lazy mode on a Gaudi hashes into a
+    # new graph to compile for every token position; the same goes for ``out[step] = token``.
+    steps = torch.arange(plan.cache_len, device=device)[:, None]
     # The slot of the token chosen at step s (= lengths + s); a finished row may run past the cache.
-    slots = (batch.lengths[None, :] + steps).clamp(max=plan.cache_len - 1)  # [S, B]
-    last_step = steps + 1 >= batch.new_limits[None, :]  # [S, B]: the row's budget ends at step s
+    slots = (batch.lengths[None, :] + steps).clamp(max=plan.cache_len - 1)  # [K, B]
+    last_step = steps + 1 >= batch.new_limits[None, :]  # [K, B]: the row's budget ends at step s
+    step_index = torch.zeros(1, dtype=torch.long, device=device)  # [1] the step, on the device
 
     # Copies of one prompt (sampling's num_return_sequences) share its prefill.
     c = batch.copies
     logits = runner.prefill_shared(step_input(batch.input_ids[::c]), step_input(batch.lengths[::c]), cache, c)
     steps_run = 0
     for step in range(batch.steps):
-        slot = step_input(slots[step])  # [B], its own tensor: the decode step's graph key never changes
+        slot = slots.index_select(0, step_index).view(b)  # [B], its own tensor: the decode step's graph key never changes
         running = finish == RUNNING
-        token = torch.where(running, choose(logits.float(), LoopState(sequence, batch.lengths, slot, step)), pad_token_id)
-        out[step] = token
+        state = LoopState(sequence, batch.lengths, slot, step, step_index)
+        token = torch.where(running, choose(logits.float(), state), pad_token_id)
+        out.index_copy_(0, step_index, token[None])
         sequence.scatter_(1, slot[:, None], token[:, None])
         # A row ends with EOS (unless EOS is ignored) or when it has used its budget; EOS first.
         if not ignore_eos:
             finish.masked_fill_(running & (token == eos_token_id), EOS)
-        finish.masked_fill_((finish == RUNNING) & last_step[step], LENGTH)
+        finish.masked_fill_((finish == RUNNING) & last_step.index_select(0, step_index).view(b), LENGTH)
         steps_run = step + 1
         if on_step is not None:
             on_step(token, finish != RUNNING)
@@ -119,9 +125,11 @@ def run_token_loop(
                 finish.masked_fill_(stop_check(out.t(), step + 1) & (finish == RUNNING), STOP)
             if bool((finish != RUNNING).all()):
                 break
+        step_index += 1
         if use_kv_cache:
-            logits = runner.decode(step_input(token[:, None]), slot, cache, plan.window(step))
+            logits = runner.decode(step_input(token[:, None]), step_input(slot), cache, plan.window(step))
         else:
             # Recompute the whole sequence (the recipe switch use_kv_cache=false).
             logits = runner.prefill(sequence, slot + 1, cache)
-    return LoopOutput(out[:steps_run].t().contiguous(), finish, steps_run)
+    # The whole buffer (a fixed shape); the caller keeps each row's first steps_run tokens at most.
+    return LoopOutput(out.t(), finish, steps_run)

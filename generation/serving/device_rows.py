@@ -52,8 +52,10 @@ class DeviceRows:
         self._check_memory(model)
         # Our own caches, not the runner's pool: the offline path's generate calls use that pool
         # and must not overwrite the running rows.
-        self.caches = {b: model.allocate_cache(b, max_length) for b in self.batch_sizes}
-        self.prefill_caches = {k: model.allocate_cache(k, max_length) for k in self.prefill_sizes}
+        # In the backend's layout: per layer on a Gaudi, where graphs cannot write into views.
+        per_layer = self.runner.backend.per_layer_cache
+        self.caches = {b: model.allocate_cache(b, max_length, per_layer) for b in self.batch_sizes}
+        self.prefill_caches = {k: model.allocate_cache(k, max_length, per_layer) for k in self.prefill_sizes}
 
     def _check_memory(self, model) -> None:
         """Refuse, before allocating, caches that cannot fit (every bucket's, allocated at once)."""
@@ -79,6 +81,8 @@ class DeviceRows:
         for b in self.batch_sizes:
             for window in self.lengths:
                 self.decode(b, [self.pad] * b, [0] * b, window)
+        if self.runner.backend.compiles_eager_ops:
+            self._warm_up_row_copies()
         self.generator.backend.synchronize()
         return {"prefill": len(self.prefill_sizes) * len(self.lengths),
                 "decode": len(self.batch_sizes) * len(self.lengths),
@@ -93,7 +97,9 @@ class DeviceRows:
         padded, lengths = self.upload([ids + [self.pad] * (p - len(ids)) for ids in prompts],
                                       [len(ids) for ids in prompts])
         with self._adapter_only(adapter):
-            return self.runner.prefill(padded, lengths, self.prefill_caches[k])
+            logits = self.runner.prefill(padded, lengths, self.prefill_caches[k])
+        self.generator.backend.mark_step()  # the adapters put back, if any, as a unit of its own
+        return logits
 
     @torch.no_grad()
     def decode(self, bucket: int, tokens: list[int], positions: list[int], window: int) -> torch.Tensor:
@@ -102,6 +108,19 @@ class DeviceRows:
         tokens, positions = self.upload(tokens, positions)
         return self.runner.decode(tokens[:, None], positions, self.caches[bucket], window)
 
+    def _warm_up_row_copies(self) -> None:
+        """Every shape of row copy (prefill bucket into batch bucket, within and between batch
+        buckets), for a runtime that compiles eager ops (copies of whole rows: see
+        ``KVCache.copy_rows``). Rows of pad tokens: nothing real is overwritten before serving."""
+        extent = self.lengths[0]
+        for b in self.batch_sizes:
+            for k in self.prefill_sizes:
+                self.place(k, 0, b, [0], extent)
+            self.move(b, 0, 0, extent)
+            for other in self.batch_sizes:
+                if other != b:
+                    self.resize(b, other, extent)
+
     # --- moving rows between caches -------------------------------------------------------------
 
     def place(self, k: int, row: int, bucket: int, slots: list[int], extent: int, adapter: int = 0) -> None:
@@ -109,27 +128,27 @@ class DeviceRows:
         its first ``extent`` slots (its length bucket: a few copy shapes, which a Gaudi compiles
         once each; slots past the prompt stay masked until the row writes them). The slots decode
         with LoRA ``adapter`` from now on."""
-        source, cache = self.prefill_caches[k], self.caches[bucket]
-        for slot in slots:
+        for slot in slots:  # one row at a time: the same ops for any number of slots
             if self.lora is not None:
                 self.lora.rows.set(slot, adapter)
-            for mine, theirs in ((cache.keys, source.keys), (cache.values, source.values)):
-                mine[:, slot, :, :extent].copy_(theirs[:, row, :, :extent])
+                self.generator.backend.mark_step()  # (an index write, or none: a unit of its own)
+            self.caches[bucket].copy_rows(self.prefill_caches[k], [row], [slot], extent)
+            self.generator.backend.mark_step()
 
     def move(self, bucket: int, src: int, dst: int, extent: int) -> None:
         """Row ``dst`` of ``caches[bucket]`` takes the first ``extent`` slots of row ``src``."""
         cache = self.caches[bucket]
-        for t in (cache.keys, cache.values):
-            t[:, dst, :, :extent].copy_(t[:, src, :, :extent])
+        cache.copy_rows(cache, [src], [dst], extent)
+        self.generator.backend.mark_step()
         if self.lora is not None:
             self.lora.rows.move(src, dst)
+            self.generator.backend.mark_step()
 
     def resize(self, old: int, new: int, extent: int) -> None:
         """The running rows move from ``caches[old]`` to ``caches[new]`` (their first ``extent`` slots)."""
-        rows = min(old, new)
-        src, dst = self.caches[old], self.caches[new]
-        for mine, theirs in ((dst.keys, src.keys), (dst.values, src.values)):
-            mine[:, :rows, :, :extent].copy_(theirs[:, :rows, :, :extent])
+        rows = list(range(min(old, new)))
+        self.caches[new].copy_rows(self.caches[old], rows, rows, extent)
+        self.generator.backend.mark_step()
 
     # --- the batch runner's path ----------------------------------------------------------------
 

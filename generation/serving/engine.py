@@ -289,6 +289,8 @@ class Engine:
         used, steps = self.device_rows.upload([r.prompt_len + len(r.ids) if r else 0 for r in rows],
                                    [len(r.ids) if r else 0 for r in rows])
         flags = RowFlags([self.rows[i].handle.params for i in live])
+        if self.generator.backend.compiles_eager_ops:
+            flags.every_processor()
         logits = self.logits[:b]
         tokens = choose_tokens(logits, self.opts, b, used, steps, flags)  # [b]
         if flags.repetition:
@@ -303,6 +305,7 @@ class Engine:
             chosen, values, ids = token_logprobs(logits, tokens, flags.logprobs)
             host = torch.cat([tokens[:, None].double(), chosen[:, None].double(), values.double(), ids.double()],
                              dim=1).tolist()
+        self.generator.backend.mark_step()
         k = flags.logprobs or 0
         now = time.perf_counter()
         for i in live:
@@ -332,6 +335,7 @@ class Engine:
         window = self._length_bucket(max(positions) + 1)
         out = self.device_rows.decode(self.bucket, tokens, positions, window)
         self.logits[: self.bucket].copy_(out)
+        self.generator.backend.mark_step()
 
     def _length_bucket(self, needed: int) -> int:
         return next(n for n in self.lengths if n >= needed)
@@ -418,9 +422,10 @@ class Engine:
         extent = self._length_bucket(max(len(h.prompt_ids) for h in group))
         for row, (handle, slots) in enumerate(zip(group, seats)):
             self.device_rows.place(len(group), row, self.bucket, slots, extent, handle.params.adapter)
-            self._seat(handle, slots, logits[row], extent)
+            self._seat(handle, slots, logits.index_select(0, torch.tensor([row]).to(self.device)))
+        self.generator.backend.mark_step()
 
-    def _seat(self, handle: RequestHandle, slots: list[int], logits: torch.Tensor, extent: int) -> None:
+    def _seat(self, handle: RequestHandle, slots: list[int], logits: torch.Tensor) -> None:
         """The request's rows take ``slots``: options, sampling keys, first logits, host state."""
         params, ids = handle.params, handle.prompt_ids
         length = len(ids)
@@ -430,10 +435,9 @@ class Engine:
         else:
             keys = [0] * len(slots)
         limit = min(params.max_tokens, self.config.max_length - length)
-        [padded] = self.device_rows.upload(ids + [self.pad] * (extent - length))
         for copy, slot in enumerate(slots):
-            self.logits[slot].copy_(logits)
-            self.opts.set_row(slot, params, keys[copy], padded)
+            self.logits.index_copy_(0, torch.tensor([slot]).to(self.device), logits)
+            self.opts.set_row(slot, params, keys[copy], ids)
             indices = [copy] if params.sampling else list(range(params.n))
             decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
             self.rows[slot] = _Row(handle, indices, length, limit, decoder=decoder)
@@ -538,6 +542,7 @@ class Engine:
             src, dst = max(live), self.rows.index(None)
             self.device_rows.move(self.bucket, src, dst, extent)
             self.opts.move_row(src, dst)
+            self.generator.backend.mark_step()
             self.rows[dst], self.rows[src] = self.rows[src], None
             self.stats["row_moves"] += 1
             live = [i for i, r in enumerate(self.rows) if r is not None]

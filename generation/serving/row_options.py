@@ -41,25 +41,32 @@ class RowOptions:
         self._tensors = [self.temperature, self.top_p, self.top_k, self.repetition, self.presence,
                          self.frequency, self.keys, self.sequence, self.counts]
 
-    def set_row(self, slot: int, params, key: int, prompt: torch.Tensor) -> None:
-        """A new request's row (host values written once, at admission; ``prompt`` [P] its ids
-        padded to their length bucket, already on the device: the penalties only read the slots
-        the row has filled)."""
-        self.temperature[slot] = params.temperature
-        self.top_p[slot] = params.top_p
-        self.top_k[slot] = params.top_k
-        self.repetition[slot] = params.repetition_penalty
-        self.presence[slot] = params.presence_penalty
-        self.frequency[slot] = params.frequency_penalty
-        self.keys[slot] = key
-        self.sequence[slot].fill_(self.pad_token_id)
-        self.sequence[slot, : prompt.shape[0]] = prompt
-        self.counts[slot].zero_()
+    def set_row(self, slot: int, params, key: int, prompt: list[int]) -> None:
+        """A new request's row (host values written once, at admission; ``prompt`` its ids: the
+        penalties only read the slots the row has filled).
+
+        Written with ``index_copy_`` of host-made tensors at a device index: one op per option of
+        one shape, whatever the slot and the values (a scalar written at ``t[slot]`` is a view at
+        a new offset and a new constant, which lazy mode on a Gaudi would compile anew)."""
+        device = self.temperature.device
+        at = torch.tensor([slot]).to(device)
+        floats = torch.tensor([[params.temperature, params.top_p, params.repetition_penalty,
+                                params.presence_penalty, params.frequency_penalty]], dtype=torch.float32).to(device)
+        for column, t in enumerate((self.temperature, self.top_p, self.repetition, self.presence, self.frequency)):
+            t.index_copy_(0, at, floats[:, column])
+        longs = torch.tensor([params.top_k, key]).to(device)
+        self.top_k.index_copy_(0, at, longs[:1])
+        self.keys.index_copy_(0, at, longs[1:])
+        row = prompt + [self.pad_token_id] * (self.sequence.shape[1] - len(prompt))
+        self.sequence.index_copy_(0, at, torch.tensor([row]).to(device))
+        self.counts.index_fill_(0, at, 0.0)
 
     def move_row(self, src: int, dst: int) -> None:
         """Row ``dst`` takes what row ``src`` held (compaction of the slots)."""
+        device = self.temperature.device
+        src_at, dst_at = torch.tensor([src]).to(device), torch.tensor([dst]).to(device)
         for t in self._tensors:
-            t[dst] = t[src]
+            t.index_copy_(0, dst_at, t.index_select(0, src_at))
 
 
 class RowFlags:
@@ -72,6 +79,13 @@ class RowFlags:
         self.top_k = any(p.sampling and p.top_k for p in params_list)
         self.top_p = any(p.sampling and p.top_p < 1.0 for p in params_list)
         self.logprobs = max((p.logprobs for p in params_list if p.logprobs is not None), default=None)
+
+    def every_processor(self) -> "RowFlags":
+        """Every processor on (neutral values leave a row's choice bit-identical): the ops of a
+        choice then depend on the batch bucket alone, not on the mix of requests, which lazy mode
+        on a Gaudi would otherwise compile once per mix."""
+        self.sample = self.repetition = self.openai_penalties = self.top_k = self.top_p = True
+        return self
 
 
 def choose_tokens(logits: torch.Tensor, opts: RowOptions, b: int, used: torch.Tensor, steps: torch.Tensor,
