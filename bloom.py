@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore_eos", type=flag_bool, help="t: generate to max_length (default); f: stop each row at EOS")
     p.add_argument("--use_graphs", type=flag_bool, help="capture steps as HPU/CUDA graphs (default t)")
     p.add_argument("--static_shapes", type=flag_bool, help="static-shape recipe (default t)")
+    p.add_argument("--limit_hpu_graphs", type=flag_bool,
+                   help="hpu: run the prefill without a graph, so its scores are not kept (default: t under "
+                        "tensor parallelism, f on one card)")
     p.add_argument("--options", default="", help='generation options "k=v,k:int=3,flag,!flag" (see --help_options)')
     p.add_argument("--help_options", action="store_true", help="list every generation option and exit")
     p.add_argument("--compile", action="store_true", help="cpu: run the decode step through torch.compile")
@@ -237,7 +240,7 @@ def make_generator(args, opts):
     generator = Generator.from_pretrained(
         weights, args.model, dtype=args.dtype, device=args.device, use_graphs=opts.use_graphs,
         compile_steps=args.compile, parallel=PARALLEL, cpu=CpuOptions(path=args.cpu_path),
-        peft_weights=args.peft_weights, lora=lora_adapters(args) or None,
+        peft_weights=args.peft_weights, lora=lora_adapters(args) or None, limit_hpu_graphs=args.limit_hpu_graphs,
     )
     if generator.adapter is not None:
         log(f"{generator.adapter.describe()}, merged")

@@ -71,12 +71,15 @@ class Generator:
         cpu: CpuOptions = CpuOptions(),
         peft_weights: str | Path | None = None,
         lora: dict[str, str | Path] | None = None,
+        limit_hpu_graphs: bool | None = None,
     ) -> "Generator":
         """``cpu``: the CPU fast path (``CpuOptions``: which kernels, one-call steps, packing);
         by default the fastest this CPU can run. ``peft_weights``: a PEFT LoRA adapter folder,
         merged into the weights at load (``bloom_hpu/lora.py``). ``lora``: {name: folder} of
         adapters served side by side, unmerged, each row of a step with its own
-        (``bloom_hpu/lora_rows.py``; ``self.lora`` then holds them, for the server's engine)."""
+        (``bloom_hpu/lora_rows.py``; ``self.lora`` then holds them, for the server's engine).
+        ``limit_hpu_graphs``: on a Gaudi, run the prefill without a graph (Habana's
+        ``--limit_hpu_graphs``; None: only under tensor parallelism)."""
         if weights is not None and not isinstance(weights, (str, Path)):
             raise TypeError(f"weights must be a folder path, got {type(weights).__name__}")
         torch_dtype = parse_dtype(dtype)
@@ -87,7 +90,8 @@ class Generator:
             config = BloomConfig.from_json(folder / "config.json")
             adapter = read_adapter(peft_weights, config) if peft_weights is not None else None
             served = {name: read_adapter(path, config) for name, path in (lora or {}).items()}
-        backend = make_backend(device, use_graphs=use_graphs, compile_steps=compile_steps, cpu=cpu)
+        backend = make_backend(device, use_graphs=use_graphs, compile_steps=compile_steps, cpu=cpu,
+                               graph_prefill=None if limit_hpu_graphs is None else not limit_hpu_graphs)
         if parallel.world_size > 1 and backend.device.type != "cpu" and backend.device.index is None:
             backend.device = torch.device(backend.device.type, parallel.local_rank)
         bloom, report = load_model(folder, torch_dtype, backend.device, parallel, adapter)

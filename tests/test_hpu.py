@@ -245,3 +245,14 @@ def test_cuda_warm_up_captures_every_graph_a_run_replays(tiny_checkpoint, search
     graphs = set(generator.runner.backend._graphs)
     generator.generate(PROMPTS[:2], options)
     assert set(generator.runner.backend._graphs) == graphs
+
+
+def test_limit_hpu_graphs_runs_the_prefill_without_a_graph(hpu_stand_in, tiny_checkpoint, monkeypatch):
+    """Habana's first-token bypass, by choice on one card (by default under tensor parallelism)."""
+    from graph_stand_in import install
+
+    install("hpu", monkeypatch.setattr)
+    generator = Generator.from_pretrained(tiny_checkpoint, device="hpu", limit_hpu_graphs=True)
+    generator.generate(PROMPTS[:2], max_length=16)
+    assert [c.name for c in graph_caches()] == ["DecodeStep"]
+    assert generator.backend.graph_count() == 1 == captures()

@@ -39,3 +39,13 @@ def test_dependencies_are_the_pins_of_requirements_txt(pyproject):
     pinned = {line.strip() for line in lines if line.strip() and not line.startswith("#")}
     project = pyproject["project"]
     assert set(project["dependencies"]) | set(project["optional-dependencies"]["test"]) == pinned
+
+
+def test_the_gaudi_requirements_are_the_others_less_torch_and_deepspeed():
+    """On a Gaudi, Habana's torch and DeepSpeed fork stay: requirements-hpu.txt must not name them."""
+    def pins(name):
+        lines = (ROOT / name).read_text().splitlines()
+        return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+
+    everything, gaudi = pins("requirements.txt"), pins("requirements-hpu.txt")
+    assert gaudi == {p for p in everything if not p.startswith(("torch", "deepspeed"))}

@@ -75,7 +75,9 @@ class Backend:
         return self.cpu_plan.description if self.cpu_plan is not None else "none"
 
     def graph_count(self) -> int:
-        """Distinct step signatures seen (the original scripts printed this as hpu_graphs)."""
+        """Graphs captured (the original scripts printed this as hpu_graphs); where nothing is
+        captured (the CPU), the distinct step signatures run, each compiled once by
+        ``torch.compile`` when that is on."""
         return len(self.signatures)
 
     def signatures_of(self, name: str) -> set[tuple]:
@@ -154,6 +156,7 @@ class CudaBackend(Backend):
         # The card this backend's streams and captures belong to (the current one for a bare 'cuda').
         self.cuda_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.tensor_parallel = False
+        self.captured = 0  # graphs captured so far
         # One memory pool for every captured graph: steps replay one after another and each output
         # is consumed before the next replay, so graphs can share their scratch memory instead of
         # each holding its own (the original's HPU graphs multiplied memory this way).
@@ -162,6 +165,9 @@ class CudaBackend(Backend):
     def prepare_model(self, model) -> None:
         """No CPU fast path: a card runs the model's own operations."""
         self.tensor_parallel = model.parallel.world_size > 1
+
+    def graph_count(self) -> int:
+        return self.captured
 
     def run(self, name: str, step, *inputs: torch.Tensor):
         if not self.use_graphs or name != "decode":
@@ -172,6 +178,7 @@ class CudaBackend(Backend):
         entry = graphs.get(sig)
         if entry is None:
             entry = graphs[sig] = self._capture(step, inputs)
+            self.captured += 1
         graph, static_inputs, static_output = entry
         for buffer, value in zip(static_inputs, inputs):
             buffer.copy_(value)
@@ -253,6 +260,7 @@ class HpuBackend(Backend):
                               "set it before starting, or run with --use_graphs f")
         super().__init__(device, use_graphs, compile_steps=False)
         self.graph_prefill = graph_prefill  # None: yes on one card, no under tensor parallelism
+        self.captured = 0  # HPU graphs captured so far
         self._htcore = htcore
         self._hthpu = hthpu
 
@@ -266,10 +274,21 @@ class HpuBackend(Backend):
         first_token = getattr(step, "runs_prompts", False)
         if not self.use_graphs or (first_token and not self.graph_prefill):
             return step
+        step.__dict__["hpu_graph"] = True
         return self._hthpu.wrap_in_hpu_graph(step, disable_tensor_cache=True, max_graphs=HPU_MAX_GRAPHS)
 
+    def graph_count(self) -> int:
+        return self.captured
+
     def run(self, name: str, step, *inputs: torch.Tensor):
-        self.signatures.add(signature(name, step, inputs))
+        sig = signature(name, step, inputs)
+        self.signatures.add(sig)
+        if step.__dict__.get("hpu_graph"):
+            # The bridge captures a new input layout of a wrapped step, up to its max_graphs.
+            seen = step.__dict__.setdefault("graph_signatures", set())
+            if sig not in seen and len(seen) < HPU_MAX_GRAPHS:
+                seen.add(sig)
+                self.captured += 1
         out = step(*inputs)
         self._htcore.mark_step()
         return out
@@ -282,9 +301,10 @@ class HpuBackend(Backend):
 
 
 def make_backend(device: str | None = None, use_graphs: bool = True, compile_steps: bool = False,
-                 cpu: CpuOptions = CpuOptions()) -> Backend:
+                 cpu: CpuOptions = CpuOptions(), graph_prefill: bool | None = None) -> Backend:
     """The backend for ``device`` ('cpu', 'cuda', 'cuda:1', 'hpu'; None: the best available).
-    ``cpu``: the CPU fast path's options (used on the CPU only)."""
+    ``cpu``: the CPU fast path's options (used on the CPU only). ``graph_prefill``: HPU only (see
+    ``HpuBackend``)."""
     device = device or default_device()
     kind = device.split(":")[0]
     if kind == "cpu":
@@ -292,5 +312,5 @@ def make_backend(device: str | None = None, use_graphs: bool = True, compile_ste
     if kind == "cuda":
         return CudaBackend(device, use_graphs, compile_steps)
     if kind == "hpu":
-        return HpuBackend(device, use_graphs)
+        return HpuBackend(device, use_graphs, graph_prefill=graph_prefill)
     raise DeviceError(f"unknown device {device!r}: choose cpu, cuda or hpu")

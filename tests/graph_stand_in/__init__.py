@@ -37,11 +37,11 @@ def install(personality: str, patch, cuda_index: int = 0):
             sys.path.insert(0, str(BRIDGE))
     original = backends.make_backend
 
-    def make_backend(device=None, use_graphs=True, compile_steps=False, cpu=backends.CpuOptions()):
+    def make_backend(device=None, use_graphs=True, compile_steps=False, cpu=backends.CpuOptions(), **more):
         device = device or personality
         if device.split(":")[0] == "cpu":
-            return original(device, use_graphs, compile_steps, cpu)
-        backend = original(device, use_graphs, compile_steps, cpu)
+            return original(device, use_graphs, compile_steps, cpu, **more)
+        backend = original(device, use_graphs, compile_steps, cpu, **more)
         backend.device = torch.device("cpu")  # the card's memory is the host's here
         return backend
 
