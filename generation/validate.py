@@ -123,11 +123,12 @@ def rows_per_prompt(opts: GenerationOptions) -> int:
 
 def check_memory(config, dtype: torch.dtype, device: torch.device, rows: int, length: int, prompt_len: int,
                  parallel=None, what: str = "--batch_size, --max_length, num_beams or "
-                 "num_return_sequences") -> None:
+                 "num_return_sequences", extra: int = 0) -> None:
     """Refuse before allocating when the cache and buffers of a call cannot fit the free memory
-    (under tensor parallelism: a rank's share, against the least free memory of the ranks)."""
+    (under tensor parallelism: a rank's share, against the least free memory of the ranks).
+    ``extra``: bytes the caller keeps besides (captured graphs' outputs)."""
     world_size = parallel.world_size if parallel is not None else 1
-    need = estimate_bytes(config, dtype, rows, length, prompt_len, world_size)
+    need = estimate_bytes(config, dtype, rows, length, prompt_len, world_size) + extra
     free = agreed_free_bytes(device, parallel)
     if free is not None and need > free:
         raise MemoryCheckError(f"this needs about {human(need)} of memory on {device.type} for {rows} rows of "

@@ -236,7 +236,15 @@ def test_engine_mixed_load_lora_rows_and_cancellation(graph_stand_in, checkpoint
         card.stop()
     # One schedule, twice: after the first, nothing is captured or compiled (no per-token, per-row
     # or per-slot graph), and the tokens are the same.
+    before = graph_stand_in.captures
     card = serve(card_generator, threaded=False)
+    rows = card.device_rows
+    # The count docs/graph-runtimes.md states: a decode graph per (batch bucket, window), and on
+    # HPU a prefill graph per (prefill bucket, length bucket); warm-up captures them all.
+    expected = len(rows.batch_sizes) * len(rows.lengths)
+    if graph_stand_in.personality == "hpu":
+        expected += len(rows.prefill_sizes) * len(rows.lengths)
+    assert graph_stand_in.captures - before == expected
     assert answers(card, threaded=False)[0] == want[0]
     counts = Counts(graph_stand_in)
     assert answers(card, threaded=False)[0] == want[0]

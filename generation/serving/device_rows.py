@@ -62,8 +62,17 @@ class DeviceRows:
         from ..validate import check_memory
 
         rows = sum(self.batch_sizes) + sum(self.prefill_sizes)
+        backend = self.runner.backend
+        graphs = 0
+        if backend.use_graphs and backend.graphs_every_shape:
+            # Each captured decode graph keeps its [b, V] logits (and, on HPU, each prefill graph
+            # its own): one per (batch bucket, window) and (prefill bucket, length bucket).
+            outputs = sum(self.batch_sizes) * len(self.lengths)
+            if backend.per_layer_cache:
+                outputs += sum(self.prefill_sizes) * len(self.lengths)
+            graphs = outputs * model.config.vocab_size * 4
         check_memory(model.config, self.generator.dtype, self.device, rows, self.max_length, self.max_length,
-                     model.parallel, what="--max_batch, --max_prefill or --max_length")
+                     model.parallel, what="--max_batch, --max_prefill, --max_length or --bucket_width", extra=graphs)
 
     def length_bucket(self, needed: int) -> int:
         return next(n for n in self.lengths if n >= needed)
@@ -75,11 +84,12 @@ class DeviceRows:
         """Run every step shape the engine uses: a prefill per (prefill bucket, length bucket), a
         decode per (batch bucket, window). Returns what it ran and how long it took."""
         start = time.perf_counter()
-        for k in self.prefill_sizes:
-            for p in self.lengths:
+        # Largest first: graphs captured into one memory pool can then reuse the larger ones' scratch.
+        for k in reversed(self.prefill_sizes):
+            for p in reversed(self.lengths):
                 self.prefill([[self.pad] * p] * k)
-        for b in self.batch_sizes:
-            for window in self.lengths:
+        for b in reversed(self.batch_sizes):
+            for window in reversed(self.lengths):
                 self.decode(b, [self.pad] * b, [0] * b, window)
         if self.runner.backend.compiles_eager_ops:
             self._warm_up_row_copies()
