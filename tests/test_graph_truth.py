@@ -314,3 +314,36 @@ def test_two_ranks_under_deepspeed_equal_one_eager_process(personality, checkpoi
     assert [r["token_ids"] for r in json.loads(out.read_text())] == want
     counts = [json.loads(Path(f"{report}.{rank}").read_text()) for rank in (0, 1)]
     assert counts[0] == counts[1] and counts[0]["captures"] >= 1
+
+
+# --- CUDA specifics ---------------------------------------------------------------------------------
+
+
+def test_cuda_captures_on_the_steps_own_device(hpu_stand_in, checkpoint, eager, monkeypatch):
+    """One process on cuda:1: its warm-up streams and captures are device 1's, never device 0's."""
+    from graph_stand_in import cuda, install
+
+    runtime = install("cuda", monkeypatch.setattr)
+    generator = Generator.from_pretrained(checkpoint, device="cuda:1")
+    assert generator.backend.cuda_index == 1
+    options = dict(max_length=16)
+    assert sequences(generator.generate(PROMPTS[:2], **options)) == reference(runtime, eager, PROMPTS[:2], **options)
+    assert cuda.STATE.devices_used == {1} and all(g.device_index == 1 for g in cuda.STATE.graphs)
+
+
+def test_released_steps_take_their_graphs_with_them(hpu_stand_in, checkpoint, eager, monkeypatch):
+    """Graphs live on their step module: after release_caches a new step captures anew (no graph
+    found by a recycled object id replays into freed memory)."""
+    import gc
+
+    from graph_stand_in import install
+
+    runtime = install("cuda", monkeypatch.setattr)
+    generator = Generator.from_pretrained(checkpoint, device="cuda")
+    options = dict(max_length=16)
+    want = reference(runtime, eager, PROMPTS[:2], **options)
+    for round in range(3):
+        assert sequences(generator.generate(PROMPTS[:2], **options)) == want
+        assert runtime.captures == round + 1
+        generator.runner.release_caches()
+        gc.collect()
