@@ -1,8 +1,9 @@
-"""The HPU backend against a stand-in for Habana's bridge (tests/hpu_stand_in, see its README).
+"""The HPU backend against the stand-in for Habana's bridge (tests/graph_stand_in, see its README).
 
-No Gaudi is reachable here. The stand-in keys its graphs the way the bridge does (shape, dtype,
-strides, storage offset, view or not), exists only in lazy mode, records the environment it was
-imported with, and refuses in-place writes into views while capturing. These tests check, on the
+No Gaudi is reachable here. The stand-in keys its graphs the way the bridge does (shape and view
+layout), records and replays them, exists only in lazy mode, records the environment it was
+imported with, and refuses in-place writes into views while capturing. Every entry point on it,
+as HPU and as CUDA, is in test_graph_truth.py. These tests check, on the
 CPU, the rules a real card would enforce: one graph per step shape, replayed; warm-up captures what
 a run replays; the cache written whole; the environment set before the bridge is imported.
 The last tests check the same graph counts on the CUDA backend, where there is a GPU."""

@@ -1,8 +1,8 @@
 """HPU graphs as the bridge makes them (``habana_frameworks/torch/hpu/graphs.py``), run on the CPU.
 
 ``wrap_in_hpu_graph`` swaps a module's ``forward`` for a cache of graphs keyed on its inputs, as
-the bridge's ``input_hash`` does: each tensor contributes its shape and view hash (strides, storage
-offset, view or not; not its dtype), any other argument its value. A new key is a capture: the
+the bridge's ``input_hash`` does: each tensor contributes its shape and view hash (whether it is a
+view, and a view's strides and storage offset; not its dtype), any other argument its value. A new key is a capture: the
 module runs once while a ``Recording`` keeps its ops, and the call's own input tensors become the
 graph's inputs. A known key is a replay: the new inputs are copied into those captured tensors, the
 recorded ops run again, and the captured outputs are returned (the same tensors every replay). Once
@@ -23,8 +23,9 @@ HPU_RULES = GraphRules(view_writes=True)
 
 
 def input_key(obj):
-    if isinstance(obj, torch.Tensor):
-        return ("tensor", tuple(obj.shape), obj.stride(), obj.storage_offset(), obj._is_view())
+    if isinstance(obj, torch.Tensor):  # the view hash: a plain tensor's strides and dtype do not count
+        view = (obj.stride(), obj.storage_offset()) if obj._is_view() else ()
+        return ("tensor", tuple(obj.shape), obj._is_view(), view)
     if isinstance(obj, (list, tuple)):
         return tuple(input_key(o) for o in obj)
     if isinstance(obj, dict):
