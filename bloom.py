@@ -175,6 +175,8 @@ def check_flags(args) -> None:
         raise UsageError("--results and --errors go with --requests (or --results with --eval)")
     if args.errors and not args.requests:
         raise UsageError("--errors goes with --requests")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("--api_key is empty; give a key, or leave the flag out to serve without one")
     if args.lora and not args.serve:
         raise UsageError("--lora goes with --serve (to merge one adapter into the model, use --peft_weights DIR)")
     if args.lora and args.peft_weights:
@@ -332,8 +334,15 @@ def run_server(args, opts) -> int:
     from generation.serving.app import serve
     from generation.serving.device_rows import DeviceRows
     from generation.serving.engine import EngineConfig
+    from generation.serving.listen import ListenError, bind
 
     check_ranks_agree(args, [])
+    listener = None
+    if PARALLEL.rank == 0:  # the address first: a busy port is found in a second, not after the load
+        try:
+            listener = bind(args.host, args.port)
+        except ListenError as error:
+            raise UsageError(str(error)) from None
     generator = make_generator(args, opts)
     if generator.backend.fast_path != "none":  # with --lora: that decode runs op by op
         log(f"CPU fast path: {generator.backend.fast_path}")
@@ -348,7 +357,7 @@ def run_server(args, opts) -> int:
             follow(rows)
             return 0
         rows = LeaderRows(rows)
-    serve(generator, config, args.host, args.port, args.api_key, log=log, device_rows=rows)
+    serve(generator, config, args.host, args.port, args.api_key, log=log, device_rows=rows, listener=listener)
     return 0
 
 

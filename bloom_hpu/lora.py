@@ -119,6 +119,8 @@ def read_adapter(folder: str | Path, config: BloomConfig) -> LoraAdapter:
     """Read a PEFT LoRA folder and check it against the base model's ``config``; LoraError if it
     cannot be merged exactly."""
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise LoraError(f"{folder} is a file, not an adapter folder (give the folder PEFT's save_pretrained wrote)")
     if not folder.is_dir():
         raise LoraError(f"adapter folder {folder} does not exist")
     settings = _read_config(folder)

@@ -52,7 +52,7 @@ CLI_CASES = [
     (["--model", "bloom-560m", "Hello"], "bloom-560m not found"),
     (["--max_length", "1000000000", "Hello"], "lower --batch_size, --max_length"),
     (["--mode", "vanilla", "--max_length", "1000000000", "Hello"], "memory"),
-    (["--serve", "--max_batch", "4096", "--max_length", "100000"], "lower --max_batch, --max_prefill or --max_length"),
+    (["--serve", "--max_batch", "4096", "--max_length", "100000"], "lower --max_batch, --max_prefill, --max_length or --bucket_width"),
     (["--serve", "--max_prefill", "0"], "--max_prefill"),
     (["--input_file", "{obj}"], "JSON object"),
     (["--eval", "{surrogate}"], "lone surrogate"),

@@ -208,7 +208,8 @@ def spawn(*args: str, launcher: list[str] = ()) -> pexpect.spawn:
     """``./bloom.py ARGS`` in a pseudo-terminal; with ``launcher``, ``python LAUNCHER bloom.py ARGS``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TERM": "dumb", "PYTHONPATH": str(ROOT)}
     bloom_py = str(ROOT / "bloom.py")
-    program, argv = (sys.executable, [*launcher, bloom_py, *args]) if launcher else (bloom_py, list(args))
+    # Through this interpreter, not the script's shebang: the suite runs without an activated venv.
+    program, argv = sys.executable, [*launcher, bloom_py, *args]
     return pexpect.spawn(program, argv, cwd=str(ROOT), env=env, encoding="utf-8", codec_errors="replace",
                          timeout=TIMEOUT, dimensions=(50, 400))
 

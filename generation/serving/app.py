@@ -286,9 +286,11 @@ def _add(usage: dict, more: dict | None) -> dict:
 
 
 def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          model_name: str | None = None, log=print, device_rows=None) -> None:
+          model_name: str | None = None, log=print, device_rows=None, listener=None) -> None:
     """Warm up, then answer HTTP until interrupted (``./bloom.py --serve``). ``device_rows``: the
-    engine's device side when it is not the default one (tensor parallelism: tp_serving.LeaderRows)."""
+    engine's device side when it is not the default one (tensor parallelism: tp_serving.LeaderRows).
+    ``listener``: a socket already bound to (host, port) (``listen.bind``); else one is bound here."""
+    from .listen import bind
     import threading
 
     import uvicorn
@@ -316,7 +318,10 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
             f"(max_batch {config.max_batch}, max_length {config.max_length}, bucket_width {config.bucket_width})")
 
     threading.Thread(target=report, daemon=True).start()
+    listener = listener or bind(host, port)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        server.run(sockets=[listener])
     finally:
         engine.stop()
+        listener.close()
