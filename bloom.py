@@ -351,10 +351,13 @@ def run_server(args, opts) -> int:
     rows = DeviceRows(generator, config.max_batch, config.max_length, config.bucket_width, config.max_prefill)
     if PARALLEL.world_size > 1:
         # Rank 0 answers HTTP and sends each step to the other ranks, which make it too (tp_serving.py).
-        from generation.serving.tp_serving import LeaderRows, follow
+        from generation.serving.tp_serving import LeaderRows, RankGone, follow
 
         if PARALLEL.rank != 0:
-            follow(rows)
+            try:
+                follow(rows)
+            except RankGone as error:
+                raise UsageError(str(error)) from None
             return 0
         rows = LeaderRows(rows)
     serve(generator, config, args.host, args.port, args.api_key, log=log, device_rows=rows, listener=listener)

@@ -120,3 +120,45 @@ def test_two_ranks_serve_what_one_process_serves(checkpoint, tmp_path):
         same_choices(again, want, request)
     assert any(text for choices in expected for text, _, _ in choices)
     assert expected[0] != expected[-2]  # the adapter changes the answer
+
+
+def test_an_idle_two_rank_server_outlives_its_collective_timeout(checkpoint, tmp_path, monkeypatch):
+    """Rank 0 sends heartbeats while idle, so the follower's wait never reaches the collective
+    timeout (8 s here): after 20 idle seconds the server still answers what one process answers."""
+    import time
+
+    request = dict(prompt="the cat sat on", max_tokens=8, temperature=0)
+    client = lambda port: openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                                        timeout=60)
+    monkeypatch.setenv("BLOOM_COLLECTIVE_TIMEOUT", "8")
+    port = free_port()
+    one = start([sys.executable, "bloom.py", "--weights", str(checkpoint), *SERVE, "--port", str(port)],
+                port, tmp_path / "one.log")
+    try:
+        want = client(port).completions.create(model=checkpoint.name, **request).choices[0].text
+    finally:
+        stop(one)
+    port = free_port()
+    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
+    two = start([*launcher, "bloom.py", "--weights", str(checkpoint), *SERVE, "--port", str(port)],
+                port, tmp_path / "two.log")
+    try:
+        time.sleep(20)
+        assert two.poll() is None, (tmp_path / "two.log").read_text()[-3000:]
+        assert client(port).completions.create(model=checkpoint.name, **request).choices[0].text == want
+    finally:
+        stop(two)
+
+
+def test_the_collective_timeout_is_a_checked_setting(monkeypatch):
+    from bloom_hpu.runtime.launch import DEFAULT_COLLECTIVE_TIMEOUT, collective_timeout
+    from bloom_hpu.tp import ParallelError
+
+    monkeypatch.delenv("BLOOM_COLLECTIVE_TIMEOUT", raising=False)
+    assert collective_timeout() == DEFAULT_COLLECTIVE_TIMEOUT
+    monkeypatch.setenv("BLOOM_COLLECTIVE_TIMEOUT", "12.5")
+    assert collective_timeout() == 12.5
+    for bad in ("0", "-3", "soon"):
+        monkeypatch.setenv("BLOOM_COLLECTIVE_TIMEOUT", bad)
+        with pytest.raises(ParallelError, match="BLOOM_COLLECTIVE_TIMEOUT"):
+            collective_timeout()

@@ -9,6 +9,7 @@ that every rank was given the same arguments, draws one seed for all, and lets r
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -22,6 +23,23 @@ from . import hpu_env
 from .backends import DeviceError, default_device
 
 COLLECTIVE_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "hpu": "hccl"}
+# How long a rank waits in a collective before the run is declared broken (seconds).
+DEFAULT_COLLECTIVE_TIMEOUT = 1800
+
+
+def collective_timeout() -> float:
+    """``BLOOM_COLLECTIVE_TIMEOUT`` seconds (default 1800, torch's gloo default): how long a rank
+    waits for the others. An idle tensor-parallel server sends heartbeats well within it."""
+    value = os.environ.get("BLOOM_COLLECTIVE_TIMEOUT", "")
+    if not value:
+        return DEFAULT_COLLECTIVE_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0
+    if seconds <= 0:
+        raise ParallelError(f"BLOOM_COLLECTIVE_TIMEOUT={value!r} is not a positive number of seconds")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -87,7 +105,8 @@ def init_parallel(device: str | None = None, environ=None) -> Parallel:
 
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
-            COLLECTIVE_BACKENDS[kind], rank=info.rank, world_size=info.world_size
+            COLLECTIVE_BACKENDS[kind], rank=info.rank, world_size=info.world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout()),
         )
     # On HPU each process sees its own card as hpu:0; on CUDA it is cuda:LOCAL_RANK.
     index = info.local_rank if kind == "cuda" else 0

@@ -5,8 +5,9 @@ every rank must see each typed line. Rank 0 alone reads the terminal and broadca
 bytes, to the others; end of input (Ctrl-D) is broadcast too, so every rank leaves together.
 
 While the user thinks, the other ranks wait inside a broadcast, and a collective that waits past
-the process group's timeout (30 minutes by default) fails. So rank 0 reads the terminal in a thread
-and, while no line has come, broadcasts an empty heartbeat every ``HEARTBEAT_SECONDS``.
+the process group's timeout (``BLOOM_COLLECTIVE_TIMEOUT``, 30 minutes by default) fails. So rank 0
+reads the terminal in a thread and, while no line has come, broadcasts an empty heartbeat every
+``HEARTBEAT_SECONDS``, or a quarter of the timeout when that is shorter.
 """
 
 from __future__ import annotations
@@ -43,10 +44,14 @@ class KeyboardLines:
 class BroadcastLines:
     """Rank 0 reads the keyboard; every rank gets the same lines (see the module doc)."""
 
-    def __init__(self, parallel, keyboard: KeyboardLines | None = None, heartbeat: float = HEARTBEAT_SECONDS):
+    def __init__(self, parallel, keyboard: KeyboardLines | None = None, heartbeat: float | None = None):
         self.parallel = parallel
         self.device = getattr(parallel, "device", "cpu")  # nccl and hccl take device tensors
         self.keyboard = keyboard or KeyboardLines()
+        if heartbeat is None:
+            from bloom_hpu.runtime.launch import collective_timeout
+
+            heartbeat = min(HEARTBEAT_SECONDS, collective_timeout() / 4)
         self.heartbeat = heartbeat
         self._typed: queue.Queue = queue.Queue()
 

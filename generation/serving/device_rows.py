@@ -177,6 +177,9 @@ class DeviceRows:
         running rows' adapters are put back after it."""
         return self.lora.rows.only(adapter) if self.lora is not None else contextlib.nullcontext()
 
+    def idle(self) -> None:
+        """The engine has nothing to do now (under tensor parallelism rank 0 sends a heartbeat)."""
+
     def close(self) -> None:
         """The server is stopping (other ranks stop following under tensor parallelism)."""
 

@@ -264,6 +264,7 @@ class Engine:
                 self._fail_all(f"internal error: {error!r}")
                 busy = False
             if not busy:
+                self.device_rows.idle()
                 self._wake.wait(timeout=0.5)
 
     # --- warm-up --------------------------------------------------------------------------------

@@ -7,21 +7,37 @@ rank makes the same call on its own shard. So every rank runs the same steps in 
 and the collectives inside the steps pair up. Only rank 0 reads the logits: the tokens it chose
 come to the other ranks as the arguments of the next decode.
 
+An idle server sends nothing, and a follower waiting in a broadcast longer than the process
+group's timeout (``BLOOM_COLLECTIVE_TIMEOUT``, ``runtime/launch.py``) would fail. So while idle the
+engine calls ``idle()``, and rank 0 sends a heartbeat (a call the followers skip) whenever nothing
+was sent for ``heartbeat_seconds`` — a quarter of the timeout — well before any follower times out.
+A timeout therefore means a rank is gone: a follower whose rank 0 died ends with one line (gloo
+notices the closed connection at once; NCCL and HCCL at the timeout), and the launcher stops the
+others.
+
 A call that fails on every rank alike (a bad request's prefill) fails on each and the ranks go on
-in step. A failure on one rank alone leaves the others waiting in a collective: the run hangs, as
-any tensor-parallel run does when one card fails.
+in step. A failure on one rank alone leaves the others waiting in a collective until the timeout
+ends them, as in any tensor-parallel run where one card fails.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 
 import torch.distributed as dist
+
+from bloom_hpu.runtime.launch import collective_timeout
 
 from .device_rows import DeviceRows
 
 # The DeviceRows calls that touch the model or its caches: every rank makes them.
 FOLLOWED = ("warm_up", "prefill", "decode", "place", "move", "resize", "answer_offline", "close")
+HEARTBEAT = "heartbeat"  # sent by an idle rank 0 so that no follower's wait reaches the timeout
+
+
+class RankGone(RuntimeError):
+    """Rank 0 stopped sending (its process ended, or a collective timed out)."""
 
 
 def _message_device(rows: DeviceRows):
@@ -33,9 +49,21 @@ def _message_device(rows: DeviceRows):
 class LeaderRows:
     """Rank 0's DeviceRows: each followed call goes to the other ranks first, then runs here."""
 
-    def __init__(self, rows: DeviceRows):
+    def __init__(self, rows: DeviceRows, heartbeat_seconds: float | None = None):
         self._rows = rows
         self._device = _message_device(rows)
+        self.heartbeat_seconds = heartbeat_seconds or collective_timeout() / 4
+        self._last_sent = time.monotonic()
+
+    def _send(self, name: str, args: tuple) -> None:
+        dist.broadcast_object_list([(name, args)], src=0, device=self._device)
+        self._last_sent = time.monotonic()
+
+    def idle(self) -> None:
+        """The engine has nothing to do: keep the followers' wait short of the timeout. Called on
+        the engine's thread, between steps, so it never interleaves with a step's collectives."""
+        if time.monotonic() - self._last_sent >= self.heartbeat_seconds:
+            self._send(HEARTBEAT, ())
 
     def __getattr__(self, name):
         value = getattr(self._rows, name)
@@ -43,19 +71,24 @@ class LeaderRows:
             return value
 
         def followed(*args):
-            dist.broadcast_object_list([(name, args)], src=0, device=self._device)
+            self._send(name, args)
             return value(*args)
 
         return followed
 
 
 def follow(rows: DeviceRows) -> None:
-    """Another rank: make rank 0's calls until it closes."""
+    """Another rank: make rank 0's calls until it closes. RankGone if rank 0 is gone."""
     device = _message_device(rows)
     while True:
         message = [None]
-        dist.broadcast_object_list(message, src=0, device=device)
+        try:
+            dist.broadcast_object_list(message, src=0, device=device)
+        except RuntimeError as error:  # gloo: the connection closed; nccl/hccl: the timeout
+            raise RankGone(f"rank 0 stopped answering ({str(error).splitlines()[0]})") from None
         name, args = message[0]
+        if name == HEARTBEAT:
+            continue
         if name not in FOLLOWED:  # never sent by LeaderRows: a different program on rank 0
             raise RuntimeError(f"rank 0 sent an unknown call {name!r}")
         try:
