@@ -13,8 +13,10 @@ import json
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..logprobs import TokenText
@@ -22,6 +24,7 @@ from .engine import EngineError, QueueFull
 from .metrics import PrometheusMetrics
 from .openai_format import (OPENAI_FINISH, ApiError, Completion, bad_request, chat_logprobs, completion_logprobs,
                             envelope, new_id, parse_chat, parse_completion, sse)
+from .schema import ChatBody, CompletionBody, as_sent
 
 POLL_S = 0.25  # how often a waiting non-streamed request looks whether its client is still there
 DRAIN_S = 0.02  # the most a decode step waits for the event loop to send the last step's tokens
@@ -39,16 +42,33 @@ def drain(loop: asyncio.AbstractEventLoop) -> None:
     done.wait(DRAIN_S)
 
 
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON allows")
+_ERROR_BODY = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+    "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+    "code": {"type": ["string", "null"]}}}}}
+# What /openapi.json says the generation endpoints may answer besides 200.
+ERROR_RESPONSES = {status: {"description": what, "content": {"application/json": {"schema": _ERROR_BODY}}}
+                   for status, what in ((400, "the body is malformed or asks for what cannot run"),
+                                        (401, "the API key is missing or wrong"),
+                                        (404, "no such model"),
+                                        (503, "the server is warming up or its queue is full; retry later"))}
 
 
-async def read_json(request: Request):
-    data = await request.body()
-    try:
-        return json.loads(data, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as error:
-        raise bad_request(f"the body is not valid JSON: {error}") from None
+def validation_message(errors: list[dict]) -> tuple[str, str | None]:
+    """FastAPI's first validation error as (our one-line message, the top-level field it is about)."""
+    error = errors[0] if errors else {}
+    loc = [part for part in error.get("loc", ()) if part != "body"]
+    where = ".".join(map(str, loc))
+    field = str(loc[0]) if loc else None
+    kind = error.get("type", "")
+    if kind == "json_invalid":
+        return "the body is not valid JSON", None
+    if kind == "extra_forbidden":
+        return f"unknown key {loc[-1]!r}" + (f" in {'.'.join(map(str, loc[:-1]))}" if len(loc) > 1 else ""), field
+    if not loc:
+        return f"the body must be a JSON object ({error.get('msg', 'invalid')})", None
+    if kind == "missing":
+        return f"{where} is required", field
+    return f"{where}: {error.get('msg', 'invalid value')}", field
 
 
 class Answer:
@@ -60,6 +80,10 @@ class Answer:
         self.handles = []
         request = completion.request
         tokenizer = engine.tokenizer
+        prompts = len(completion.prompt_ids or request.prompts)
+        if prompts > engine.config.max_queue:
+            raise bad_request(f"the request has {prompts} prompts; this server queues at most "
+                              f"{engine.config.max_queue} (--max_queue): send fewer at a time", "prompt")
         self.prompt_ids = completion.prompt_ids or tokenizer.encode_batch(request.prompts)
 
         def sink(prompt: int):
@@ -71,6 +95,14 @@ class Answer:
         # The LoRA adapter the request's model names (0: the base model).
         lora = getattr(engine, "lora", None)
         adapter = lora.names.get(completion.model, 0) if lora is not None else 0
+        if completion.offline:  # its options against the model, as a request file's line is checked
+            from ..options import OptionError
+            from ..validate import check_request
+
+            try:
+                check_request(engine.generator, request, [len(ids) for ids in self.prompt_ids])
+            except (OptionError, ValueError) as error:
+                raise bad_request(str(error)) from None
         try:
             if completion.offline:
                 self.handles.append(engine.submit_offline(request, self.prompt_ids, sink(0), adapter))
@@ -112,6 +144,13 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
             metrics.requests.labels(request.url.path, str(error.status)).inc()
         return JSONResponse(error.body(), status_code=error.status)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError):
+        message, field = validation_message(error.errors())
+        if metrics is not None:
+            metrics.requests.labels(request.url.path, "400").inc()
+        return JSONResponse(bad_request(message, field).body(), status_code=400)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
         code = "not_found" if error.status_code == 404 else None
@@ -129,6 +168,11 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
             if request.headers.get("authorization", "") != f"Bearer {api_key}":
                 return JSONResponse(ApiError(401, "invalid API key", "invalid_request_error", None,
                                              "invalid_api_key").body(), status_code=401)
+        if request.method == "POST":
+            # A body is JSON whatever its Content-Type says (``curl -d`` sends form encoding, some
+            # clients none): FastAPI parses a typed body only under a JSON content type.
+            headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+            request.scope["headers"] = headers + [(b"content-type", b"application/json")]
         return await call_next(request)
 
     @app.get("/health")
@@ -137,7 +181,9 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
             return JSONResponse(ApiError(503, "warming up", "server_error").body(), status_code=503)
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus metrics, text exposition format"}})
     async def prometheus():
         if metrics is None:
             return Response("", media_type=CONTENT_TYPE_LATEST)
@@ -151,20 +197,23 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
             entry |= {"root": str(lora.folders[entry["id"]]), "parent": model_name}
         return {"object": "list", "data": data}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        completion = parse_completion(await read_json(request), names, engine.tokenizer)
+    # The bodies are typed (schema.py): FastAPI checks them before these run and documents them.
+    # Parsing and tokenizing a large body runs in a worker thread, so /health and the streams of
+    # other requests never wait behind it.
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    async def completions(request: Request, body: CompletionBody):
+        completion = await run_in_threadpool(parse_completion, as_sent(body), names, engine.tokenizer)
         return await respond(request, completion)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        completion = parse_chat(await read_json(request), names, engine.tokenizer)
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    async def chat(request: Request, body: ChatBody):
+        completion = await run_in_threadpool(parse_chat, as_sent(body), names, engine.tokenizer)
         return await respond(request, completion)
 
     async def respond(request: Request, completion: Completion):
         if not engine.ready.is_set():
             raise ApiError(503, "the server is warming up", "server_error")
-        answer = Answer(engine, completion, asyncio.get_running_loop())
+        answer = await run_in_threadpool(Answer, engine, completion, asyncio.get_running_loop())
         if metrics is not None:
             metrics.requests.labels(request.url.path, "200").inc()
         if completion.stream:
@@ -236,7 +285,17 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
                 logprobs = completion_logprobs(text_of, list(token_ids), lps, text, given.get(index, 0),
                                                sent.get(index, [])) if lps else None
                 choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            return sse(envelope(kind, rid, c.model, [choice]))
+            return sse(envelope(kind, rid, c.model, [choice], running_usage(token_ids)))
+
+        prompt_tokens = sum(len(ids) for ids in answer.prompt_ids)
+
+        def running_usage(token_ids=()):
+            """vLLM's continuous_usage_stats: the usage so far on every chunk (None without it)."""
+            if not c.continuous_usage:
+                return None
+            completion = sum(map(len, sent.values())) + len(token_ids)
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                    "total_tokens": prompt_tokens + completion}
 
         try:
             choices = len(answer.prompt_ids) * n_of(c)

@@ -474,7 +474,7 @@ class Engine:
         row.last_time = now
         row.ids.append(token)
         row.pending.append(lp)
-        eos = token == self.eos
+        eos = token == self.eos and not handle.params.ignore_eos
         if not eos:
             row.text += row.decoder.decode(self.text_of.token_bytes(token))
         reason = ("eos" if eos else "stop" if first_stop(row.text, stops) is not None

@@ -57,6 +57,8 @@ class Completion:
     prompt_ids: list[list[int]] | None = None  # prompts given as token ids
     extra_stops: list[str] = field(default_factory=list)
     model: str = ""  # the served model it asked for (the base model or a LoRA adapter's name)
+    ignore_eos: bool = False  # vLLM's: rows do not stop at EOS
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
 
     @property
     def offline(self) -> bool:
@@ -72,7 +74,66 @@ class Completion:
             max_tokens=r.max_tokens, temperature=s.get("temperature", 1.0) if r.sampling else 0.0,
             top_p=s.get("top_p", 1.0), top_k=s.get("top_k", 0), repetition_penalty=s.get("repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=s.get("seed"),
-            stop=r.stop, logprobs=r.logprobs if not self.chat else self.chat_logprobs, n=r.n)
+            stop=r.stop, logprobs=r.logprobs if not self.chat else self.chat_logprobs, n=r.n,
+            ignore_eos=self.ignore_eos)
+
+
+# vLLM's extensions to the OpenAI bodies, as load generators (guidellm...) and vLLM's clients send
+# them: the value each may take here, or how it is honoured. See docs/serving.md.
+VLLM_EXTENSIONS = {
+    "ignore_eos": "honoured: rows do not stop at EOS (greedy search and sampling)",
+    "min_tokens": "honoured: as min_new_tokens (needless with ignore_eos, which already never stops early)",
+    "use_beam_search": "honoured: beam search with best_of (else n) beams",
+    "skip_special_tokens": "true only (special tokens are never in the text)",
+    "spaces_between_special_tokens": "true only",
+    "add_special_tokens": "either (BLOOM's tokenizer adds none)",
+    "include_stop_str_in_output": "false only",
+    "min_p": "0 only",
+    "stop_token_ids": "[] only",
+    "priority": "0 only",
+    "return_tokens_as_token_ids": "false only",
+    "truncate_prompt_tokens": "not supported",
+    "prompt_logprobs": "not supported (echo with logprobs scores the prompt)",
+    "guided_json": "not supported", "guided_regex": "not supported", "guided_choice": "not supported",
+    "guided_grammar": "not supported", "response_format": "not supported",
+}
+# The value that means "off" for the extensions that are accepted only off.
+_OFF = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
+        "min_p": 0, "stop_token_ids": [], "priority": 0, "return_tokens_as_token_ids": False}
+
+
+@dataclass
+class Extensions:
+    ignore_eos: bool = False
+    continuous_usage: bool = False
+
+
+def vllm_extensions(body: dict) -> tuple[dict, Extensions]:
+    """``body`` without vLLM's extensions (mapped onto our fields where they mean the same), and
+    those the server itself honours; a 400 naming any that asks for what we cannot do."""
+    body = dict(body)
+    extensions = Extensions(ignore_eos=bool(body.pop("ignore_eos", False)))
+    body.pop("add_special_tokens", None)
+    for name, off in _OFF.items():
+        if name in body and body.pop(name) != off:
+            raise bad_request(f"{name} is not supported by this server (only {off!r}); see docs/serving.md", name)
+    for name in ("truncate_prompt_tokens", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar", "response_format"):
+        if name in body:
+            raise bad_request(f"{name} is not supported by this server; see docs/serving.md", name)
+    min_tokens = body.pop("min_tokens", None)
+    if min_tokens and not extensions.ignore_eos:
+        body["min_new_tokens"] = min_tokens
+    if body.pop("use_beam_search", False):
+        body["num_beams"] = max(2, body.get("best_of") or body.get("n") or 1)
+        body.pop("best_of", None)
+        body["temperature"] = 0
+    options = body.get("stream_options")
+    if isinstance(options, dict) and "continuous_usage_stats" in options:
+        options = dict(options)
+        extensions.continuous_usage = bool(options.pop("continuous_usage_stats"))
+        body["stream_options"] = options
+    return body, extensions
 
 
 def _param_of(message: str, keys) -> str | None:
@@ -118,6 +179,7 @@ def parse_completion(body, model: str | list[str], tokenizer=None) -> Completion
     if not isinstance(body, dict):
         raise bad_request(f"the body must be a JSON object, got {type(body).__name__}")
     chosen = check_model(body, model)
+    body, extensions = vllm_extensions(body)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -146,7 +208,11 @@ def parse_completion(body, model: str | list[str], tokenizer=None) -> Completion
         raise bad_request(str(error), _param_of(str(error), sorted(body, key=len, reverse=True))) from None
     request.prompt_ids = ids
     completion = Completion(request, stream, options.get("include_usage", False), presence, frequency, prompt_ids=ids,
-                            model=chosen)
+                            model=chosen, ignore_eos=extensions.ignore_eos,
+                            continuous_usage=extensions.continuous_usage)
+    if completion.offline and extensions.ignore_eos:
+        raise bad_request("ignore_eos works with greedy search and sampling (not with beams, best_of > n, "
+                          "echo with logprobs, min_tokens or max_tokens 0)", "ignore_eos")
     if completion.offline and (presence or frequency):
         raise bad_request("presence_penalty and frequency_penalty work with greedy search and sampling "
                           "(not with beams, best_of > n, echo with logprobs or max_tokens 0)", "presence_penalty")
@@ -169,7 +235,8 @@ def check_model(body: dict, model: str | list[str]) -> str:
 
 CHAT_KEYS = {"messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "stop",
              "seed", "stream", "stream_options", "presence_penalty", "frequency_penalty", "repetition_penalty",
-             "logprobs", "top_logprobs", "user"}
+             "logprobs", "top_logprobs", "user", "num_beams", "length_penalty", "no_repeat_ngram_size",
+             "early_stopping", "min_new_tokens", "logit_bias", "best_of", *VLLM_EXTENSIONS}
 
 
 def chat_prompt(messages, tokenizer) -> tuple[str, list[str]]:
@@ -177,8 +244,8 @@ def chat_prompt(messages, tokenizer) -> tuple[str, list[str]]:
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages must be a non-empty list", "messages")
     for m in messages:
-        if (not isinstance(m, dict) or m.get("role") not in DEFAULT_ROLES or not isinstance(m.get("content"), str)
-                or set(m) - {"role", "content", "name"}):
+        if (not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in DEFAULT_ROLES
+                or not isinstance(m.get("content"), str) or set(m) - {"role", "content", "name"}):
             raise bad_request("each message must be {\"role\": system|user|assistant, \"content\": string}", "messages")
     template = getattr(tokenizer, "config", {}).get("chat_template")
     if template:

@@ -22,6 +22,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the chosen token's log-prob and k alternatives
     n: int = 1  # choices
     adapter: int = 0  # the LoRA adapter its rows use (the engine's generator.lora; 0: the base model)
+    ignore_eos: bool = False  # vLLM's: the row does not stop at EOS (it runs to max_tokens)
 
     @property
     def sampling(self) -> bool:

@@ -1,0 +1,189 @@
+"""The server against the clients people point at an OpenAI-compatible server, run unmodified:
+schemathesis fuzzing from our own /openapi.json, the official openai client sending vLLM's
+extensions as load generators do, and bodies that used to end in a 5xx."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import pytest
+
+from generation import Generator
+from generation.serving.app import make_app
+from generation.serving.engine import Engine, EngineConfig
+from generation.serving.metrics import PrometheusMetrics
+from servers import app_in_thread
+
+KEY = "fuzz-key"
+MAX_LENGTH = 48
+
+
+@pytest.fixture(scope="module")
+def generator():
+    return Generator.from_pretrained("checkpoints/bloom-tiny", dtype="fp32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(generator):
+    metrics = PrometheusMetrics()
+    engine = Engine(generator, EngineConfig(max_batch=4, max_length=MAX_LENGTH, bucket_width=16, max_queue=64), metrics)
+    metrics.bind(engine)
+    with app_in_thread(engine, make_app(engine, "bloom-tiny", KEY, metrics)) as port:
+        yield engine, port
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server[1]}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def post(port: int, path: str, body: bytes, timeout: float = 60) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", path, body=body, headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    response = conn.getresponse()
+    return response.status, json.loads(response.read() or b"{}")
+
+
+def greedy_alone(generator, prompt: str, max_tokens: int) -> str:
+    return generator.generate([prompt], max_length=MAX_LENGTH, max_new_tokens=max_tokens, ignore_eos=False,
+                              bucket_width=16)[0].text
+
+
+# --- the schema --------------------------------------------------------------------------------------
+
+
+def test_the_schema_documents_the_bodies_and_metrics_as_text(server):
+    conn = http.client.HTTPConnection("127.0.0.1", server[1], timeout=30)
+    conn.request("GET", "/openapi.json")
+    schema = json.loads(conn.getresponse().read())
+    for path, model in (("/v1/completions", "CompletionBody"), ("/v1/chat/completions", "ChatBody")):
+        body = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body["$ref"].endswith(model)
+        assert {"400", "503"} <= set(schema["paths"][path]["post"]["responses"])
+    fields = schema["components"]["schemas"]["CompletionBody"]["properties"]
+    assert {"prompt", "max_tokens", "temperature", "ignore_eos", "min_tokens"} <= set(fields)
+    assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+
+
+# --- vLLM's extensions, as a load generator sends them ------------------------------------------------
+
+
+def test_a_load_generators_request_with_vllms_fields(server, client, generator):
+    """guidellm's body: ignore_eos, a fixed max_tokens, streamed with usage on every chunk."""
+    stream = client.completions.create(
+        model="bloom-tiny", prompt="It was the best of times", max_tokens=20, stream=True, temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "min_tokens": 20, "stream_options": {"include_usage": True,
+                                                                             "continuous_usage_stats": True},
+                    "skip_special_tokens": True, "spaces_between_special_tokens": True})
+    chunks = list(stream)
+    assert all(chunk.usage is not None for chunk in chunks)  # continuous usage stats
+    final = chunks[-1].usage
+    assert final.completion_tokens == 20 and final.total_tokens == final.prompt_tokens + 20
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text.startswith(greedy_alone(generator, "It was the best of times", 20)[:10])
+
+
+def test_chat_with_vllms_fields_and_text_parts(server, client):
+    out = client.chat.completions.create(
+        model="bloom-tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+        max_completion_tokens=6, extra_body={"ignore_eos": True, "top_k": 1, "use_beam_search": False})
+    assert out.usage.completion_tokens == 6
+
+
+@pytest.mark.parametrize("field, value", [
+    ("guided_json", {"type": "object"}), ("min_p", 0.1), ("stop_token_ids", [5]),
+    ("include_stop_str_in_output", True), ("prompt_logprobs", 1), ("skip_special_tokens", False),
+])
+def test_vllm_fields_we_cannot_honour_are_a_400_naming_them(server, client, field, value):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model="bloom-tiny", prompt="Hi", max_tokens=2, extra_body={field: value})
+    assert error.value.body["param"] == field and "not supported" in error.value.body["message"]
+
+
+def test_use_beam_search_runs_beams(server, client, generator):
+    out = client.completions.create(model="bloom-tiny", prompt="It was", max_tokens=5, best_of=3,
+                                    extra_body={"use_beam_search": True})
+    want = generator.generate(["It was"], max_length=MAX_LENGTH, max_new_tokens=5, num_beams=3, ignore_eos=False)
+    assert out.choices[0].text == want[0].text
+
+
+# --- bodies that used to end in a 5xx --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"messages": [{"role": {}, "content": "x"}]}, "messages"),
+    ({"messages": [{"role": ["user"], "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ({"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "hi", "bogus": 1}, "bogus"),
+])
+def test_ill_typed_bodies_are_a_400_naming_the_field(server, body, field):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    status, answer = post(server[1], path, json.dumps(body).encode())
+    assert status == 400 and answer["error"]["param"] == field, answer
+
+
+def test_a_request_that_can_never_fit_is_a_400_not_a_retry_later(server):
+    status, answer = post(server[1], "/v1/completions", json.dumps({"prompt": ["a"] * 10000, "max_tokens": 1}).encode())
+    assert status == 400 and "--max_queue" in answer["error"]["message"]
+
+
+def test_health_answers_while_a_large_body_is_tokenized(server):
+    """A 5 MB prompt is tokenized off the event loop: /health answers meanwhile."""
+    port = server[1]
+    body = json.dumps({"prompt": "the cat sat on the mat " * 220000, "max_tokens": 1}).encode()
+    done = {}
+    worker = threading.Thread(target=lambda: done.update(answer=post(port, "/v1/completions", body, timeout=120)))
+    worker.start()
+    time.sleep(0.3)  # the body is in and being tokenized
+    slowest = 0.0
+    while worker.is_alive():
+        start = time.perf_counter()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        slowest = max(slowest, time.perf_counter() - start)
+        time.sleep(0.05)
+    worker.join()
+    assert done["answer"][0] == 400  # far longer than max_length
+    assert slowest < 1.0, slowest
+
+
+# --- schemathesis ------------------------------------------------------------------------------------
+
+
+def test_schemathesis_finds_no_server_error_and_the_server_stays_exact(server, client, generator, tmp_path):
+    """Property-based fuzzing from /openapi.json (bounded, fixed seed), run as its own CLI."""
+    engine, port = server
+    command = [sys.executable, "-m", "schemathesis.cli", "run", f"http://127.0.0.1:{port}/openapi.json",
+               "--checks", "not_a_server_error", "--max-examples", "10", "--seed", "7", "--generation-deterministic",
+               "--phases", "coverage,fuzzing", "--header", f"Authorization: Bearer {KEY}", "--request-timeout", "60",
+               "--max-time", "60",
+               "--workers", "1", "--no-shrink", "--report", "junit", "--report-dir", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
+    assert "Tested: 5" in done.stdout and " generated" in done.stdout, done.stdout[-3000:]
+    # Still healthy and exact afterwards.
+    for _ in range(100):
+        if engine.running_rows == 0 and engine.queue_length == 0:
+            break
+        time.sleep(0.1)
+    out = client.completions.create(model="bloom-tiny", prompt="It was the best of times", max_tokens=8, temperature=0)
+    assert out.choices[0].text == greedy_alone(generator, "It was the best of times", 8)
+
+
+def test_search_options_the_model_cannot_run_are_a_400(server):
+    """Found by schemathesis: num_beams past what the vocabulary allows was a 500 from the engine."""
+    for path, body in (("/v1/completions", {"prompt": "hi", "num_beams": 16994}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "num_beams": 16994})):
+        status, answer = post(server[1], path, json.dumps(body).encode())
+        assert status == 400 and "num_beams" in answer["error"]["message"], answer
