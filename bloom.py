@@ -463,7 +463,7 @@ def run(args) -> int:
         return stream_prompts(args, generator, prompts, opts, writer)
     for first in range(0, len(prompts), args.batch_size):
         chunk = prompts[first : first + args.batch_size]
-        results = generator.generate(chunk, opts)
+        results = generator.generate(chunk, opts, progress=shows_progress(args))
         if writer:
             writer.add(results)  # saved before printing: a closed pipe must not lose the batch
         show(args, results)

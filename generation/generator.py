@@ -23,6 +23,7 @@ from bloom_hpu.runtime.steps import StepRunner
 
 from .batch import Batch, BloomTokenizer, make_batch  # noqa: F401 (BloomTokenizer: re-exported)
 from .options import GenerationOptions, build_options
+from .progress import Progress
 from .results import BatchStats, GenerationResult, Sequence, make_sequence
 from .search.beam import beam_search
 from .search.processors import LogitsProcessors
@@ -33,6 +34,7 @@ from .validate import (check_against_model, check_call, check_checkpoint, check_
                        load_tokenizer, rows_per_prompt)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PROGRESS_DELAY = 3.0  # seconds before a generate call shows its progress bar (a short call shows none)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -126,7 +128,7 @@ class Generator:
 
     def generate(self, prompts: str | list[str], options: GenerationOptions | str | None = None, *,
                  stop=None, logprobs: bool = False, on_step=None, max_new_tokens_each: list[int] | None = None,
-                 **kwargs):
+                 progress: bool = False, **kwargs):
         """Continue each prompt; returns one ``GenerationResult`` per prompt, in order.
 
         Keyword arguments are generation options (see ``generation.options.OPTIONS``), e.g.
@@ -135,7 +137,8 @@ class Generator:
         text excludes it and the finish reason is "stop". ``logprobs``: fill each sequence's
         ``token_logprobs`` (the model's log-probabilities, see ``generation/logprobs.py``).
         ``on_step(tokens [B], done [B])``: called with device tensors after each token of greedy
-        search or sampling (streaming, see ``generation/streaming.py``). ``max_new_tokens_each``: a
+        search or sampling (streaming, see ``generation/streaming.py``). ``progress``: steps done on
+        stderr (``generation/progress.py``) once the call has taken a few seconds. ``max_new_tokens_each``: a
         budget of new tokens per prompt, under ``max_new_tokens`` (one batch for requests that want
         different lengths: each row stops at its own; the batch runs to the largest).
         """
@@ -147,7 +150,9 @@ class Generator:
         start = time.perf_counter()
         batch = make_batch(self.tokenizer, prompts, opts, self.device, max_new_tokens_each)
         checker = StopChecker(self.tokenizer, stops) if any(stops) else None
-        sequences = self._search(batch, opts, stops, LoopHooks(on_step=on_step, stop_check=checker))
+        with Progress(batch.steps, "generating", "steps", enabled=progress, delay=PROGRESS_DELAY) as bar:
+            hooks = LoopHooks(on_step=on_step, stop_check=checker, tick=(lambda: bar.update(1)) if progress else None)
+            sequences = self._search(batch, opts, stops, hooks)
         if logprobs:
             from .logprobs import fill_token_logprobs
 
@@ -178,7 +183,7 @@ class Generator:
         processors = LogitsProcessors.from_options(opts, eos)
         seed = resolve_seed(opts.seed) if opts.do_sample else None
         if opts.num_beams > 1:
-            return self._beam_search(batch, opts, processors, seed, stops)
+            return self._beam_search(batch, opts, processors, seed, stops, hooks.tick)
         # Sampling draws num_return_sequences independent rows per prompt; greedy has one.
         copies = opts.num_return_sequences if opts.do_sample else 1
         rows = repeat_rows(batch, copies)
@@ -203,7 +208,7 @@ class Generator:
         return [flat[i * copies : (i + 1) * copies] for i in range(batch.size)]
 
     def _beam_search(self, batch: Batch, opts: GenerationOptions, processors, seed,
-                     stops: list[list[str]]) -> list[list[Sequence]]:
+                     stops: list[list[str]], tick=None) -> list[list[Sequence]]:
         eos = self.tokenizer.eos_token_id
         out = beam_search(
             self.runner,
@@ -216,6 +221,7 @@ class Generator:
             pad_token_id=self.tokenizer.pad_token_id,
             use_kv_cache=opts.use_kv_cache,
             sample_keys=row_keys(batch.prompt_ids, seed, 1, self.device) if opts.do_sample else None,
+            tick=tick,
         )
         n = opts.num_return_sequences
         # The one host copy of the search: the n best finished hypotheses of each prompt.

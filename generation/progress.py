@@ -35,14 +35,15 @@ class Progress:
     """``total`` items of work called ``unit`` (plural), shown as ``desc``; use as a context manager."""
 
     def __init__(self, total: int, desc: str, unit: str, *, enabled: bool = True, stream=None,
-                 every: float | None = None):
+                 every: float | None = None, delay: float = 0.0):
         self.stream = sys.stderr if stream is None else stream
         self.total, self.desc, self.unit = total, desc, " " + unit
         self.every = LINE_EVERY if every is None else every
         live = enabled and _is_terminal(self.stream)
         self.lines = enabled and not live
+        # ``delay``: the live bar appears only once the work has taken that long (a short one shows none).
         self.bar = tqdm(total=total, desc=desc, unit=self.unit, file=self.stream, disable=not live,
-                        dynamic_ncols=True)
+                        dynamic_ncols=True, delay=delay)
         self.n, self.postfix = 0, ""
         self.start = self.last_line = time.perf_counter()
         self.printed_n: int | None = None  # items done at the last plain line

@@ -71,7 +71,7 @@ class VanillaGenerator:
                      opts.max_length, min(longest, opts.max_length))
 
     @torch.no_grad()
-    def generate(self, prompts: str | list[str], opts: GenerationOptions) -> list[GenerationResult]:
+    def generate(self, prompts: str | list[str], opts: GenerationOptions, progress: bool = False) -> list[GenerationResult]:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise InputError("no prompts to generate from")

@@ -68,3 +68,22 @@ def test_cli_eval_and_warmup_show_progress_unless_quiet(scoring_setup, tmp_path,
     assert "\r" not in err and "warm-up: 6/6 (100%)" in err and "shapes/s" in err
     assert bloom.main(warm + ["--quiet"]) == 0
     assert "warm-up: 6/6" not in capsys.readouterr().err
+
+
+def test_a_long_generate_call_counts_its_steps_on_stderr(tiny_checkpoint, capsys, monkeypatch):
+    """What the CLI passes for every batch (progress=True): a call that runs for a while counts its
+    steps on stderr (plain lines here, where stderr is not a terminal; every LINE_EVERY seconds, cut
+    short for the test); a quick one prints nothing."""
+    import generation.progress as progress
+    from generation.generator import Generator
+
+    generator = Generator.from_pretrained(tiny_checkpoint)
+    generator.generate("Hello", max_length=12, progress=True)
+    assert "generating" not in capsys.readouterr().err
+    monkeypatch.setattr(progress, "LINE_EVERY", 0.05)
+    generator.generate("Hello", max_length=64, do_sample=True, num_return_sequences=400, seed=1, progress=True)
+    err = capsys.readouterr().err
+    assert "generating:" in err and "steps" in err, err
+    monkeypatch.setattr(progress, "LINE_EVERY", 0.0)  # a line at every step
+    generator.generate("Hello", max_length=24, num_beams=4, progress=True)  # beam search counts its steps too
+    assert "generating: 21/21" in capsys.readouterr().err  # the tokenizer makes "Hello" 3 tokens

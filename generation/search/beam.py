@@ -98,8 +98,10 @@ def beam_search(
     pad_token_id: int,
     use_kv_cache: bool = True,
     sample_keys: torch.Tensor | None = None,
+    tick=None,
 ) -> BeamOutput:
-    """``eos_token_id=None``: EOS ends nothing (ignore_eos). ``sample_keys`` [B]: beam sampling."""
+    """``eos_token_id=None``: EOS ends nothing (ignore_eos). ``sample_keys`` [B]: beam sampling.
+    ``tick()``: called on the host after each step (progress)."""
     b, n, plan = batch.size, num_beams, batch.plan
     rows, k_len, device = b * n, plan.cache_len, batch.input_ids.device
     limits = batch.new_limits  # [B] each prompt's own token budget
@@ -170,6 +172,8 @@ def beam_search(
             done = done | finished.full()
 
         steps_run = step + 1
+        if tick is not None:
+            tick()
         if step + 1 == batch.steps:
             break
         if (step + 1) % EOS_CHECK_EVERY == 0 and bool(done.all()):  # the only host read

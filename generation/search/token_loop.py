@@ -31,6 +31,7 @@ class LoopHooks:
     on_step: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # streaming, see run_token_loop
     # (tokens [B, steps] output buffer, steps filled so far) -> [B] bool: the row's text holds a stop string
     stop_check: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    tick: Callable[[], None] | None = None  # after each step, on the host (progress): never reads the device
 
 
 NO_HOOKS = LoopHooks()
@@ -117,6 +118,8 @@ def run_token_loop(
         steps_run = step + 1
         if on_step is not None:
             on_step(token, finish != RUNNING)
+        if hooks.tick is not None:
+            hooks.tick()
         if step + 1 == batch.steps:
             break
         if (step + 1) % EOS_CHECK_EVERY == 0 and (stop_check is not None or not ignore_eos):
