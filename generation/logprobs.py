@@ -210,3 +210,13 @@ def fill_token_logprobs(generator, batch, sequences) -> None:
     for scores, (n_prompt, seq) in zip(scored, where):
         # Prediction of token t sits at index t-1; the generated tokens start at t = n_prompt.
         seq.token_logprobs = scores.token_logprobs[n_prompt - 1 : n_prompt - 1 + len(seq.token_ids)]
+
+
+def clip_pieces(pieces: list[str], length: int) -> list[str]:
+    """Pieces cut so that they join to at most ``length`` characters (a stop string may start
+    inside the last kept token)."""
+    out, at = [], 0
+    for piece in pieces:
+        out.append(piece[: max(0, length - at)])
+        at += len(piece)
+    return out

@@ -16,7 +16,6 @@ the last piece is whatever the finished result adds to what was already given ou
 
 from __future__ import annotations
 
-import codecs
 import queue
 import threading
 from typing import Iterator
@@ -25,7 +24,7 @@ import torch
 
 from .logprobs import TokenText
 from .search.stopping import normalize_stops
-from .search.text_ends import before_eos, first_stop, safe_length
+from .search.text_ends import IncrementalText, before_eos
 
 _DONE = object()
 
@@ -38,17 +37,21 @@ class _TokenWatcher:
     """The loop's ``on_step`` hook for row 0: turns tokens into text and hands it to ``emit``."""
 
     def __init__(self, tokenizer, stops: list[str], copy_every: int, emit, cancelled: threading.Event):
-        self.text_of = TokenText(tokenizer)
+        self.out = IncrementalText(TokenText(tokenizer).token_bytes, stops)
         self.eos = tokenizer.eos_token_id
-        self.stops = stops
         self.copy_every = copy_every
         self.emit = emit
         self.cancelled = cancelled
         self.pending: list[torch.Tensor] = []
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.text = ""  # decoded so far
-        self.given = 0  # characters of self.text already emitted
         self.ended = False  # EOS or a stop string was seen: nothing more to give out
+
+    @property
+    def given(self) -> int:
+        return self.out.given
+
+    @property
+    def text(self) -> str:
+        return self.out.text
 
     def __call__(self, tokens: torch.Tensor, done: torch.Tensor) -> None:
         if self.cancelled.is_set():
@@ -65,12 +68,11 @@ class _TokenWatcher:
         self.pending.clear()
         ids, self.ended = before_eos(ids, self.eos)
         for t in ids:
-            self.text += self.decoder.decode(self.text_of.token_bytes(t))
-        self.ended = self.ended or first_stop(self.text, self.stops) is not None
-        safe = safe_length(self.text, self.stops, finished=self.ended)
-        if safe > self.given:
-            self.emit(self.text[self.given : safe])
-            self.given = safe
+            self.out.add(t)
+        self.ended = self.ended or self.out.stopped
+        piece = self.out.take(finished=self.ended)
+        if piece:
+            self.emit(piece)
 
 
 def _generate_watched(generator, prompt: str, options, stops: list[str], watcher: _TokenWatcher):

@@ -40,7 +40,7 @@ def hf_rowwise(processor, rows, scores):
 def test_repetition_penalty(penalty):
     rows, state, scores = histories([5, 1, 9, 12])
     expected = hf_rowwise(hf.RepetitionPenaltyLogitsProcessor(penalty), rows, scores)
-    torch.testing.assert_close(ours.repetition_penalty(scores, state, penalty), expected)
+    torch.testing.assert_close(ours.repetition_penalty(scores, state.sequence, state.positions, penalty), expected)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
@@ -65,13 +65,13 @@ def test_min_new_tokens():
 @pytest.mark.parametrize("keep", [1, 2])
 def test_warpers(keep):
     _, state, scores = histories([3, 3, 3])
-    torch.testing.assert_close(ours.temperature(scores, state, 0.7), hf.TemperatureLogitsWarper(0.7)(None, scores))
+    torch.testing.assert_close(ours.temperature(scores, 0.7), hf.TemperatureLogitsWarper(0.7)(None, scores))
     for k in (1, 5, VOCAB + 3):
         expected = hf.TopKLogitsWarper(k, min_tokens_to_keep=keep)(None, scores.clone())
-        torch.testing.assert_close(ours.top_k(scores, state, k, keep), expected)
+        torch.testing.assert_close(ours.top_k(scores, k, keep), expected)
     for p in (0.05, 0.5, 0.9, 1.0):
         expected = hf.TopPLogitsWarper(p, min_tokens_to_keep=keep)(None, scores.clone())
-        torch.testing.assert_close(ours.top_p(scores, state, p, keep), expected)
+        torch.testing.assert_close(ours.top_p(scores, p, keep), expected)
 
 
 @pytest.mark.parametrize("num_beams", [1, 3])

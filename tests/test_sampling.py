@@ -59,9 +59,9 @@ def test_sampled_distribution_matches_transformers(eos_generator, eos_reference)
     ids = eos_generator.tokenizer.encode(prompt)
     expected, logits, input_ids = hf_probabilities(eos_reference, ids, **OPTIONS)
     state = LoopState(input_ids, torch.tensor([len(ids)]), torch.tensor([len(ids)]), step=0)
-    wrong = procs.repetition_penalty(logits, state, OPTIONS["repetition_penalty"])
-    wrong = procs.top_p(procs.top_k(wrong, state, OPTIONS["top_k"], 1), state, OPTIONS["top_p"], 1)
-    wrong = procs.temperature(wrong, state, OPTIONS["temperature"]).softmax(-1)[0]
+    wrong = procs.repetition_penalty(logits, state.sequence, state.positions, OPTIONS["repetition_penalty"])
+    wrong = procs.top_p(procs.top_k(wrong, OPTIONS["top_k"], 1), OPTIONS["top_p"], 1)
+    wrong = procs.temperature(wrong, OPTIONS["temperature"]).softmax(-1)[0]
     assert 0.5 * (wrong - expected).abs().sum() > 0.3
     assert (expected > 0.02).sum() >= 8  # a spread distribution, not one dominant token
 

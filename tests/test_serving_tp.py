@@ -47,6 +47,16 @@ def start(command: list[str], port: int, log_path: Path) -> subprocess.Popen:
     return proc
 
 
+def launch(checkpoint, serve: list[str], ranks: int, log_path: Path) -> tuple[subprocess.Popen, int]:
+    """``./bloom.py --serve`` as one process, or on ``ranks`` ranks under the deepspeed launcher;
+    returns (process, port) once it is healthy."""
+    port = free_port()
+    prefix = [sys.executable]
+    if ranks > 1:
+        prefix += ["-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port())]
+    return start([*prefix, "bloom.py", "--weights", str(checkpoint), *serve, "--port", str(port)], port, log_path), port
+
+
 def stop(proc: subprocess.Popen) -> int:
     os.killpg(proc.pid, signal.SIGINT)
     try:
@@ -96,18 +106,13 @@ def test_two_ranks_serve_what_one_process_serves(checkpoint, tmp_path):
     adapter = make_adapter(checkpoint, tmp_path / "adapter", seed=2, r=4, lora_alpha=8,
                            target_modules=["query_key_value", "dense_4h_to_h"])
     serve = [*SERVE, "--lora", f"tuned={adapter}"]
-    port = free_port()
-    one = start([sys.executable, "bloom.py", "--weights", str(checkpoint), *serve, "--port", str(port)],
-                port, tmp_path / "one.log")
+    one, port = launch(checkpoint, serve, 1, tmp_path / "one.log")
     try:
         expected = answers(port, checkpoint.name)
     finally:
         stop(one)
 
-    port = free_port()
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
-    two = start([*launcher, "bloom.py", "--weights", str(checkpoint), *serve, "--port", str(port)],
-                port, tmp_path / "two.log")
+    two, port = launch(checkpoint, serve, 2, tmp_path / "two.log")
     try:
         got = answers(port, checkpoint.name)
         got_again = answers(port, checkpoint.name)  # a second load over the same ranks, in another mix
@@ -131,17 +136,12 @@ def test_an_idle_two_rank_server_outlives_its_collective_timeout(checkpoint, tmp
     client = lambda port: openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
                                         timeout=60)
     monkeypatch.setenv("BLOOM_COLLECTIVE_TIMEOUT", "8")
-    port = free_port()
-    one = start([sys.executable, "bloom.py", "--weights", str(checkpoint), *SERVE, "--port", str(port)],
-                port, tmp_path / "one.log")
+    one, port = launch(checkpoint, SERVE, 1, tmp_path / "one.log")
     try:
         want = client(port).completions.create(model=checkpoint.name, **request).choices[0].text
     finally:
         stop(one)
-    port = free_port()
-    launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
-    two = start([*launcher, "bloom.py", "--weights", str(checkpoint), *SERVE, "--port", str(port)],
-                port, tmp_path / "two.log")
+    two, port = launch(checkpoint, SERVE, 2, tmp_path / "two.log")
     try:
         time.sleep(20)
         assert two.poll() is None, (tmp_path / "two.log").read_text()[-3000:]

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..batch import round_up
-from ..logprobs import RowScores, TokenText, offsets_of
+from ..logprobs import RowScores, TokenText, clip_pieces, offsets_of
 from ..options import MAX_INT, OPTIONS_BY_NAME, GenerationOptions, OptionError
 from ..results import Sequence
 from ..search.stopping import StopError, normalize_stops
@@ -304,7 +304,7 @@ def choice_record(index: int, choice: Choice, request: Request, text_of: TokenTe
     n_prompt = len(choice.prompt_ids)
     shown = (choice.prompt_ids if request.echo else []) + gen_ids
     first = 0 if request.echo else n_prompt  # index in prompt + generated tokens of shown[0]
-    pieces = _clip(text_of.pieces(shown), len(text))
+    pieces = clip_pieces(text_of.pieces(shown), len(text))
     token_logprobs, top_logprobs = [], []
     for t, token_id in enumerate(shown, start=first):
         if t == 0:  # the first prompt token has no context to be scored from
@@ -323,15 +323,6 @@ def choice_record(index: int, choice: Choice, request: Request, text_of: TokenTe
                           "text_offset": offsets_of(pieces)}
     return record
 
-
-def _clip(pieces: list[str], length: int) -> list[str]:
-    """Pieces cut so that they join to at most ``length`` characters (a stop string may start
-    inside the last kept token)."""
-    out, at = [], 0
-    for piece in pieces:
-        out.append(piece[: max(0, length - at)])
-        at += len(piece)
-    return out
 
 
 def result_record(request: Request, choices: list[dict], usage: dict, batch_time: float, batch_size: int) -> dict:

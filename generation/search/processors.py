@@ -9,6 +9,10 @@ logits; beam search applies it to the log-softmax of the logits (as transformers
 Every function here works on whole tensors with static shapes: [R, V] scores for R rows, the rows'
 token history ``sequence`` [R, K] (prompt + generated, pad beyond each row's end) and ``used`` [R],
 how many slots of each row hold real tokens. Nothing reads a value back to the host.
+
+The option of a processor is one value for every row (a generate call) or a per-row tensor (the
+server's engine, ``serving/row_options.py``, where each row is a request of its own): the same
+functions serve both, so a row chooses the same token offline and served.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ NEG_INF = float("-inf")
 Processor = Callable[[torch.Tensor, LoopState], torch.Tensor]
 
 
-def _present(sequence: torch.Tensor, used: torch.Tensor, vocab: int) -> torch.Tensor:
+def present(sequence: torch.Tensor, used: torch.Tensor, vocab: int) -> torch.Tensor:
     """[R, V] bool: which tokens occur in the first ``used[r]`` slots of row r."""
     slots = torch.arange(sequence.shape[1], device=sequence.device)
     # Slots past the row's end scatter into an extra column V that is then dropped.
@@ -36,9 +40,11 @@ def _present(sequence: torch.Tensor, used: torch.Tensor, vocab: int) -> torch.Te
     return hits[:, :vocab]
 
 
-def repetition_penalty(scores: torch.Tensor, state: LoopState, penalty: float) -> torch.Tensor:
-    """Tokens already in the row: negative scores are multiplied by ``penalty``, others divided."""
-    seen = _present(state.sequence, state.positions, scores.shape[-1])
+def repetition_penalty(scores: torch.Tensor, sequence: torch.Tensor, used: torch.Tensor,
+                       penalty: float | torch.Tensor) -> torch.Tensor:
+    """Tokens already in the row: negative scores are multiplied by ``penalty`` (a value, or [R, 1]
+    per row), others divided."""
+    seen = present(sequence, used, scores.shape[-1])
     penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
     return torch.where(seen, penalised, scores)
 
@@ -55,7 +61,7 @@ def no_repeat_ngram(scores: torch.Tensor, state: LoopState, n: int) -> torch.Ten
     if n > length:
         return scores
     if n == 1:  # every token seen so far is a repeated 1-gram
-        return scores.masked_fill(_present(seq, used, vocab), NEG_INF)
+        return scores.masked_fill(present(seq, used, vocab), NEG_INF)
     windows = seq.unfold(1, n, 1)  # [R, W, n], W = K - n + 1 n-gram starts
     offsets = torch.arange(n - 1, device=seq.device)
     # (clamped: finished rows keep counting past the end of the cache)
@@ -78,21 +84,31 @@ def min_new_tokens(scores: torch.Tensor, state: LoopState, minimum: int, eos_tok
     return scores
 
 
-def temperature(scores: torch.Tensor, state: LoopState, value: float) -> torch.Tensor:
+def temperature(scores: torch.Tensor, value: float | torch.Tensor) -> torch.Tensor:
+    """``value``: one, or [R, 1] per row."""
     return scores / value
 
 
-def top_k(scores: torch.Tensor, state: LoopState, k: int, min_keep: int) -> torch.Tensor:
-    k = min(max(k, min_keep), scores.shape[-1])
-    kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+def top_k(scores: torch.Tensor, k: int | torch.Tensor, min_keep: int) -> torch.Tensor:
+    """Keep the ``k`` best tokens of each row. ``k``: one int, or [R] per row where 0 keeps all."""
+    vocab = scores.shape[-1]
+    if isinstance(k, int):
+        k = min(max(k, min_keep), vocab)
+        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+    else:  # per row: one sort, each row's k-th value picked from it
+        k = torch.where(k > 0, k.clamp(min=min_keep, max=vocab), vocab)
+        kth = scores.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
     return scores.masked_fill(scores < kth, NEG_INF)
 
 
-def top_p(scores: torch.Tensor, state: LoopState, p: float, min_keep: int) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose probability reaches ``p``."""
+def top_p(scores: torch.Tensor, p: float | torch.Tensor, min_keep: int) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches ``p`` (one value, or
+    [R, 1] per row, where rows at 1.0 keep every token)."""
     ascending, order = torch.sort(scores, dim=-1)
     cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
     drop = cumulative <= 1 - p  # the unlikely tail whose total mass stays within 1 - p
+    if isinstance(p, torch.Tensor):
+        drop &= p < 1.0
     drop[..., -min_keep:] = False
     return scores.masked_fill(drop.scatter(-1, order, drop), NEG_INF)
 
@@ -116,7 +132,8 @@ class LogitsProcessors:
     def from_options(cls, opts: GenerationOptions, eos_token_id: int | None) -> "LogitsProcessors":
         steps: list[tuple[str, Processor]] = []
         if opts.repetition_penalty != 1.0:
-            steps.append(("repetition_penalty", lambda s, st: repetition_penalty(s, st, opts.repetition_penalty)))
+            steps.append(("repetition_penalty",
+                          lambda s, st: repetition_penalty(s, st.sequence, st.positions, opts.repetition_penalty)))
         if opts.no_repeat_ngram_size > 0:
             steps.append(("no_repeat_ngram", lambda s, st: no_repeat_ngram(s, st, opts.no_repeat_ngram_size)))
         if opts.min_new_tokens > 0 and eos_token_id is not None:
@@ -125,9 +142,9 @@ class LogitsProcessors:
             # Beam sampling keeps at least one non-EOS candidate besides EOS (transformers: n_eos + 1).
             keep = 2 if opts.num_beams > 1 else 1
             if opts.temperature != 1.0:
-                steps.append(("temperature", lambda s, st: temperature(s, st, opts.temperature)))
+                steps.append(("temperature", lambda s, st: temperature(s, opts.temperature)))
             if opts.top_k != 0:
-                steps.append(("top_k", lambda s, st: top_k(s, st, opts.top_k, keep)))
+                steps.append(("top_k", lambda s, st: top_k(s, opts.top_k, keep)))
             if opts.top_p < 1.0:
-                steps.append(("top_p", lambda s, st: top_p(s, st, opts.top_p, keep)))
+                steps.append(("top_p", lambda s, st: top_p(s, opts.top_p, keep)))
         return cls(steps)

@@ -66,6 +66,12 @@ def gumbel(keys: torch.Tensor, step: torch.Tensor | int, n: int) -> torch.Tensor
     return -torch.log(-torch.log(uniform(keys, step, n)))
 
 
+def draw(scores: torch.Tensor, keys: torch.Tensor, step: torch.Tensor | int) -> torch.Tensor:
+    """Each row's token drawn from ``softmax(scores)`` [R, V] with its own key (Gumbel-max): the one
+    draw of generate's sampling and the server's sampled rows."""
+    return (scores + gumbel(keys, step, scores.shape[-1])).argmax(dim=-1)
+
+
 def resolve_seed(seed: int | None) -> int:
     """The user's seed, or one drawn from torch's global generator (so torch.manual_seed works)."""
     if seed is not None:
@@ -91,7 +97,7 @@ def sampling_chooser(processors, keys: torch.Tensor) -> TokenChooser:
 
     def choose(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
         scores = processors(logits, state)
-        return (scores + gumbel(keys, state.step_tensor, scores.shape[-1])).argmax(dim=-1)
+        return draw(scores, keys, state.step_tensor)
 
     return choose
 

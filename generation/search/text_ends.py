@@ -8,6 +8,7 @@ EOS never counts: stop strings are looked for in the text before it.
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 
 
@@ -63,3 +64,38 @@ def safe_length(text: str, stops: list[str], finished: bool = False) -> int:
         if any(s.startswith(text[-held:]) for s in stops):
             return len(text) - held
     return len(text)
+
+
+class IncrementalText:
+    """One row's text as its tokens arrive, and how much of it may be given out so far: the one
+    incremental detokenizer of streaming (``generation/streaming.py``) and the server's engine.
+
+    Tokens are decoded byte by byte (a UTF-8 character may span tokens); ``take()`` hands out the
+    text past what was given, held back where a stop string could still begin (``safe_length``).
+    The caller keeps EOS out (``before_eos``): what follows it is never text."""
+
+    def __init__(self, token_bytes, stops: list[str]):
+        self.token_bytes = token_bytes  # id -> bytes (logprobs.TokenText.token_bytes)
+        self.stops = stops
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""  # decoded so far
+        self.given = 0  # characters of text already handed out
+
+    def add(self, token_id: int) -> None:
+        self.text += self.decoder.decode(self.token_bytes(token_id))
+
+    @property
+    def stopped(self) -> bool:
+        """The text holds a stop string."""
+        return first_stop(self.text, self.stops) is not None
+
+    def take(self, finished: bool = False) -> str:
+        """The text that may be given out now and was not yet (``finished``: the row has ended)."""
+        safe = safe_length(self.text, self.stops, finished=finished)
+        piece = self.text[self.given : safe] if safe > self.given else ""
+        self.given = max(self.given, safe)
+        return piece
+
+    @property
+    def all_given(self) -> bool:
+        return self.given == len(self.text)

@@ -32,7 +32,6 @@
 
 from __future__ import annotations
 
-import codecs
 import itertools
 import queue
 import threading
@@ -45,7 +44,7 @@ import torch
 from ..logprobs import TokenText
 from ..results import make_sequence
 from ..search.sampling import resolve_seed, row_keys
-from ..search.text_ends import first_stop, safe_length
+from ..search.text_ends import IncrementalText
 from .device_rows import DeviceRows
 from .params import Event, SamplingParams, TokenLogprob
 from .row_options import RowFlags, RowOptions, choose_tokens, token_logprobs
@@ -135,12 +134,10 @@ class _Row:
     indices: list[int]  # the choices this row answers (greedy: all n of them)
     prompt_len: int
     limit: int  # new tokens it may produce
+    out: IncrementalText  # its text so far (EOS excluded) and how much was sent
     ids: list[int] = field(default_factory=list)
-    text: str = ""  # decoded so far (EOS excluded)
-    given: int = 0  # characters of text already sent
     ids_given: int = 0  # token ids already sent
     pending: list = field(default_factory=list)  # TokenLogprob of ids not yet sent
-    decoder: object = None
     last_time: float = 0.0
 
 
@@ -440,8 +437,7 @@ class Engine:
             self.logits.index_copy_(0, torch.tensor([slot]).to(self.device), logits)
             self.opts.set_row(slot, params, keys[copy], ids)
             indices = [copy] if params.sampling else list(range(params.n))
-            decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-            self.rows[slot] = _Row(handle, indices, length, limit, decoder=decoder)
+            self.rows[slot] = _Row(handle, indices, length, limit, IncrementalText(self.text_of.token_bytes, params.stop))
 
     def _answer_offline(self, handle: RequestHandle) -> None:
         from ..jobs.requests import batch_length
@@ -476,20 +472,17 @@ class Engine:
         row.pending.append(lp)
         eos = token == self.eos and not handle.params.ignore_eos
         if not eos:
-            row.text += row.decoder.decode(self.text_of.token_bytes(token))
-        reason = ("eos" if eos else "stop" if first_stop(row.text, stops) is not None
-                  else "length" if len(row.ids) >= row.limit else None)
+            row.out.add(token)
+        reason = ("eos" if eos else "stop" if row.out.stopped else "length" if len(row.ids) >= row.limit else None)
         if reason is None:
-            safe = safe_length(row.text, stops)
-            if safe > row.given:
+            piece = row.out.take()
+            if piece:
                 # Ids go out with the text they spell, once no stop string can still claim it.
-                send = len(row.ids) - row.ids_given if safe == len(row.text) else 0
-                self._send(row, row.text[row.given : safe], send)
-                row.given = safe
+                self._send(row, piece, len(row.ids) - row.ids_given if row.out.all_given else 0)
             return
         # The finished sequence is the truth (text_ends: EOS, stop strings), as offline.
         sequence = make_sequence(self.tokenizer, row.ids, reason, stops=stops)
-        self._send(row, sequence.text[row.given :], max(0, len(sequence.token_ids) - row.ids_given))
+        self._send(row, sequence.text[row.out.given :], max(0, len(sequence.token_ids) - row.ids_given))
         for index in row.indices:
             handle.sequences[index] = sequence
             handle.emit(Event("finish", index=index, finish_reason=sequence.finish_reason, sequence=sequence))

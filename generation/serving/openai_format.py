@@ -14,8 +14,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..jobs.requests import MAX_LOGPROBS, Request, RequestError, _clip, parse_request
-from ..logprobs import TokenText, offsets_of
+from ..jobs.requests import MAX_LOGPROBS, Request, RequestError, parse_request
+from ..logprobs import TokenText, clip_pieces, offsets_of
 from .params import SamplingParams
 
 OPENAI_FINISH = {"length": "length", "eos": "stop", "stop": "stop"}
@@ -303,7 +303,7 @@ def token_pieces(text_of: TokenText, token_ids: list[int], text: str, before: li
     """The text each of ``token_ids`` adds after the ids ``before`` it (a stream's earlier chunks:
     a UTF-8 character may straddle two chunks), cut to ``text`` (a stop string may start inside the
     last token)."""
-    return _clip(text_of.pieces(list(before) + list(token_ids))[len(before):], len(text))
+    return clip_pieces(text_of.pieces(list(before) + list(token_ids))[len(before):], len(text))
 
 
 def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list, text: str, start: int = 0,

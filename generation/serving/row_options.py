@@ -5,18 +5,18 @@ and sampled rows, temperatures, top-k/top-p and penalties runs the very same ops
 shapes; nothing splits the batch. Whole processors are skipped when no running row uses them (a
 host-known fact from admission, not a read-back from the device).
 
-The arithmetic is that of ``search/processors.py`` and ``search/sampling.py`` row by row, so a row
-chooses exactly what ``Generator.generate`` chooses for it alone: a neutral value leaves a row's
-scores bit-identical (x * 1.0, x / 1.0), and the sampling noise of a row is a pure function of
-(row key, its own step, token), whichever rows share the batch.
+The processors and the draw are those of ``search/processors.py`` and ``search/sampling.py``, given
+per-row tensors, so a row chooses exactly what ``Generator.generate`` chooses for it alone: a
+neutral value leaves a row's scores bit-identical (x * 1.0, x / 1.0), and the sampling noise of a
+row is a pure function of (row key, its own step, token), whichever rows share the batch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..search.processors import NEG_INF, _present
-from ..search.sampling import gumbel
+from ..search.processors import repetition_penalty, temperature, top_k, top_p
+from ..search.sampling import draw
 
 
 class RowOptions:
@@ -92,13 +92,12 @@ def choose_tokens(logits: torch.Tensor, opts: RowOptions, b: int, used: torch.Te
                   flags: RowFlags) -> torch.Tensor:
     """Next token of rows 0..b-1. logits [b, V] float (raw); used [b]: tokens the row holds
     (prompt + generated, = the slot of the token chosen now); steps [b]: tokens the row has
-    generated (its sampling step). Returns [b] long."""
+    generated (its sampling step). Returns [b] long. The processors and the draw are
+    ``search/processors.py``'s and ``search/sampling.py``'s, given per-row tensors."""
     scores = logits
-    if flags.repetition:  # processors.repetition_penalty with a per-row penalty
-        seen = _present(opts.sequence[:b], used, scores.shape[-1])
-        penalty = opts.repetition[:b, None]
-        scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
-    if flags.openai_penalties:
+    if flags.repetition:
+        scores = repetition_penalty(scores, opts.sequence[:b], used, opts.repetition[:b, None])
+    if flags.openai_penalties:  # OpenAI's, over the generated tokens only: the server's alone
         counts = opts.counts[:b]
         scores = scores - opts.frequency[:b, None] * counts - opts.presence[:b, None] * (counts > 0)
     greedy = scores.argmax(dim=-1)
@@ -106,22 +105,12 @@ def choose_tokens(logits: torch.Tensor, opts: RowOptions, b: int, used: torch.Te
         return greedy
     sampled_rows = opts.temperature[:b] > 0
     # Greedy rows divide by 1 (exact) and their draw is thrown away below.
-    scores = scores / torch.where(sampled_rows, opts.temperature[:b], 1.0)[:, None]
+    scores = temperature(scores, torch.where(sampled_rows, opts.temperature[:b], 1.0)[:, None])
     if flags.top_k:
-        k = opts.top_k[:b]
-        k = torch.where(k > 0, k.clamp(max=scores.shape[-1]), scores.shape[-1])  # 0: keep all
-        descending = scores.sort(dim=-1, descending=True).values
-        kth = descending.gather(1, (k - 1)[:, None])
-        scores = scores.masked_fill(scores < kth, NEG_INF)
+        scores = top_k(scores, opts.top_k[:b], 1)
     if flags.top_p:
-        p = opts.top_p[:b, None]
-        ascending, order = torch.sort(scores, dim=-1)
-        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-        drop = (cumulative <= 1 - p) & (p < 1.0)
-        drop[..., -1:] = False
-        scores = scores.masked_fill(drop.scatter(-1, order, drop), NEG_INF)
-    sampled = (scores + gumbel(opts.keys[:b], steps, scores.shape[-1])).argmax(dim=-1)
-    return torch.where(sampled_rows, sampled, greedy)
+        scores = top_p(scores, opts.top_p[:b, None], 1)
+    return torch.where(sampled_rows, draw(scores, opts.keys[:b], steps), greedy)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, ...]:
