@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore_eos", type=flag_bool, help="t: generate to max_length (default); f: stop each row at EOS")
     p.add_argument("--use_graphs", type=flag_bool, help="capture steps as HPU/CUDA graphs (default t)")
     p.add_argument("--static_shapes", type=flag_bool, help="static-shape recipe (default t)")
+    p.add_argument("--quantize", choices=["int8"],
+                   help="keep the weights as int8, one scale per output row (activations and cache stay in "
+                        "--dtype): about half of bf16's bytes; see docs/performance.md")
     p.add_argument("--limit_hpu_graphs", type=flag_bool,
                    help="hpu: run the prefill without a graph, so its scores are not kept (default: t under "
                         "tensor parallelism, f on one card)")
@@ -175,6 +178,8 @@ def check_flags(args) -> None:
         raise UsageError("--results and --errors go with --requests (or --results with --eval)")
     if args.errors and not args.requests:
         raise UsageError("--errors goes with --requests")
+    if args.quantize and args.mode == "vanilla":
+        raise UsageError("--quantize runs in --mode optimized only (vanilla is transformers' own model)")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api_key is empty; give a key, or leave the flag out to serve without one")
     if args.lora and not args.serve:
@@ -243,6 +248,7 @@ def make_generator(args, opts):
         weights, args.model, dtype=args.dtype, device=args.device, use_graphs=opts.use_graphs,
         compile_steps=args.compile, parallel=PARALLEL, cpu=CpuOptions(path=args.cpu_path),
         peft_weights=args.peft_weights, lora=lora_adapters(args) or None, limit_hpu_graphs=args.limit_hpu_graphs,
+        quantize=args.quantize,
     )
     if generator.adapter is not None:
         log(f"{generator.adapter.describe()}, merged")

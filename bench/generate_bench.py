@@ -5,6 +5,8 @@ In one process and on the same weights it runs several variants of one request (
 length, new tokens, beams...) and prints one table:
 
 * ``ours``          the recipe: static shapes (or buckets with --bucket_width), graphs on
+* ``ours+int8``     the same with int8 weights (``--quantize int8``; its ``x floor`` is against its own
+                    bytes)
 * ``ours+compile``  the same with the decode step through ``torch.compile`` (--compile)
 * ``op by op``      CPU: the decode step and the prompt attention run op by op from Python, not
                     as one C++ call each
@@ -58,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bloom_hpu.quantize import weight_bytes  # noqa: E402
 from bloom_hpu.runtime.backends import make_backend  # noqa: E402
 from bloom_hpu.runtime.cpu import PATHS, CpuOptions  # noqa: E402
 from bloom_hpu.runtime.steps import StepRunner  # noqa: E402
@@ -72,7 +75,7 @@ SHAPES = {"bloom-560m": (250880, 1024, 24, 16), "bloom-1b1": (250880, 1536, 24, 
           # The issue's GPU target (one H100, bf16, batch 1). Drawing it takes ~60 GB of host memory
           # once (fp32 draws, then the bf16 copy written); 14 GB on disk.
           "bloom-7b1": (250880, 4096, 30, 32)}
-VARIANTS = ("ours", "ours+compile", "op by op", "static off", "graphs off", "transformers")
+VARIANTS = ("ours", "ours+int8", "ours+compile", "op by op", "static off", "graphs off", "transformers")
 
 
 @dataclass
@@ -199,10 +202,15 @@ class Variant:
     name: str
     generate: Callable[[int], object]  # generate(max_new_tokens): one request
     describe: Callable[[Row], None] = lambda row: None  # fill what only the variant knows, free it
+    model: object = None  # its own model, when its weights differ from the base's (int8): its own floor
 
 
 def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
-    if variant == "ours+compile":
+    if variant == "ours+int8":
+        gen = Generator.from_pretrained(base.folder, dtype=args.dtype, device=args.device, quantize="int8",
+                                        cpu=CpuOptions(path=args.cpu_path))
+        backend = gen.backend
+    elif variant == "ours+compile":
         # Its own copy of the weights: the shared model may have been packed for eager CPU steps
         # (see Backend.prepare_model), and the compiled step packs its own.
         gen = Generator.from_pretrained(base.folder, dtype=args.dtype, device=args.device, compile_steps=True,
@@ -227,7 +235,7 @@ def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
         with gen.backend.cpu_plan.op_by_op():  # the shared model without its one-call CPU steps
             return gen.generate(prompts, opts.updated(max_new_tokens=n))
 
-    return Variant(variant, generate, describe)
+    return Variant(variant, generate, describe, gen.model if variant == "ours+int8" else None)
 
 
 def transformers_variant(folder: Path, args, prompts, device) -> Variant:
@@ -280,9 +288,9 @@ def measure(variants: list[Variant], args, device) -> tuple[list[Row], list[floa
 
 def decode_bytes(model, args, plan) -> int:
     """Bytes one decode step reads: every weight once, plus keys and values inside the window."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_bytes(model)  # int8 weights and their scales as such
     cfg = model.config
-    element = next(model.parameters()).element_size()
+    element = model.ln_f.weight.element_size()
     windows = [plan.window(s) for s in range(max(args.new_tokens - 1, 1))]
     rows = args.batch_size * args.num_beams
     kv = 2 * cfg.n_layer * rows * cfg.n_head * cfg.head_dim * element * statistics.mean(windows)
@@ -377,9 +385,10 @@ def run(args) -> dict:
     rows, bandwidths = measure(variants, args, device)
     bandwidth = statistics.median(bandwidths)
     floor_s = step_bytes / bandwidth
-    for r in rows:
+    for r, v in zip(rows, variants):
         if r.decode_ms_per_token is not None:
-            r.x_floor = r.decode_ms_per_token / (floor_s * 1e3)
+            own = decode_bytes(v.model, args, plan) / bandwidth if v.model is not None else floor_s
+            r.x_floor = r.decode_ms_per_token / (own * 1e3)  # against its own bytes (int8: fewer)
 
     hf = next((r for r in rows if r.variant == "transformers" and r.ttft_ms), None)
     for r in rows:

@@ -109,7 +109,7 @@ def stack(adapters: list[LoraAdapter], model: StaticBloom, capacity: int = DEFAU
     """Swap every linear of ``model`` that one of ``adapters`` targets for its per-row form
     (adapter k is index k + 1); returns the index the engine writes. The model's weights are
     untouched: index 0 everywhere is the base model."""
-    param = next(model.parameters())
+    param = model.ln_f.weight  # the activations' dtype and device
     rows = AdapterRows(capacity, param.device)
     rank = max(a.max_rank for a in adapters)
     for block_index, block in enumerate(model.h):

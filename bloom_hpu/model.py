@@ -196,7 +196,7 @@ class StaticBloom(nn.Module):
 
     def allocate_cache(self, batch_size: int, length: int, per_layer: bool = False) -> KVCache:
         """``per_layer``: one cache tensor per layer, written whole (kv_cache.py; for HPU graphs)."""
-        p = next(self.parameters())
+        p = self.ln_f.weight  # the activations' dtype and device (never a quantized weight)
         return KVCache.allocate(
             self.config.n_layer, batch_size, self.local_heads, length, self.config.head_dim,
             self.slopes, p.dtype, p.device, per_layer,

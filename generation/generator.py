@@ -18,6 +18,7 @@ from bloom_hpu.config import BloomConfig
 from bloom_hpu.loading import LoadReport, load_model
 from bloom_hpu.lora import read_adapter
 from bloom_hpu.lora_rows import ServedAdapters, stack
+from bloom_hpu.quantize import MODES as QUANTIZE_MODES, QuantizeError, quantize_int8
 from bloom_hpu.tp import Parallel, SINGLE
 from bloom_hpu.runtime.steps import StepRunner
 
@@ -74,6 +75,7 @@ class Generator:
         peft_weights: str | Path | None = None,
         lora: dict[str, str | Path] | None = None,
         limit_hpu_graphs: bool | None = None,
+        quantize: str | None = None,
     ) -> "Generator":
         """``cpu``: the CPU fast path (``CpuOptions``: which kernels, one-call steps, packing);
         by default the fastest this CPU can run. ``peft_weights``: a PEFT LoRA adapter folder,
@@ -81,7 +83,11 @@ class Generator:
         adapters served side by side, unmerged, each row of a step with its own
         (``bloom_hpu/lora_rows.py``; ``self.lora`` then holds them, for the server's engine).
         ``limit_hpu_graphs``: on a Gaudi, run the prefill without a graph (Habana's
-        ``--limit_hpu_graphs``; None: only under tensor parallelism)."""
+        ``--limit_hpu_graphs``; None: only under tensor parallelism). ``quantize``: "int8", the
+        weights kept as int8 with a scale per output row (``bloom_hpu/quantize.py``; activations
+        and the cache stay in ``dtype``)."""
+        if quantize is not None and quantize not in QUANTIZE_MODES:
+            raise QuantizeError(f"unknown quantization {quantize!r}: choose {', '.join(QUANTIZE_MODES)}")
         if weights is not None and not isinstance(weights, (str, Path)):
             raise TypeError(f"weights must be a folder path, got {type(weights).__name__}")
         torch_dtype = parse_dtype(dtype)
@@ -97,6 +103,8 @@ class Generator:
         if parallel.world_size > 1 and backend.device.type != "cpu" and backend.device.index is None:
             backend.device = torch.device(backend.device.type, parallel.local_rank)
         bloom, report = load_model(folder, torch_dtype, backend.device, parallel, adapter)
+        if quantize == "int8":  # before the runtime sees the model: the CPU fast path keeps int8 layers
+            quantize_int8(bloom)
         tokenizer = load_tokenizer(folder, bloom.config)
         generator = cls(bloom, tokenizer, StepRunner(bloom, backend), folder, report)
         generator.adapter = adapter
@@ -110,7 +118,7 @@ class Generator:
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        return self.model.ln_f.weight.dtype
 
     @property
     def backend(self):

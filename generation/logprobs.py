@@ -51,7 +51,7 @@ def score_rows(runner, rows: list[list[int]], top_k: int = 0, length: int | None
     to a multiple of 64.
     """
     model = runner.model
-    device = next(model.parameters()).device
+    device = model.ln_f.weight.device
     longest = max(len(r) for r in rows)
     length = length or static_length(longest)
     if length < longest:

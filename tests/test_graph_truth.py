@@ -95,6 +95,17 @@ def test_generate_equals_the_eager_run_and_a_second_run_compiles_nothing(graph_s
         assert len(generator.backend.signatures) == graph_stand_in.captures
 
 
+def test_int8_weights_on_the_card_equal_the_cpus(graph_stand_in, checkpoint):
+    """Quantized products dequantize on the card (public ops, captured in the graphs) and call the
+    int8 kernel on the CPU: the same tokens."""
+    card = on_card(graph_stand_in, checkpoint, quantize="int8")
+    cpu = Generator.from_pretrained(checkpoint, device="cpu", quantize="int8")
+    options = dict(max_length=24, bucket_width=8, ignore_eos=False, **SEARCHES["sampling"])
+    with graph_stand_in.off_card():
+        want = sequences(cpu.generate(PROMPTS, **options))
+    assert sequences(card.generate(PROMPTS, **options)) == want
+
+
 def test_more_tokens_add_no_lazy_graph(graph_stand_in, checkpoint, eager):
     """Lazy mode compiles a fixed set of graphs per configuration, not one per token position:
     doubling the tokens of a run (one window: bucket_width 0) compiles nothing new."""

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from ..quantize import dequantize_in_products
 from . import hpu_env
 from .cpu import CpuOptions, CpuPlan, accelerate
 
@@ -165,6 +166,7 @@ class CudaBackend(Backend):
     def prepare_model(self, model) -> None:
         """No CPU fast path: a card runs the model's own operations."""
         self.tensor_parallel = model.parallel.world_size > 1
+        dequantize_in_products(model)
 
     def graph_count(self) -> int:
         return self.captured
@@ -269,6 +271,7 @@ class HpuBackend(Backend):
         this backend on the CPU: a Gaudi runs the model's own operations."""
         if self.graph_prefill is None:
             self.graph_prefill = model.parallel.world_size == 1
+        dequantize_in_products(model)
 
     def prepare(self, step: torch.nn.Module) -> torch.nn.Module:
         first_token = getattr(step, "runs_prompts", False)

@@ -95,12 +95,15 @@ class Answer:
         # The LoRA adapter the request's model names (0: the base model).
         lora = getattr(engine, "lora", None)
         adapter = lora.names.get(completion.model, 0) if lora is not None else 0
-        if completion.offline:  # its options against the model, as a request file's line is checked
-            from ..options import OptionError
-            from ..validate import check_request
+        if completion.offline:
+            # Its search options against the model, on this thread (no collective: under tensor
+            # parallelism only rank 0 answers HTTP; the memory is checked inside the offline
+            # answer, which every rank makes).
+            from ..options import GenerationOptions, OptionError
+            from ..validate import check_against_model
 
             try:
-                check_request(engine.generator, request, [len(ids) for ids in self.prompt_ids])
+                check_against_model(GenerationOptions().updated(**request.search), engine.generator.model.config.vocab_size)
             except (OptionError, ValueError) as error:
                 raise bad_request(str(error)) from None
         try:

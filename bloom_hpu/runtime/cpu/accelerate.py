@@ -131,7 +131,8 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     dtype = model.word_embeddings.weight.dtype
     cap = capability.detect()
     kernels, why = choose_kernels(options.path, cap)
-    linears = [m for m in model.modules() if isinstance(m, tuple(CPU_LINEAR))]
+    # Quantized layers (bloom_hpu/quantize.py) keep their own int8 product.
+    linears = [m for m in model.modules() if isinstance(m, tuple(CPU_LINEAR)) and not getattr(m, "quantized", False)]
     for linear in linears:
         swap(linear, CPU_LINEAR[getattr(linear, "plain_class", type(linear))])
     used = []
@@ -141,12 +142,12 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         for linear in linears:
             if kernel_suits(linear.weight):
                 linear.kernel, linear.few_rows_limit = kernels.few_rows_linear, few_rows * linear.weight.shape[1]
-        if kernel_suits(model.word_embeddings.weight):
+        if kernel_suits(model.word_embeddings.weight) and not getattr(model.head, "quantized", False):
             swap(model.head, CpuTiedHead, kernel=kernels.few_rows_linear,
                  few_rows_limit=few_rows * model.word_embeddings.weight.shape[1])
         used.append(f"few-rows products (up to {few_rows} rows)")
     onednn = options.path != "plain" and not compile_steps and dtype == torch.bfloat16
-    if onednn and capability.onednn_fuses_gelu(dtype):
+    if onednn and capability.onednn_fuses_gelu(dtype) and all(b.mlp.dense_h_to_4h in linears for b in model.h):
         for block in model.h:
             block.mlp.dense_h_to_4h.fused_gelu = True
             block.mlp.gelu = torch.nn.Identity()
@@ -157,7 +158,9 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         used.append("oneDNN packed weights")
     plan = CpuPlan("", kernels, decode_rows=few_rows)
     if kernels is not None and options.one_call_steps:
-        all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
+        quantized = any(getattr(m, "quantized", False) for m in model.modules())
+        all_kernel = (isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
+                      and not quantized)
         if not compile_steps and model.parallel.world_size == 1 and all_kernel:
             plan.decode = OneCallDecode(model, kernels.decode_step)
             used.append("one-call decode step")
