@@ -198,7 +198,7 @@ def test_the_cache_is_one_tensor_per_layer_written_whole(hpu_stand_in, tiny_chec
 def test_under_tensor_parallelism_the_prefill_runs_without_a_graph(hpu_stand_in, tiny_checkpoint):
     model, _ = load_model(tiny_checkpoint, device="cpu")
     backend = HpuBackend(device="cpu")
-    backend.prepare_model(SimpleNamespace(parallel=SimpleNamespace(world_size=2)))
+    backend.prepare_model(SimpleNamespace(parallel=SimpleNamespace(world_size=2), modules=lambda: []))
     cache = model.allocate_cache(1, 8, per_layer=True)
     prefill, decode = PrefillStep(model, cache, backend), DecodeStep(model, cache, 8)
     backend.prepare(prefill)
