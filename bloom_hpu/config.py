@@ -28,6 +28,9 @@ class BloomConfig:
     bos_token_id: int = 1
     eos_token_id: int = 2
     pad_token_id: int = 3
+    # Set when the checkpoint's weights are stored quantized (bloom_hpu/quantize.py, the key
+    # transformers uses); None: float weights.
+    quantization_config: dict | None = None
 
     def __post_init__(self):
         if self.hidden_size % self.n_head:
