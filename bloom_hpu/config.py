@@ -71,6 +71,8 @@ class BloomConfig:
         """A transformers-compatible config: `transformers.BloomConfig(**d)` accepts it."""
         d: dict[str, Any] = {"architectures": ["BloomForCausalLM"], "model_type": "bloom"}
         d.update({f.name: getattr(self, f.name) for f in fields(self)})
+        if d["quantization_config"] is None:  # float weights: transformers expects no key at all
+            del d["quantization_config"]
         # The LM head shares the word embeddings in every BLOOM checkpoint.
         d["tie_word_embeddings"] = True
         d["unk_token_id"] = 0

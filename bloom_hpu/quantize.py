@@ -83,10 +83,16 @@ def dequantized(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
     return (q.float() * scales[:, None]).to(dtype)
 
 
+# Up to this many rows a CPU product reads the int8 weight directly (decode: bound by the weight's
+# bytes); more rows (a prefill, a scoring pass) dequantize it and multiply through oneDNN, whose
+# products of many rows run several times faster than _weight_int8pack_mm's.
+INT8_MM_ROWS = 16
+
+
 def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, int8_mm: bool = True) -> torch.Tensor:
     """x [..., K] @ (q [N, K] * scales [N]).T in x's dtype; ``int8_mm``: through
-    ``torch._weight_int8pack_mm`` (the CPU's), else dequantized in the product."""
-    if int8_mm:
+    ``torch._weight_int8pack_mm`` (the CPU's) for a few rows, else dequantized in the product."""
+    if int8_mm and x.numel() <= INT8_MM_ROWS * x.shape[-1]:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         return torch._weight_int8pack_mm(flat, q, scales.to(x.dtype)).view(*x.shape[:-1], q.shape[0])
     return F.linear(x, q.to(x.dtype) * scales.to(x.dtype)[:, None])
