@@ -265,7 +265,12 @@ def expected_names(config: BloomConfig) -> list[str]:
     )
     for i in range(config.n_layer):
         names += [f"h.{i}.{m}.{p}" for m in modules for p in ("weight", "bias")]
-    return names + ["ln_f.weight", "ln_f.bias"]
+    names += ["ln_f.weight", "ln_f.bias"]
+    if config.quantization_config is not None:  # int8 weights and their scales in place of the weights
+        from .quantize import is_quantized_weight, stored_names
+
+        names = [n for name in names for n in (stored_names(name) if is_quantized_weight(name) else [name])]
+    return names
 
 
 def normalize_name(stored: str) -> str | None:

@@ -28,6 +28,9 @@ class BloomConfig:
     bos_token_id: int = 1
     eos_token_id: int = 2
     pad_token_id: int = 3
+    # Set when the checkpoint's weights are stored quantized (bloom_hpu/quantize.py, the key
+    # transformers uses); None: float weights.
+    quantization_config: dict | None = None
 
     def __post_init__(self):
         if self.hidden_size % self.n_head:
@@ -68,6 +71,8 @@ class BloomConfig:
         """A transformers-compatible config: `transformers.BloomConfig(**d)` accepts it."""
         d: dict[str, Any] = {"architectures": ["BloomForCausalLM"], "model_type": "bloom"}
         d.update({f.name: getattr(self, f.name) for f in fields(self)})
+        if d["quantization_config"] is None:  # float weights: transformers expects no key at all
+            del d["quantization_config"]
         # The LM head shares the word embeddings in every BLOOM checkpoint.
         d["tie_word_embeddings"] = True
         d["unk_token_id"] = 0

@@ -18,6 +18,7 @@ from .checkpoint import CheckpointReader
 from .config import BloomConfig
 from .lora import LoraAdapter
 from .model import StaticBloom
+from .quantize import QuantizeError, check_stored_quantization, is_quantized_weight, prepare_int8, stored_names
 from .tp import SINGLE, Parallel, check_splittable, shard_slices
 
 
@@ -57,12 +58,23 @@ def load_model(
     folder = Path(folder)
     config = BloomConfig.from_json(folder / "config.json")
     check_splittable(config, parallel.world_size)
+    check_stored_quantization(config)
+    quantized = config.quantization_config is not None
+    if quantized and adapter is not None:
+        raise QuantizeError("--peft_weights merges an adapter into float weights; this checkpoint is stored int8 "
+                            "(merge into the float checkpoint, then quantize it)")
     with torch.device("meta"):
         model = StaticBloom(config, parallel)
+    if quantized:
+        prepare_int8(model, dtype)
     state = {}
     checkpoint_bytes = 0
     with CheckpointReader(folder) as reader:
+        if quantized:
+            checkpoint_bytes += _load_int8(model, reader, device)
         for name, param in model.named_parameters():
+            if quantized and is_quantized_weight(name):
+                continue  # read as int8 above
             rows, cols = shard_slices(name, model)
             if adapter is not None and name in adapter:
                 tensor = adapter.merge(name, reader.get(name, dtype=torch.float32, rows=rows, cols=cols),
@@ -88,6 +100,31 @@ def load_model(
     model.eval().requires_grad_(False)
     report = LoadReport(time.perf_counter() - start, bytes_read, checkpoint_bytes, parallel.rank, parallel.world_size)
     return model, report
+
+
+def _load_int8(model: StaticBloom, reader: CheckpointReader, device) -> int:
+    """Read a quantized checkpoint's int8 weights and scales into the model's quantized modules,
+    this rank's slice of each (a row-parallel slice keeps every scale: they are the whole rows').
+    Returns the bytes a single process would read."""
+    total = 0
+    for module_name, module in model.named_modules():
+        if not getattr(module, "quantized", False) or "qweight" not in module._buffers:
+            continue
+        weight = f"{module_name}.weight"
+        rows, cols = shard_slices(weight, model)
+        qname, sname = stored_names(weight)
+        q = reader.get(qname, rows=rows, cols=cols)
+        scales = reader.get(sname, dtype=torch.float32, rows=rows)
+        want = tuple(module.qweight.shape)
+        if weight == "word_embeddings.weight" and q.shape[0] < want[0]:  # the last rank's pad rows
+            q = torch.cat([q, q.new_zeros(want[0] - q.shape[0], q.shape[1])])
+            scales = torch.cat([scales, scales.new_ones(want[0] - scales.shape[0])])
+        if tuple(q.shape) != want or q.dtype != torch.int8:
+            raise ValueError(f"checkpoint tensor {qname} is {q.dtype} {tuple(q.shape)}, the model expects int8 {want}")
+        module.register_buffer("qweight", q.to(device), persistent=False)
+        module.register_buffer("scales", scales.to(device), persistent=False)
+        total += _numel(reader.shape(qname)) + 4 * _numel(reader.shape(sname))
+    return total
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -27,10 +27,40 @@ from .tp import RowParallelLinear, VocabParallelEmbedding
 
 MODES = ("int8",)
 QMAX = 127
+# ``quantization_config`` of a checkpoint saved quantized (utils/quantize_checkpoint.py): weight W of
+# a linear layer or the embeddings is stored as ``W's module.qweight`` (int8) and ``.scales`` (fp32).
+QUANTIZATION_CONFIG = {"quant_method": "bloom_hpu", "bits": 8, "scales": "per_output_row", "symmetric": True}
+_QUANTIZED_MODULES = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 
 
 class QuantizeError(ValueError):
     """A quantization the model or the device cannot run (one line for the user)."""
+
+
+def is_quantized_weight(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` (unprefixed) is one that int8 keeps quantized."""
+    if name == "word_embeddings.weight":
+        return True
+    module, _, leaf = name.rpartition(".")
+    return leaf == "weight" and module.rpartition(".")[2] in _QUANTIZED_MODULES
+
+
+def stored_names(name: str) -> list[str]:
+    """The names a quantized checkpoint stores weight ``name`` under."""
+    module = name.removesuffix(".weight")
+    return [f"{module}.qweight", f"{module}.scales"]
+
+
+def check_stored_quantization(config) -> None:
+    """A checkpoint quantized in a format of ours, or none; anything else is one clear error."""
+    stored = config.quantization_config
+    if stored is None:
+        return
+    if not isinstance(stored, dict) or stored.get("quant_method") != QUANTIZATION_CONFIG["quant_method"] \
+            or stored.get("bits") != QUANTIZATION_CONFIG["bits"]:
+        method = stored.get("quant_method") if isinstance(stored, dict) else stored
+        raise QuantizeError(f"the checkpoint is quantized as {method!r}, which this program does not read; "
+                            "give it the float weights (utils/quantize_checkpoint.py makes int8 ones it reads)")
 
 
 def row_scales(weight: torch.Tensor, parallel=None, split_rows: bool = False) -> torch.Tensor:
@@ -53,10 +83,16 @@ def dequantized(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
     return (q.float() * scales[:, None]).to(dtype)
 
 
+# Up to this many rows a CPU product reads the int8 weight directly (decode: bound by the weight's
+# bytes); more rows (a prefill, a scoring pass) dequantize it and multiply through oneDNN, whose
+# products of many rows run several times faster than _weight_int8pack_mm's.
+INT8_MM_ROWS = 16
+
+
 def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, int8_mm: bool = True) -> torch.Tensor:
     """x [..., K] @ (q [N, K] * scales [N]).T in x's dtype; ``int8_mm``: through
-    ``torch._weight_int8pack_mm`` (the CPU's), else dequantized in the product."""
-    if int8_mm:
+    ``torch._weight_int8pack_mm`` (the CPU's) for a few rows, else dequantized in the product."""
+    if int8_mm and x.numel() <= INT8_MM_ROWS * x.shape[-1]:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         return torch._weight_int8pack_mm(flat, q, scales.to(x.dtype)).view(*x.shape[:-1], q.shape[0])
     return F.linear(x, q.to(x.dtype) * scales.to(x.dtype)[:, None])
@@ -118,6 +154,25 @@ def _swap(module: nn.Module, cls: type, split_rows: bool, parallel) -> None:
     # The float weight goes (a meta tensor keeps its shape and dtype for whoever asks).
     module.weight = nn.Parameter(module.weight.detach().to("meta"), requires_grad=False)
     module.__class__ = cls
+
+
+def prepare_int8(model: StaticBloom, dtype: torch.dtype) -> None:
+    """Give a model built on the meta device the int8 layout, for a quantized checkpoint's tensors
+    to be loaded into (``loading.py``): every quantized module gets empty ``qweight`` / ``scales``
+    buffers of its weight's (this rank's) shape."""
+    for module in list(model.modules()):
+        cls = _CLASSES.get(type(module))
+        if cls is None and module is model.word_embeddings:
+            cls = QuantEmbedding
+        if cls is None:
+            continue
+        rows, cols = module.weight.shape
+        module.register_buffer("qweight", torch.empty(rows, cols, dtype=torch.int8, device="meta"), persistent=False)
+        module.register_buffer("scales", torch.empty(rows, dtype=torch.float32, device="meta"), persistent=False)
+        module.dtype = dtype
+        module.__class__ = cls
+    model.head.__class__ = QuantTiedHead
+    model.head.embeddings = model.word_embeddings
 
 
 def quantize_int8(model: StaticBloom) -> StaticBloom:

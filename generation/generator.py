@@ -103,8 +103,8 @@ class Generator:
         if parallel.world_size > 1 and backend.device.type != "cpu" and backend.device.index is None:
             backend.device = torch.device(backend.device.type, parallel.local_rank)
         bloom, report = load_model(folder, torch_dtype, backend.device, parallel, adapter)
-        if quantize == "int8":  # before the runtime sees the model: the CPU fast path keeps int8 layers
-            quantize_int8(bloom)
+        if quantize == "int8" and bloom.config.quantization_config is None:
+            quantize_int8(bloom)  # before the runtime sees the model: the CPU fast path keeps int8 layers
         tokenizer = load_tokenizer(folder, bloom.config)
         generator = cls(bloom, tokenizer, StepRunner(bloom, backend), folder, report)
         generator.adapter = adapter

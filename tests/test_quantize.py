@@ -187,3 +187,61 @@ def test_two_ranks_with_int8_give_one_process_tokens(folder, tmp_path):
     one = Generator.from_pretrained(folder, quantize="int8")
     want = [r.token_ids for r in one.generate(PROMPTS[1:], max_length=20)]
     assert [r["token_ids"] for r in json.loads(out.read_text())] == want
+
+
+# --- a checkpoint saved int8 (utils/quantize_checkpoint.py) ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def int8_folder(folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("saved") / "int8"
+    done = subprocess.run([sys.executable, str(ROOT / "utils" / "quantize_checkpoint.py"), "--weights", str(folder),
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_a_saved_int8_checkpoint_loads_as_int8_and_gives_the_same_tokens(int8, int8_folder, folder):
+    config = json.loads((int8_folder / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "bloom_hpu"
+    index = json.loads((int8_folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "h.0.mlp.dense_h_to_4h.qweight" in index and "h.0.mlp.dense_h_to_4h.weight" not in index
+    loaded = Generator.from_pretrained(int8_folder)  # int8 without being asked: the checkpoint is
+    assert weight_bytes(loaded.model) == weight_bytes(int8.model)
+    options = dict(max_length=24, ignore_eos=True)
+    assert [r.token_ids for r in loaded.generate(PROMPTS, **options)] == \
+        [r.token_ids for r in int8.generate(PROMPTS, **options)]
+    again = Generator.from_pretrained(int8_folder, quantize="int8")  # asking for what it is: the same
+    assert [r.token_ids for r in again.generate(PROMPTS, **options)] == \
+        [r.token_ids for r in int8.generate(PROMPTS, **options)]
+
+
+def test_two_ranks_read_their_slices_of_a_saved_int8_checkpoint(int8_folder, int8, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "two.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
+               str(ROOT / "bloom.py"), "--weights", str(int8_folder), "--max_length", "20", "--quiet",
+               "--output_file", str(out), *PROMPTS[1:]]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    want = [r.token_ids for r in int8.generate(PROMPTS[1:], max_length=20)]
+    assert [r["token_ids"] for r in json.loads(out.read_text())] == want
+
+
+def test_checkpoints_quantized_otherwise_or_twice_are_one_line(folder, int8_folder, tmp_path):
+    other = tmp_path / "bnb"
+    other.mkdir()
+    for item in folder.iterdir():
+        (other / item.name).write_bytes(item.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    (other / "config.json").write_text(json.dumps(config))
+    done = subprocess.run([sys.executable, str(ROOT / "bloom.py"), "--weights", str(other), "Hi"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "quantized as 'bitsandbytes'" in done.stderr and "Traceback" not in done.stderr
+    again = subprocess.run([sys.executable, str(ROOT / "utils" / "quantize_checkpoint.py"), "--weights",
+                            str(int8_folder), "--out", str(tmp_path / "twice")], capture_output=True, text=True)
+    assert again.returncode == 1 and "quantized already" in again.stderr
