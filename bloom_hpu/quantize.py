@@ -103,8 +103,11 @@ class _QuantProduct:
 
     quantized = True
     int8_mm = True  # False: dequantize in the product (set by the runtime, see dequantize_in_products)
+    int8_kernel = None  # the CPU runtime's own int8 product of a few rows, when it has one
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.int8_kernel is not None and x.numel() <= INT8_MM_ROWS * x.shape[-1]:
+            return self.int8_kernel(x, self.qweight, self.scales, bias)
         out = int8_product(x, self.qweight, self.scales, self.int8_mm)
         return out if bias is None else out + bias
 
@@ -138,9 +141,13 @@ class QuantTiedHead(TiedHead):
 
     quantized = True
     int8_mm = True
+    int8_kernel = None
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return int8_product(x, self.embeddings.qweight, self.embeddings.scales, self.int8_mm)
+        q, scales = self.embeddings.qweight, self.embeddings.scales
+        if self.int8_kernel is not None and x.numel() <= INT8_MM_ROWS * x.shape[-1]:
+            return self.int8_kernel(x, q, scales, None)
+        return int8_product(x, q, scales, self.int8_mm)
 
 
 _CLASSES = {Linear: QuantLinear, RowParallelLinear: QuantRowParallelLinear}

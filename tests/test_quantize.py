@@ -119,16 +119,22 @@ def test_weights_are_within_half_a_step_and_take_half_the_bytes(folder):
         quantize_int8(model)
 
 
-def test_a_quantized_model_runs_in_bf16_on_every_cpu_path(folder):
-    want = None
-    for path in ("auto", "plain"):
-        from bloom_hpu.runtime.cpu import CpuOptions
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_every_cpu_path_runs_a_quantized_model(folder, dtype):
+    """The CPU's own int8 kernel (auto), torch._weight_int8pack_mm (plain): in fp32 the same tokens;
+    in bf16 each rounds its own way, so both are only checked to run without the one-call step."""
+    from bloom_hpu.runtime.cpu import CpuOptions
+    from bloom_hpu.runtime.cpu.capability import detect
 
-        generator = Generator.from_pretrained(folder, dtype="bf16", quantize="int8", cpu=CpuOptions(path=path))
+    results = {}
+    for path in ("auto", "plain"):
+        generator = Generator.from_pretrained(folder, dtype=dtype, quantize="int8", cpu=CpuOptions(path=path))
         assert "one-call decode step" not in generator.backend.fast_path
-        tokens = [r.token_ids for r in generator.generate(PROMPTS, max_length=32)]
-        want = want or tokens
-        assert tokens == want  # the int8 products are the same whatever else the CPU path swaps
+        if path == "auto" and detect().kernel_isa is not None:
+            assert "int8 few-rows products" in generator.backend.fast_path
+        results[path] = [r.token_ids for r in generator.generate(PROMPTS, max_length=32)]
+    if dtype == "fp32":
+        assert results["auto"] == results["plain"]
 
 
 def test_held_out_perplexity_of_the_default_stays_within_one_percent(tiny_checkpoint):
@@ -245,3 +251,27 @@ def test_checkpoints_quantized_otherwise_or_twice_are_one_line(folder, int8_fold
     again = subprocess.run([sys.executable, str(ROOT / "utils" / "quantize_checkpoint.py"), "--weights",
                             str(int8_folder), "--out", str(tmp_path / "twice")], capture_output=True, text=True)
     assert again.returncode == 1 and "quantized already" in again.stderr
+
+
+# --- the CPU's int8 kernel, on every build this CPU runs ---------------------------------------------
+
+from isas import KERNEL_ISAS  # noqa: E402
+
+
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_int8_kernel_is_the_dequantized_product(isa, dtype):
+    from bloom_hpu.runtime.cpu.kernels import load
+
+    kernel = load(isa).int8_rows_linear
+    g = torch.Generator().manual_seed(1)
+    for m, n, k in ((1, 1030, 1024), (3, 7, 64), (5, 64, 4096)):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        scales = torch.rand(n, generator=g) / 100
+        bias = torch.randn(n, generator=g).to(dtype)
+        want = torch.nn.functional.linear(x.float(), q.float() * scales[:, None], bias.float())
+        got = kernel(x, q, scales, bias)
+        assert got.dtype == dtype and got.shape == (m, n)
+        tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=5e-2)
+        torch.testing.assert_close(got.float(), want, **tolerance)

@@ -146,6 +146,13 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
             swap(model.head, CpuTiedHead, kernel=kernels.few_rows_linear,
                  few_rows_limit=few_rows * model.word_embeddings.weight.shape[1])
         used.append(f"few-rows products (up to {few_rows} rows)")
+        int8 = [m for m in model.modules() if getattr(m, "quantized", False) and hasattr(m, "int8_kernel")]
+        for module in int8:
+            q = module.embeddings.qweight if hasattr(module, "embeddings") else module.qweight
+            if q.shape[1] % 16 == 0:
+                module.int8_kernel = kernels.int8_rows_linear
+        if int8:
+            used.append("int8 few-rows products")
     onednn = options.path != "plain" and not compile_steps and dtype == torch.bfloat16
     if onednn and capability.onednn_fuses_gelu(dtype) and all(b.mlp.dense_h_to_4h in linears for b in model.h):
         for block in model.h:

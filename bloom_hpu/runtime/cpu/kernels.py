@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / name for name in ("few_rows_linear.cpp", "decode_step.cpp", "prompt_attention.cpp")]
+SOURCES = [CSRC / name for name in ("few_rows_linear.cpp", "decode_step.cpp", "prompt_attention.cpp",
+                                    "int8_rows_linear.cpp")]
 FLAGS = {
     "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-DBLOOM_ISA_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DBLOOM_ISA_AVX2"],
@@ -49,6 +50,7 @@ class Kernels:
     few_rows_linear: Callable
     decode_step: Callable
     prompt_attention: Callable
+    int8_rows_linear: Callable  # (x [..., K], q int8 [N, K], scales fp32 [N], bias): weight-only int8
 
 
 _built: dict[str, Kernels | KernelsUnavailable] = {}
@@ -96,7 +98,7 @@ def _build_and_probe(isa: str) -> Kernels:
         print(f"built the {isa} CPU kernels in {elapsed:.0f} s (cached from now on)", file=sys.stderr)
     ops = getattr(torch.ops, namespace)
     try:
-        kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention)
+        kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention, ops.int8_rows_linear)
     except AttributeError as error:  # a library built from other sources
         raise KernelsUnavailable(f"were built without their operators ({error})") from None
     _register_fake(namespace)
@@ -110,6 +112,10 @@ def _register_fake(namespace: str) -> None:
     @torch.library.register_fake(f"{namespace}::few_rows_linear")
     def _(x, w, bias):
         return x.new_empty(*x.shape[:-1], w.shape[0])
+
+    @torch.library.register_fake(f"{namespace}::int8_rows_linear")
+    def _(x, q, scales, bias):
+        return x.new_empty(*x.shape[:-1], q.shape[0])
 
 
 def _probe(kernels: Kernels) -> None:
@@ -126,3 +132,11 @@ def _probe(kernels: Kernels) -> None:
         want = F.linear(x.float(), w.float(), b.float())
         if not torch.allclose(got, want, rtol=2e-2, atol=0.1):
             raise KernelsUnavailable(f"the probe call gave wrong {dtype} products")
+        q = torch.randint(-127, 128, (21, 64), generator=g, dtype=torch.int8)
+        scales = torch.rand(21, generator=g) / 64
+        try:
+            got = kernels.int8_rows_linear(x, q, scales, None).float()
+        except RuntimeError as error:
+            raise KernelsUnavailable(f"the int8 probe call failed ({str(error).splitlines()[0]})") from None
+        if not torch.allclose(got, F.linear(x.float(), q.float() * scales[:, None]), rtol=2e-2, atol=0.1):
+            raise KernelsUnavailable(f"the int8 probe call gave wrong {dtype} products")
