@@ -121,17 +121,17 @@ def test_weights_are_within_half_a_step_and_take_half_the_bytes(folder):
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_every_cpu_path_runs_a_quantized_model(folder, dtype):
-    """The CPU's own int8 kernel (auto), torch._weight_int8pack_mm (plain): in fp32 the same tokens;
-    in bf16 each rounds its own way, so both are only checked to run without the one-call step."""
+    """The CPU's own int8 kernel and one-call int8 decode step (auto), torch._weight_int8pack_mm op by
+    op (plain): in fp32 the same tokens; in bf16 each rounds its own way, so both only run."""
     from bloom_hpu.runtime.cpu import CpuOptions
     from bloom_hpu.runtime.cpu.capability import detect
 
     results = {}
     for path in ("auto", "plain"):
         generator = Generator.from_pretrained(folder, dtype=dtype, quantize="int8", cpu=CpuOptions(path=path))
-        assert "one-call decode step" not in generator.backend.fast_path
         if path == "auto" and detect().kernel_isa is not None:
             assert "int8 few-rows products" in generator.backend.fast_path
+            assert "one-call decode step (int8)" in generator.backend.fast_path
         results[path] = [r.token_ids for r in generator.generate(PROMPTS, max_length=32)]
     if dtype == "fp32":
         assert results["auto"] == results["plain"]
@@ -275,3 +275,23 @@ def test_the_int8_kernel_is_the_dequantized_product(isa, dtype):
         assert got.dtype == dtype and got.shape == (m, n)
         tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=5e-2)
         torch.testing.assert_close(got.float(), want, **tolerance)
+
+
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+def test_the_one_call_int8_step_is_the_int8_model_op_by_op(folder, isa):
+    """decode_step_int8 against the same int8 model's decode op by op, fp32: the same logits."""
+    from bloom_hpu.runtime.cpu import CpuOptions
+
+    generator = Generator.from_pretrained(folder, quantize="int8", cpu=CpuOptions(path=isa))
+    plan = generator.backend.cpu_plan
+    assert plan.decode is not None and plan.decode.scales is not None
+    model = generator.model
+    cache = model.allocate_cache(2, 32)
+    ids = torch.tensor([[5, 9, 11, 3], [7, 8, 3, 3]])
+    with torch.no_grad():
+        model.prefill(ids, torch.tensor([3, 2]), cache)
+        tokens, positions = torch.tensor([[12], [40]]), torch.tensor([3, 2])
+        one_call = plan.decode(tokens, positions, cache, 16)
+        with plan.op_by_op():
+            op_by_op = model.decode(tokens, positions, cache, 16)
+    torch.testing.assert_close(one_call, op_by_op, rtol=1e-4, atol=1e-4)

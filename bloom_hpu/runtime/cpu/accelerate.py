@@ -83,11 +83,14 @@ class CpuPlan:
 
 class OneCallDecode:
     """The model's ``decode`` as one call of ``csrc/decode_step.cpp``: the same computation and
-    roundings without ~120 Python-dispatched operations per step (for a small model, most of it)."""
+    roundings without ~120 Python-dispatched operations per step (for a small model, most of it).
+    With ``op_int8`` the step reads the model's int8 weights and their row scales
+    (``bloom_hpu/quantize.py``) through ``decode_step_int8``."""
 
-    def __init__(self, model: StaticBloom, op: Callable):
-        self.op = op
-        self.weights = decode_weights(model)
+    def __init__(self, model: StaticBloom, op: Callable, op_int8: Callable | None = None):
+        self.weights, scales = decode_weights(model)
+        self.scales = scales if op_int8 is not None else None
+        self.op = op if op_int8 is None else (lambda w, *rest: op_int8(w, self.scales, *rest))
         self.eps = model.config.layer_norm_epsilon
         self.residual_from_ln = model.config.apply_residual_connection_post_layernorm
 
@@ -96,16 +99,24 @@ class OneCallDecode:
                        self.residual_from_ln)
 
 
-def decode_weights(model: StaticBloom) -> list[torch.Tensor]:
-    """The weights in the order ``csrc/decode_step.cpp`` reads them."""
-    norm = lambda ln: [ln.weight, ln.bias]  # noqa: E731
-    linear = lambda m: [m.weight, m.bias]  # noqa: E731
-    weights = [model.word_embeddings.weight, *norm(model.word_embeddings_layernorm), *norm(model.ln_f)]
+def decode_weights(model: StaticBloom) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The weights in the order ``csrc/decode_step.cpp`` reads them, and beside each its int8 row
+    scales where it is quantized (an empty tensor elsewhere)."""
+    none = torch.empty(0)
+    norm = lambda ln: [(ln.weight, none), (ln.bias, none)]  # noqa: E731
+
+    def weight(m):
+        return (m.qweight, m.scales) if getattr(m, "quantized", False) else (m.weight, none)
+
+    def linear(m):
+        return [weight(m), (m.bias, none)]
+
+    pairs = [weight(model.word_embeddings), *norm(model.word_embeddings_layernorm), *norm(model.ln_f)]
     for block in model.h:
         attention, mlp = block.self_attention, block.mlp
-        weights += [*norm(block.input_layernorm), *linear(attention.query_key_value), *linear(attention.dense),
-                    *norm(block.post_attention_layernorm), *linear(mlp.dense_h_to_4h), *linear(mlp.dense_4h_to_h)]
-    return [w.detach() for w in weights]
+        pairs += [*norm(block.input_layernorm), *linear(attention.query_key_value), *linear(attention.dense),
+                  *norm(block.post_attention_layernorm), *linear(mlp.dense_h_to_4h), *linear(mlp.dense_4h_to_h)]
+    return [w.detach() for w, _ in pairs], [s for _, s in pairs]
 
 
 def choose_kernels(path: str, cap: capability.Capability) -> tuple[Kernels | None, str]:
@@ -165,12 +176,18 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         used.append("oneDNN packed weights")
     plan = CpuPlan("", kernels, decode_rows=few_rows)
     if kernels is not None and options.one_call_steps:
-        quantized = any(getattr(m, "quantized", False) for m in model.modules())
-        all_kernel = (isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
-                      and not quantized)
+        quantized = [m for m in model.modules() if getattr(m, "quantized", False)]
+        if quantized:  # every weight int8, each served by the int8 kernel: the int8 one-call step
+            all_kernel = all(m.int8_kernel is not None for m in quantized if hasattr(m, "int8_kernel"))
+        else:
+            all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
         if not compile_steps and model.parallel.world_size == 1 and all_kernel:
-            plan.decode = OneCallDecode(model, kernels.decode_step)
-            used.append("one-call decode step")
+            plan.decode = OneCallDecode(model, kernels.decode_step, kernels.decode_step_int8 if quantized else None)
+            if quantized:  # the int8 kernel widens the weights again for every further row: 1-2 rows only
+                from ...quantize import INT8_KERNEL_ROWS
+
+                plan.decode_rows = min(plan.decode_rows, INT8_KERNEL_ROWS)
+            used.append("one-call decode step" + (" (int8)" if quantized else ""))
         for block in model.h:
             swap(block.self_attention, OneCallPromptAttention, op=kernels.prompt_attention)
             plan.prompt_attention.append(block.self_attention)

@@ -51,6 +51,7 @@ class Kernels:
     decode_step: Callable
     prompt_attention: Callable
     int8_rows_linear: Callable  # (x [..., K], q int8 [N, K], scales fp32 [N], bias): weight-only int8
+    decode_step_int8: Callable  # decode_step over int8 weights and their row scales
 
 
 _built: dict[str, Kernels | KernelsUnavailable] = {}
@@ -98,7 +99,8 @@ def _build_and_probe(isa: str) -> Kernels:
         print(f"built the {isa} CPU kernels in {elapsed:.0f} s (cached from now on)", file=sys.stderr)
     ops = getattr(torch.ops, namespace)
     try:
-        kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention, ops.int8_rows_linear)
+        kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention, ops.int8_rows_linear,
+                          ops.decode_step_int8)
     except AttributeError as error:  # a library built from other sources
         raise KernelsUnavailable(f"were built without their operators ({error})") from None
     _register_fake(namespace)

@@ -25,6 +25,7 @@
 #include "attention.h"
 #include "dtypes.h"
 #include "few_rows.h"
+#include "int8_rows.h"
 
 namespace {
 
@@ -105,57 +106,101 @@ void attend(const T* qkv, const int64_t* positions, T* keys, T* values, const T*
   });
 }
 
+// The products of one step: the weights' own dtype (few_rows.h), or, with `scales`, int8 weights
+// whose rows those scales multiply (int8_rows.h; weight-only int8).
 template <typename T>
-void decode(const std::vector<at::Tensor>& weights, const int64_t* tokens, const int64_t* positions, at::Tensor& keys,
-            at::Tensor& values, const T* alibi, const Shapes& s, float eps, bool residual_from_ln, T* logits) {
+struct Products {
+  const std::vector<at::Tensor>& weights;
+  const std::vector<at::Tensor>* scales;  // nullptr: float weights
+
+  void operator()(size_t i, const T* x, int64_t M, int64_t N, int64_t K, const T* bias, T* out) const {
+    if (scales == nullptr)
+      linear_rows<T>(x, M, weights[i].data_ptr<T>(), N, K, bias, out);
+    else
+      bloom_cpu::int8_linear<T>(x, M, weights[i].data_ptr<int8_t>(), (*scales)[i].data_ptr<float>(), N, K, bias, out);
+  }
+
+  // Row `id` of the word embeddings into `out` [E].
+  void embedding_row(int64_t id, int64_t E, T* out) const {
+    if (scales == nullptr) {
+      const T* row = weights[0].data_ptr<T>() + id * E;
+      std::copy(row, row + E, out);
+      return;
+    }
+    const int8_t* row = weights[0].data_ptr<int8_t>() + id * E;
+    const float scale = (*scales)[0].data_ptr<float>()[id];
+    for (int64_t e = 0; e < E; ++e) out[e] = T(float(row[e]) * scale);
+  }
+};
+
+template <typename T>
+void decode(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>* scales, const int64_t* tokens,
+            const int64_t* positions, at::Tensor& keys, at::Tensor& values, const T* alibi, const Shapes& s, float eps,
+            bool residual_from_ln, T* logits) {
   auto ptr = [&](size_t i) { return weights[i].data_ptr<T>(); };
+  const Products<T> product{weights, scales};
   const int64_t B = s.batch, V = weights[0].size(0), E = weights[0].size(1);
   const int64_t layers = (int64_t(weights.size()) - kGlobalWeights) / kBlockWeights;
   const int64_t F = weights[kGlobalWeights + 8].size(0);  // the MLP's width (4 E)
   std::vector<T> h(B * E), x(B * E), attn(B * E), context(B * E), qkv(B * 3 * E), wide(B * F);
 
-  for (int64_t b = 0; b < B; ++b) std::copy(ptr(0) + tokens[b] * E, ptr(0) + (tokens[b] + 1) * E, x.data() + b * E);
+  for (int64_t b = 0; b < B; ++b) product.embedding_row(tokens[b], E, x.data() + b * E);
   layer_norm<T>(x.data(), ptr(1), ptr(2), B, E, eps, h.data());
 
   const int64_t layer_cache = B * s.heads * s.cache_len * s.head_dim;
   for (int64_t layer = 0; layer < layers; ++layer) {
     const size_t w = kGlobalWeights + layer * kBlockWeights;
     layer_norm<T>(h.data(), ptr(w), ptr(w + 1), B, E, eps, x.data());
-    linear_rows<T>(x.data(), B, ptr(w + 2), 3 * E, E, ptr(w + 3), qkv.data());
+    product(w + 2, x.data(), B, 3 * E, E, ptr(w + 3), qkv.data());
     attend<T>(qkv.data(), positions, keys.data_ptr<T>() + layer * layer_cache,
               values.data_ptr<T>() + layer * layer_cache, alibi, s, context.data());
-    linear_rows<T>(context.data(), B, ptr(w + 4), E, E, ptr(w + 5), attn.data());
+    product(w + 4, context.data(), B, E, E, ptr(w + 5), attn.data());
     add_into<T>(residual_from_ln ? x.data() : h.data(), attn.data(), B * E);  // attn = residual + attention
     layer_norm<T>(attn.data(), ptr(w + 6), ptr(w + 7), B, E, eps, x.data());
-    linear_rows<T>(x.data(), B, ptr(w + 8), F, E, ptr(w + 9), wide.data());
+    product(w + 8, x.data(), B, F, E, ptr(w + 9), wide.data());
     gelu_tanh<T>(wide.data(), B * F);
-    linear_rows<T>(wide.data(), B, ptr(w + 10), E, F, ptr(w + 11), h.data());
+    product(w + 10, wide.data(), B, E, F, ptr(w + 11), h.data());
     add_into<T>(residual_from_ln ? x.data() : attn.data(), h.data(), B * E);  // h = residual + MLP
   }
   layer_norm<T>(h.data(), ptr(3), ptr(4), B, E, eps, x.data());
-  linear_rows<T>(x.data(), B, ptr(0), V, E, nullptr, logits);
+  product(0, x.data(), B, V, E, nullptr, logits);
 }
 
-// tokens [B, 1] int64, positions [B] int64, keys/values [layers, B, H, cache_len, D],
-// alibi [B * H, 1, cache_len] -> logits [B, V] in the weights' dtype.
-at::Tensor decode_step(const std::vector<at::Tensor>& weights, const at::Tensor& tokens, const at::Tensor& positions,
-                       at::Tensor keys, at::Tensor values, const at::Tensor& alibi, int64_t window, double eps,
-                       bool residual_from_ln) {
+// The quantized entries of a decode step's weight list (int8 with scales): the embeddings and the
+// four linear weights of every block.
+bool quantizable(size_t i) {
+  if (i == 0) return true;
+  if (i < size_t(kGlobalWeights)) return false;
+  const size_t j = (i - kGlobalWeights) % kBlockWeights;
+  return j == 2 || j == 4 || j == 8 || j == 10;
+}
+
+at::Tensor run_decode(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>* scales,
+                      const at::Tensor& tokens, const at::Tensor& positions, at::Tensor keys, at::Tensor values,
+                      const at::Tensor& alibi, int64_t window, double eps, bool residual_from_ln) {
   TORCH_CHECK(weights.size() > kGlobalWeights && (weights.size() - kGlobalWeights) % kBlockWeights == 0,
               "decode_step: 5 + 12 per block weights");
   TORCH_CHECK(keys.dim() == 5 && keys.is_contiguous() && values.is_contiguous() && alibi.is_contiguous(),
               "decode_step: contiguous keys/values [layers, B, H, K, D] and alibi");
   TORCH_CHECK(tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong, "decode_step: int64 ids");
-  const auto dtype = weights[0].scalar_type();
-  for (const auto& w : weights)
-    TORCH_CHECK(w.scalar_type() == dtype && w.is_contiguous(), "decode_step: contiguous weights of one dtype");
+  const auto dtype = weights[1].scalar_type();  // a layer norm's: the activations' dtype
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const bool int8 = scales != nullptr && quantizable(i);
+    TORCH_CHECK(weights[i].scalar_type() == (int8 ? at::kChar : dtype) && weights[i].is_contiguous(),
+                "decode_step: contiguous weights of one dtype (int8 where quantized)");
+    if (int8)
+      TORCH_CHECK((*scales)[i].scalar_type() == at::kFloat && (*scales)[i].numel() == weights[i].size(0) &&
+                      (*scales)[i].is_contiguous(),
+                  "decode_step: fp32 scales, one per row of each int8 weight");
+  }
   TORCH_CHECK(keys.scalar_type() == dtype && values.scalar_type() == dtype && alibi.scalar_type() == dtype,
               "decode_step: cache and alibi in the weights' dtype");
   const Shapes s{keys.size(1), keys.size(2), keys.size(4), keys.size(3), window};
   const int64_t E = weights[0].size(1), F = weights[kGlobalWeights + 8].size(0);
-  TORCH_CHECK(E * weights[0].element_size() % bloom_cpu::kStepBytes == 0 &&
-                  F * weights[0].element_size() % bloom_cpu::kStepBytes == 0,
-              "decode_step: the hidden size and the MLP's width must be multiples of 64 bytes (few_rows.h)");
+  const int64_t step = scales != nullptr ? 16 : bloom_cpu::kStepBytes / int64_t(c10::elementSize(dtype));
+  TORCH_CHECK(E % step == 0 && F % step == 0,
+              "decode_step: the hidden size and the MLP's width must be multiples of 64 bytes (few_rows.h), "
+              "16 elements with int8 weights");
   TORCH_CHECK(tokens.numel() == s.batch && positions.numel() == s.batch && window <= s.cache_len,
               "decode_step: one token and one position per cache row, window within the cache");
   const at::Tensor ids = tokens.contiguous(), slots = positions.contiguous();
@@ -165,12 +210,28 @@ at::Tensor decode_step(const std::vector<at::Tensor>& weights, const at::Tensor&
     TORCH_CHECK(id[b] >= 0 && id[b] < weights[0].size(0), "decode_step: token id out of the vocabulary");
     TORCH_CHECK(slot[b] >= 0 && slot[b] < s.cache_len, "decode_step: position outside the cache");
   }
-  auto logits = at::empty({s.batch, weights[0].size(0)}, weights[0].options());
+  auto logits = at::empty({s.batch, weights[0].size(0)}, weights[1].options());
   bloom_cpu::with_element_type(dtype, "decode_step", [&](auto zero) {
     using T = decltype(zero);
-    decode<T>(weights, id, slot, keys, values, alibi.data_ptr<T>(), s, float(eps), residual_from_ln, logits.data_ptr<T>());
+    decode<T>(weights, scales, id, slot, keys, values, alibi.data_ptr<T>(), s, float(eps), residual_from_ln,
+              logits.data_ptr<T>());
   });
   return logits;
+}
+
+at::Tensor decode_step(const std::vector<at::Tensor>& weights, const at::Tensor& tokens, const at::Tensor& positions,
+                       at::Tensor keys, at::Tensor values, const at::Tensor& alibi, int64_t window, double eps,
+                       bool residual_from_ln) {
+  return run_decode(weights, nullptr, tokens, positions, keys, values, alibi, window, eps, residual_from_ln);
+}
+
+// The same step over int8 weights: `scales[i]` holds the row scales of `weights[i]` where that is
+// int8 (the embeddings and the blocks' linear weights), and is ignored elsewhere.
+at::Tensor decode_step_int8(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
+                            const at::Tensor& tokens, const at::Tensor& positions, at::Tensor keys, at::Tensor values,
+                            const at::Tensor& alibi, int64_t window, double eps, bool residual_from_ln) {
+  TORCH_CHECK(scales.size() == weights.size(), "decode_step_int8: one scales entry per weight");
+  return run_decode(weights, &scales, tokens, positions, keys, values, alibi, window, eps, residual_from_ln);
 }
 
 }  // namespace
@@ -178,8 +239,11 @@ at::Tensor decode_step(const std::vector<at::Tensor>& weights, const at::Tensor&
 BLOOM_LIBRARY_FRAGMENT(BLOOM_OPS, m) {
   m.def("decode_step(Tensor[] weights, Tensor tokens, Tensor positions, Tensor(a!) keys, Tensor(b!) values, "
         "Tensor alibi, int window, float eps, bool residual_from_ln) -> Tensor");
+  m.def("decode_step_int8(Tensor[] weights, Tensor[] scales, Tensor tokens, Tensor positions, Tensor(a!) keys, "
+        "Tensor(b!) values, Tensor alibi, int window, float eps, bool residual_from_ln) -> Tensor");
 }
 
 BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {
   m.impl("decode_step", &decode_step);
+  m.impl("decode_step_int8", &decode_step_int8);
 }

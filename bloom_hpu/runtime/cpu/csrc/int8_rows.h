@@ -1,0 +1,102 @@
+// Products of a few rows with an int8 weight (weight-only int8, bloom_hpu/quantize.py), at the speed
+// of reading int8 bytes: the operator int8_rows_linear and the one-call int8 decode step use it.
+//
+// out[m, n] = scales[n] * sum_k x[m, k] * q[n, k] + bias[n]    x [M, K], q [N, K] int8, M small
+//
+// A decode step's time is the time to stream the weights; int8 halves their bytes against bf16.
+// Each 16 int8 weights are loaded as 16 bytes, widened to 16 fp32 (sign extension, conversion) and
+// multiplied into fp32 sums by one FMA per input row; the row's scale multiplies the finished sum
+// once. The inputs are widened to fp32 once per call (a few rows: a few KB). Weight rows are taken
+// four at a time and prefetched a few KB ahead, as in few_rows.h; work is split over PyTorch's
+// intra-op threads by blocks of rows. K must be a multiple of 16.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "vec16.h"
+
+BLOOM_CPU_BEGIN
+
+// 16 int8 weights as fp32.
+#if defined(BLOOM_ISA_AVX512)
+inline Vec16 load16_int8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+constexpr int kInt8XRows = 2;  // input rows per pass over a block (4 measured no faster)
+#else
+inline Vec16 load16_int8(const int8_t* p) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(bytes, bytes)))};
+}
+constexpr int kInt8XRows = 2;  // AVX2's 16 registers: 8 sums (two halves each) and the inputs
+#endif
+
+constexpr int kInt8Rows = 4;                 // weight rows per block
+constexpr int64_t kInt8PrefetchBytes = 4096;  // weight bytes ahead of the loads
+
+// sums[m * R + r] = dot(q row r, x row m) for R weight rows and MB fp32 input rows.
+template <int R, int MB>
+inline void int8_block(const int8_t* q, const float* x, int64_t K, float* sums) {
+  Vec16 acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = zero16();
+  for (int64_t k = 0; k < K; k += 16) {
+    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(q + r * K + k + kInt8PrefetchBytes), _MM_HINT_T0);
+    Vec16 xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = load16(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const Vec16 w = load16_int8(q + r * K + k);
+      for (int m = 0; m < MB; ++m) acc[r][m] = fmadd(w, xv[m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) sums[m * R + r] = reduce_add(acc[r][m]);
+}
+
+template <int R, int MB>
+inline void int8_rows(int64_t mb, const int8_t* q, const float* x, int64_t K, float* sums) {
+  if constexpr (MB > 1) {
+    if (mb < MB) return int8_rows<R, MB - 1>(mb, q, x, K, sums);
+  }
+  int8_block<R, MB>(q, x, K, sums);
+}
+
+template <typename T, int R>
+inline void int8_outputs(const int8_t* q, const float* scales, const float* x, const T* bias, T* out, int64_t n,
+                         int64_t M, int64_t N, int64_t K) {
+  float sums[R * kInt8XRows];
+  for (int64_t m0 = 0; m0 < M; m0 += kInt8XRows) {
+    const int64_t mb = std::min<int64_t>(kInt8XRows, M - m0);
+    int8_rows<R, kInt8XRows>(mb, q, x + m0 * K, K, sums);
+    for (int64_t m = 0; m < mb; ++m)
+      for (int r = 0; r < R; ++r) {
+        const float value = sums[m * R + r] * scales[n + r] + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
+        out[(m0 + m) * N + n + r] = T(value);
+      }
+  }
+}
+
+// out [M, N] = (x [M, K] @ q [N, K]^T) * scales [N] (+ bias [N]), x widened to fp32 once (a few rows).
+template <typename T>
+void int8_linear(const T* x_in, int64_t M, const int8_t* q, const float* scales, int64_t N, int64_t K, const T* bias,
+                 T* out) {
+  std::vector<float> x(M * K);
+  for (int64_t i = 0; i < M * K; ++i) x[i] = static_cast<float>(x_in[i]);
+  const int64_t blocks = N / kInt8Rows;
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kInt8Rows * K));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      int8_outputs<T, kInt8Rows>(q + b * kInt8Rows * K, scales, x.data(), bias, out, b * kInt8Rows, M, N, K);
+  });
+  for (int64_t n = blocks * kInt8Rows; n < N; ++n) int8_outputs<T, 1>(q + n * K, scales, x.data(), bias, out, n, M, N, K);
+}
+
+BLOOM_CPU_END
