@@ -3,6 +3,8 @@ transformers' order, and greedy search with them gives transformers' tokens."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -119,3 +121,24 @@ def test_greedy_with_processors_matches_transformers(eos_generator, eos_referenc
         assert result.token_ids == expected, prompt
     # The options did something on this model, so the comparison above tests them.
     assert any(r.token_ids != p.token_ids for r, p in zip(results, plain))
+
+
+def test_per_row_top_p_keeps_what_one_value_keeps_at_the_threshold():
+    """The server's per-row top_p (RowOptions' tensors) drops exactly what transformers' warper
+    drops for the same p, also where the least likely token's mass lands between float32(1 - p)
+    and 1 - float32(p) (the two differ in their last bits)."""
+    from generation.serving.params import SamplingParams
+    from generation.serving.row_options import RowOptions
+
+    p = 0.9
+    # Two tokens whose smaller probability sweeps densely across 0.1: every float32 near it.
+    gap = torch.linspace(-2e-6, 2e-6, 4001, dtype=torch.float64) + math.log(9.0)
+    scores = torch.stack([torch.zeros_like(gap), gap], dim=1).float()
+    rows = scores.shape[0]
+    opts = RowOptions(rows, 2, 4, "cpu", 0)
+    for slot in range(rows):
+        opts.set_row(slot, SamplingParams(temperature=1.0, top_p=p), 0, [1])
+    kept = ours.top_p(scores, opts.top_p[:, None], 1, tail=opts.top_p_tail[:, None])
+    expected = hf.TopPLogitsWarper(p)(None, scores.clone())
+    assert (kept.isinf() != expected.isinf()).sum() == 0
+    assert expected.isinf().any() and not expected.isinf().all()  # the sweep crosses the threshold

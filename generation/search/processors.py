@@ -101,12 +101,18 @@ def top_k(scores: torch.Tensor, k: int | torch.Tensor, min_keep: int) -> torch.T
     return scores.masked_fill(scores < kth, NEG_INF)
 
 
-def top_p(scores: torch.Tensor, p: float | torch.Tensor, min_keep: int) -> torch.Tensor:
+def top_p(scores: torch.Tensor, p: float | torch.Tensor, min_keep: int,
+          tail: torch.Tensor | None = None) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probability reaches ``p`` (one value, or
-    [R, 1] per row, where rows at 1.0 keep every token)."""
+    [R, 1] per row, where rows at 1.0 keep every token).
+
+    ``tail``: the per-row ``1 - p`` [R, 1] as the host computes it (in double, then float32). For
+    one value the threshold is float32(1 - p); ``1 - p`` of a float32 ``p`` differs in its last
+    bits (p = 0.9: 0.10000002 instead of 0.1), which would keep a token now and then that the
+    same row drops offline (and in transformers)."""
     ascending, order = torch.sort(scores, dim=-1)
     cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative <= 1 - p  # the unlikely tail whose total mass stays within 1 - p
+    drop = cumulative <= (1 - p if tail is None else tail)  # the unlikely tail whose total mass stays within 1 - p
     if isinstance(p, torch.Tensor):
         drop &= p < 1.0
     drop[..., -min_keep:] = False

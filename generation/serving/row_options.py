@@ -29,6 +29,7 @@ class RowOptions:
         i = dict(dtype=torch.long, device=device)
         self.temperature = torch.zeros(rows, **f)  # 0: greedy
         self.top_p = torch.ones(rows, **f)
+        self.top_p_tail = torch.zeros(rows, **f)  # 1 - top_p, computed on the host (processors.top_p)
         self.top_k = torch.zeros(rows, **i)
         self.repetition = torch.ones(rows, **f)
         self.presence = torch.zeros(rows, **f)
@@ -38,7 +39,7 @@ class RowOptions:
         # (presence/frequency penalties), [R, K] and [R, V].
         self.sequence = torch.full((rows, max_length), pad_token_id, **i)
         self.counts = torch.zeros(rows, vocab, **f)
-        self._tensors = [self.temperature, self.top_p, self.top_k, self.repetition, self.presence,
+        self._tensors = [self.temperature, self.top_p, self.top_p_tail, self.top_k, self.repetition, self.presence,
                          self.frequency, self.keys, self.sequence, self.counts]
 
     def set_row(self, slot: int, params, key: int, prompt: list[int]) -> None:
@@ -50,9 +51,10 @@ class RowOptions:
         a new offset and a new constant, which lazy mode on a Gaudi would compile anew)."""
         device = self.temperature.device
         at = torch.tensor([slot]).to(device)
-        floats = torch.tensor([[params.temperature, params.top_p, params.repetition_penalty,
+        floats = torch.tensor([[params.temperature, params.top_p, 1.0 - params.top_p, params.repetition_penalty,
                                 params.presence_penalty, params.frequency_penalty]], dtype=torch.float32).to(device)
-        for column, t in enumerate((self.temperature, self.top_p, self.repetition, self.presence, self.frequency)):
+        for column, t in enumerate((self.temperature, self.top_p, self.top_p_tail, self.repetition, self.presence,
+                                    self.frequency)):
             t.index_copy_(0, at, floats[:, column])
         longs = torch.tensor([params.top_k, key]).to(device)
         self.top_k.index_copy_(0, at, longs[:1])
@@ -109,7 +111,7 @@ def choose_tokens(logits: torch.Tensor, opts: RowOptions, b: int, used: torch.Te
     if flags.top_k:
         scores = top_k(scores, opts.top_k[:b], 1)
     if flags.top_p:
-        scores = top_p(scores, opts.top_p[:b, None], 1)
+        scores = top_p(scores, opts.top_p[:b, None], 1, tail=opts.top_p_tail[:b, None])
     return torch.where(sampled_rows, draw(scores, opts.keys[:b], steps), greedy)
 
 
