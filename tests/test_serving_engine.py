@@ -166,3 +166,22 @@ def test_a_failing_request_fails_alone(generator, engine, monkeypatch):
         bad.result(60)
     [sequence] = ok.result(60)
     assert 1 <= len(sequence.token_ids) <= 5 and engine.running_rows == 0
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_half_precision_engine_answers_as_its_generator(dtype):
+    """The engine keeps its logits in fp32 whatever the model's dtype: a bf16/fp16 server's rows
+    (prefilled, then decoded) give what the same generator gives alone."""
+    generator = Generator.from_pretrained("checkpoints/bloom-tiny", dtype=dtype, device="cpu")
+    engine = Engine(generator, EngineConfig(max_batch=2, max_length=MAX_LENGTH, bucket_width=WIDTH))
+    engine.start()
+    try:
+        assert engine.ready.wait(60)
+        tok = generator.tokenizer
+        prompts = ["It was the best of times", "And the king said"]
+        params = SamplingParams(max_tokens=8)
+        handles = [engine.submit(tok.encode(p), params) for p in prompts]
+        got = [[s.token_ids for s in h.result(timeout=60)] for h in handles]
+    finally:
+        engine.stop()
+    assert got == [alone(generator, p, params) for p in prompts]

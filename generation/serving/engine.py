@@ -434,7 +434,7 @@ class Engine:
             keys = [0] * len(slots)
         limit = min(params.max_tokens, self.config.max_length - length)
         for copy, slot in enumerate(slots):
-            self.logits.index_copy_(0, torch.tensor([slot]).to(self.device), logits)
+            self.logits.index_copy_(0, torch.tensor([slot]).to(self.device), logits.to(self.logits.dtype))
             self.opts.set_row(slot, params, keys[copy], ids)
             indices = [copy] if params.sampling else list(range(params.n))
             self.rows[slot] = _Row(handle, indices, length, limit, IncrementalText(self.text_of.token_bytes, params.stop))
