@@ -116,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--bucket_width", type=int, default=32,
                          help="--serve: prompt and attention-window buckets, in tokens (default 32; 0: max_length only)")
     serving.add_argument("--max_prefill", type=int, default=4,
-                         help="--serve: waiting prompts prefilled together in one step (default 4)")
+                         help="--serve: waiting prompts prefilled together in one step when no row is running (default 4)")
+    serving.add_argument("--prefill_chunk", type=int, default=32,
+                         help="--serve: prompt tokens fed per decode step while rows run (default 32)")
     serving.add_argument("--max_queue", type=int, default=256, help="--serve: requests waiting before 503 (default 256)")
     serving.add_argument("--lora", action="append", metavar="NAME=DIR",
                          help="--serve: a LoRA adapter saved by PEFT, served unmerged beside the base model; a "
@@ -334,8 +336,9 @@ def run_server(args, opts) -> int:
     """--serve: warm up every bucket, then answer HTTP (generation/serving/)."""
     if args.mode == "vanilla":
         raise UsageError("--serve runs in --mode optimized only")
-    if min(args.max_batch, args.max_queue, args.max_prefill) < 1 or args.bucket_width < 0 or opts.max_length < 2:
-        raise UsageError("--max_batch, --max_prefill and --max_queue must be >= 1, --bucket_width >= 0, "
+    if min(args.max_batch, args.max_queue, args.max_prefill, args.prefill_chunk) < 1 or args.bucket_width < 0 \
+            or opts.max_length < 2:
+        raise UsageError("--max_batch, --max_prefill, --prefill_chunk and --max_queue must be >= 1, --bucket_width >= 0, "
                          "--max_length >= 2")
     from generation.serving.app import serve
     from generation.serving.device_rows import DeviceRows
@@ -353,8 +356,9 @@ def run_server(args, opts) -> int:
     if generator.backend.fast_path != "none":  # with --lora: that decode runs op by op
         log(f"CPU fast path: {generator.backend.fast_path}")
     config = EngineConfig(max_batch=args.max_batch, max_length=opts.max_length, bucket_width=args.bucket_width,
-                          max_queue=args.max_queue, max_prefill=args.max_prefill)
-    rows = DeviceRows(generator, config.max_batch, config.max_length, config.bucket_width, config.max_prefill)
+                          max_queue=args.max_queue, max_prefill=args.max_prefill, prefill_chunk=args.prefill_chunk)
+    rows = DeviceRows(generator, config.max_batch, config.max_length, config.bucket_width, config.max_prefill,
+                      config.prefill_chunk)
     if PARALLEL.world_size > 1:
         # Rank 0 answers HTTP and sends each step to the other ranks, which make it too (tp_serving.py).
         from generation.serving.tp_serving import LeaderRows, RankGone, follow

@@ -1,12 +1,14 @@
 """BLOOM rewritten for static shapes.
 
-Two entry points, both with shapes fixed in advance:
+The entry points, all with shapes fixed in advance:
 
 * ``prefill(input_ids [B, P], lengths [B], cache)``: prompts right-padded to P; writes the KV cache
   slots 0..P-1 and returns the logits of each row's last real token only ([B, V]; the full
   [B, P, V] logits are never built).
 * ``decode(tokens [B, 1], positions [B], cache, window)``: one new token per row, written into the
   cache at the row's own slot; attends over the first ``window`` slots ([B, V] logits).
+* ``mixed(tokens, positions, chunk [1, C], chunk_row, chunk_start, chunk_len, cache, window)``: a
+  decode step that also carries C tokens of one row's prompt (the server's prefill in chunks).
 
 Module and parameter names follow the transformers checkpoints (``h.0.self_attention.dense``...), so
 weights load by name. Tensor parallelism enters through ``parallel`` and the two parallel layers of
@@ -129,6 +131,27 @@ class Attention(nn.Module):
         return self.dense(self._attend(q, keys, values, masked_alibi))
 
 
+    def mixed(self, x, layer: int, cache: KVCache, positions, window: int, masked_alibi, chunk_row, chunk_slots,
+              chunk_bias):
+        """A decode step of b rows with a prompt chunk of C tokens: x [b + C, 1, hidden], the b
+        decode tokens first. One product for all; then the decode tokens attend as in ``decode``
+        and the chunk as a prompt continued in row ``chunk_row`` [1]: its keys and values go to
+        ``chunk_slots`` [C], its queries attend that row's first ``window`` slots with
+        ``chunk_bias`` [H, C, W] (ALiBi with the causal mask folded in)."""
+        b = positions.shape[0]
+        qkv = self.query_key_value(x)  # [b + C, 1, 3*H*D]
+        q, k, v = self._split_heads(qkv[:b])
+        cq, ck, cv = self._split_heads(qkv[b:].reshape(1, -1, qkv.shape[-1]))  # [1, H, C, D]
+        # The decode writes first: a row still being prefilled decodes a filler token at the slot
+        # its chunk starts at (engine.py), which the chunk's own write then replaces.
+        cache.write_at(layer, positions, k, v)
+        cache.write_span(layer, chunk_row, chunk_slots, ck, cv)
+        context = self._attend(q, cache.keys[layer][:, :, :window], cache.values[layer][:, :, :window], masked_alibi)
+        row_keys, row_values = cache.row_window(layer, chunk_row, window)
+        chunk_context = self._attend(cq, row_keys, row_values, chunk_bias)  # [1, C, H*D]
+        return self.dense(torch.cat([context, chunk_context.transpose(0, 1)]))
+
+
 class MLP(nn.Module):
     def __init__(self, config: BloomConfig, parallel: Parallel):
         super().__init__()
@@ -237,15 +260,46 @@ class StaticBloom(nn.Module):
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
         """tokens [B, 1] written at slots positions [B]; attends slots < window -> logits [B, V]."""
-        b, heads = tokens.shape[0], self.local_heads
+        masked_alibi = self._decode_bias(positions, cache, window)
+        h = self.embed(tokens)
+        for i, block in enumerate(self.h):
+            h = block(h, lambda x, i=i, block=block: block.self_attention.decode(x, i, cache, positions, window, masked_alibi))
+        return self.lm_head(h[:, 0])
+
+    def _decode_bias(self, positions: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
+        """[B*H, 1, W]: the ALiBi bias of one token per row at ``positions``, with unseen slots at
+        the dtype's minimum."""
+        b, heads = positions.shape[0], self.local_heads
         slots = cache.slots[:window]
         hidden = (slots[None, :] > positions[:, None])[:, None, :].expand(b, heads, window).reshape(b * heads, window)
         # The mask is folded into the ALiBi bias once per step, for every layer: baddbmm then adds
         # the dtype's minimum to unseen slots, whose probability comes out exactly 0, as with
         # masking the scores afterwards (seen slots get the very same bias), minus one op per layer.
         alibi = cache.alibi[:, :, :window]
-        masked_alibi = alibi.masked_fill(hidden[:, None, :], torch.finfo(alibi.dtype).min)  # [B*H, 1, W], row b*H+h
-        h = self.embed(tokens)
+        return alibi.masked_fill(hidden[:, None, :], torch.finfo(alibi.dtype).min)  # [B*H, 1, W], row b*H+h
+
+    def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, chunk: torch.Tensor, chunk_row: torch.Tensor,
+              chunk_start: torch.Tensor, chunk_len: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
+        """A decode step with a prompt chunk in it: one read of the weights serves both.
+
+        tokens [B, 1] at positions [B], as ``decode``; chunk [1, C] ids, right-padded after
+        ``chunk_len`` [1] real ones, continuing the prompt of cache row ``chunk_row`` [1] from slot
+        ``chunk_start`` [1] (its earlier slots hold the prompt's start). Every slot attended is
+        below ``window``. Returns logits [B + 1, V]: the B rows', then the chunk's last real token's
+        (the first token's logits when the chunk ends its prompt).
+
+        The chunk's pad tokens write the slots after its real ones (clamped to the cache), which
+        nothing attends before the row writes them again."""
+        b, c, heads = tokens.shape[0], chunk.shape[1], self.local_heads
+        masked_alibi = self._decode_bias(positions, cache, window)
+        chunk_slots = (chunk_start + cache.slots[:c]).clamp(max=cache.length - 1)  # [C]
+        # Chunk token i sees its row's slots <= chunk_start + i (causal, the earlier chunks included).
+        hidden = cache.slots[None, :window] > chunk_slots[:, None]  # [C, W]
+        alibi = cache.alibi[:heads, :, :window]  # [H, 1, W]: the bias is the same for every row
+        chunk_bias = alibi.masked_fill(hidden[None], torch.finfo(alibi.dtype).min)  # [H, C, W]
+        h = self.embed(torch.cat([tokens[:, 0], chunk[0]])[:, None])  # [B + C, 1, hidden]: one token per row
         for i, block in enumerate(self.h):
-            h = block(h, lambda x, i=i, block=block: block.self_attention.decode(x, i, cache, positions, window, masked_alibi))
-        return self.lm_head(h[:, 0])
+            h = block(h, lambda x, i=i, block=block: block.self_attention.mixed(
+                x, i, cache, positions, window, masked_alibi, chunk_row, chunk_slots, chunk_bias))
+        keep = torch.cat([cache.rows[:b], chunk_len + (b - 1)])  # the B rows and the chunk's last real token
+        return self.lm_head(h[:, 0].index_select(0, keep))

@@ -103,6 +103,7 @@ def test_each_row_of_a_mixed_batch_equals_its_adapter_merged_alone(server, clien
     # Another mix of adapters (and batch sizes): still the warm-up's step shapes only.
     second = _mixed_round(client, merged, 2, ["all", "qkv"])
     assert generator.backend.signatures == warm  # before the references add their own shapes
+    assert engine.stats["prompts_chunked"] > 0  # some joined in chunks beside rows of other adapters
     texts = {}
     for cases, answers in (first, second):
         for (model, prompt, max_tokens, _), answer in zip(cases, answers):

@@ -83,6 +83,8 @@ def test_mixed_load_equals_each_request_alone(generator, engine):
     assert engine.running_rows == 0 and engine.queue_length == 0
     # The load really shared steps, and rows moved down and buckets changed as rows left.
     assert engine.stats["peak_rows"] > 1 and engine.stats["row_moves"] > 0 and engine.stats["bucket_changes"] > 1
+    # Prompts that came while rows ran joined in chunks inside their decode steps.
+    assert engine.stats["prompts_chunked"] > 0, engine.stats
 
 
 def test_waiting_requests_are_prefilled_together(generator):
@@ -102,6 +104,47 @@ def test_waiting_requests_are_prefilled_together(generator):
     assert [len(g) for g in groups] == [4, 2, 1, 1] and groups[-1][0] >= 50
     for prompt, handle in zip(prompts, handles):
         assert [s.token_ids for s in handle.result(1)] == alone(generator, prompt, params), prompt
+
+
+def test_prompts_join_in_chunks_while_rows_run(generator):
+    """Prompts that arrive while a row runs are fed in chunks inside its decode steps (a long one over
+    several), never in a prefill of their own: the running row gains a token at every step; every
+    request still equals itself alone, and no step signature is new after warm-up."""
+    engine = Engine(generator, EngineConfig(max_batch=4, max_length=MAX_LENGTH, bucket_width=WIDTH, prefill_chunk=8))
+    engine.warm_up()
+    warm = set(generator.backend.signatures)
+    calls = {"prefill": 0, "mixed": 0}
+    for name in calls:
+        real = getattr(engine.device_rows, name)
+        setattr(engine.device_rows, name, lambda *a, real=real, name=name: calls.__setitem__(name, calls[name] + 1) or real(*a))
+    encode = generator.tokenizer.encode
+    cases = [("the cat sat on the mat", SamplingParams(max_tokens=30, ignore_eos=True))]
+    first = engine.submit(encode(cases[0][0]), cases[0][1])
+    engine.step()  # nothing ran before it: a plain prefill
+    long_prompt = " ".join(WORDS[i % len(WORDS)] for i in range(27))  # over 8-token chunks: 4 of them
+    cases += [(long_prompt, SamplingParams(max_tokens=8)),
+              ("a dog and a cat", SamplingParams(max_tokens=8, temperature=0.8, seed=3, n=2)),  # copies of its row
+              ("in the house", SamplingParams(max_tokens=6, repetition_penalty=1.3))]
+    handles = [first] + [engine.submit(encode(p), params) for p, params in cases[1:]]
+    assert len(encode(long_prompt)) > 3 * 8
+    while True:
+        row = next((r for r in engine.rows if r is not None and r.handle is first), None)
+        before = len(row.ids) if row is not None else None
+        if not engine.step():
+            break
+        if row is not None and row in engine.rows:
+            assert len(row.ids) == before + 1  # no step passed it by
+    assert generator.backend.signatures == warm
+    assert calls["prefill"] == 1 and calls["mixed"] >= 4 + 1 + 1
+    assert engine.stats["prompts_chunked"] == 3
+    for (prompt, params), handle in zip(cases, handles):
+        expected = alone(generator, prompt, params) if not params.ignore_eos else None
+        if expected is not None:
+            assert [s.token_ids for s in handle.result(1)] == expected, prompt
+    [sequence] = first.result(1)
+    reference = generator.generate([cases[0][0]], max_length=MAX_LENGTH, max_new_tokens=30, ignore_eos=True,
+                                   bucket_width=WIDTH)[0].sequences[0]
+    assert sequence.token_ids == reference.token_ids
 
 
 def test_openai_penalties(generator, engine):
@@ -158,6 +201,11 @@ def test_a_failing_request_fails_alone(generator, engine, monkeypatch):
             if (lengths == 7).any():  # fails the group it is in, then alone
                 raise RuntimeError("boom")
             return real.prefill(ids, lengths, cache)
+
+        def mixed(self, tokens, positions, chunk, row, start, length, cache, window):
+            if (length == 7).any():  # the bad prompt joining while the other runs
+                raise RuntimeError("boom")
+            return real.mixed(tokens, positions, chunk, row, start, length, cache, window)
 
     monkeypatch.setattr(engine.device_rows, "runner", Flaky())
     ok = engine.submit([5] * 3, SamplingParams(max_tokens=5))

@@ -296,8 +296,9 @@ def test_cli_serve(tmp_path):
         proc.send_signal(signal.SIGINT)
         proc.wait(30)
     log = proc.stderr.read()
-    # Prefills of 1 and 2 prompts and decodes of 1 and 2 rows, each at lengths 16 and 32.
-    assert "warm-up: 4 prefill and 4 decode shapes" in log, log
+    # Prefills of 1 and 2 prompts and decodes of 1 and 2 rows, each at lengths 16 and 32; mixed
+    # steps of 1 and 2 rows with chunks of 8, 16 and 32 (the default --prefill_chunk) at each.
+    assert "warm-up: 4 prefill, 4 decode and 12 mixed shapes" in log, log
 
 
 def test_token_id_prompts(server, client):

@@ -6,6 +6,7 @@ object always touches the same memory. ``StepRunner`` keeps one cache per (batch
 one step module per (kind, cache, window), so repeated calls reuse both and never re-capture.
 
 Steps: ``prefill`` (prompts -> logits of each row's last token), ``decode`` (one token per row),
+``mixed`` (a decode with a chunk of one row's prompt in it: the server),
 and for scoring prompts (log-probs, evaluation) ``hidden`` (final hidden states at every position)
 and ``head`` (logits of a slice of them). Every one goes through the backend, which records its
 shape signature and, on a Gaudi, captures it and ends it with ``mark_step``.
@@ -79,6 +80,25 @@ class DecodeStep(nn.Module):
         return self.model.decode(tokens, positions, self.cache, self.window)
 
 
+class MixedStep(nn.Module):
+    """A decode step that carries a prompt chunk (``StaticBloom.mixed``): the server's prefill in
+    chunks. Its shape is (rows, cache length, window, chunk length). Always the model's own ops:
+    the CPU's one-call decode kernel (bound to ``model.decode``) has no chunk."""
+
+    def __init__(self, model: StaticBloom, cache: KVCache, window: int):
+        super().__init__()
+        self.model = model
+        self.cache = cache
+        self.window = window
+
+    @property
+    def static_shape(self) -> tuple:
+        return (self.cache.batch_size, self.cache.length, self.window)
+
+    def forward(self, tokens, positions, chunk, chunk_row, chunk_start, chunk_len) -> torch.Tensor:
+        return self.model.mixed(tokens, positions, chunk, chunk_row, chunk_start, chunk_len, self.cache, self.window)
+
+
 class HeadStep(nn.Module):
     """Logits [R, S, V] of final hidden states [R, S, hidden] (a slice of a scoring pass)."""
 
@@ -118,6 +138,7 @@ class StepRunner:
                 "prefill": lambda: PrefillStep(self.model, cache, self.backend),
                 "hidden": lambda: PrefillStep(self.model, cache, self.backend, hidden_only=True),
                 "decode": lambda: DecodeStep(self.model, cache, window),
+                "mixed": lambda: MixedStep(self.model, cache, window),
                 "head": lambda: HeadStep(self.model),
             }[kind]()
             self._steps[key] = self.backend.prepare(step)
@@ -142,6 +163,13 @@ class StepRunner:
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
         return self.backend.run("decode", self._step("decode", cache, window), tokens, positions)
+
+    @torch.no_grad()
+    def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, chunk: torch.Tensor, chunk_row: torch.Tensor,
+              chunk_start: torch.Tensor, chunk_len: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
+        """A decode of [B, 1] tokens with a prompt chunk [1, C] of one row in it: logits [B + 1, V]."""
+        return self.backend.run("mixed", self._step("mixed", cache, window), tokens, positions, chunk, chunk_row,
+                                chunk_start, chunk_len)
 
     @torch.no_grad()
     def hidden_states(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:

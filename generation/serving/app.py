@@ -374,7 +374,7 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
     def report():
         engine.ready.wait()
         r = engine.warmup_report or {}
-        log(f"warm-up: {r.get('prefill', 0)} prefill and {r.get('decode', 0)} decode shapes in "
+        log(f"warm-up: {r.get('prefill', 0)} prefill, {r.get('decode', 0)} decode and {r.get('mixed', 0)} mixed shapes in "
             f"{time.perf_counter() - start:.2f} s; serving {', '.join(map(repr, [name, *lora]))} "
             f"on http://{host}:{port}/v1 "
             f"(max_batch {config.max_batch}, max_length {config.max_length}, bucket_width {config.bucket_width})")

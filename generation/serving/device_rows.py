@@ -12,7 +12,11 @@ own shard, with the collectives inside the steps pairing up.
   captured graph is bound to its tensors), and ``cache[:, :b]`` of a [layers, B, ...] cache is not.
 * ``prefill_caches[k]``: k prompts (k = 1, 2, 4, ... max_prefill) prefilled together as one [k, P]
   step, P their length bucket, right-padded; each prompt's first P slots are then copied into its
-  rows of the decode cache (``place``). The running rows' cache is never touched by a prefill.
+  rows of the decode cache (``place``). The running rows' cache is never touched by a prefill. The
+  engine uses this when no row is running (a burst onto an idle server).
+* ``mixed``: while rows run, a prompt is fed in chunks inside the decode steps, straight into its
+  row of ``caches[b]`` (``StaticBloom.mixed``): up to ``prefill_chunk`` tokens per step, padded to a
+  *chunk bucket* (8, 16, ... prefill_chunk), so the running rows never wait for a prefill.
 """
 
 from __future__ import annotations
@@ -31,6 +35,14 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
+def chunk_buckets(prefill_chunk: int) -> list[int]:
+    """The chunk lengths a mixed step pads to: powers of two from 8, then ``prefill_chunk``."""
+    return [c for c in batch_buckets(prefill_chunk) if c >= min(MIN_CHUNK, prefill_chunk)]
+
+
+MIN_CHUNK = 8  # shorter chunks are padded to 8: a few more shapes would save little
+
+
 def length_buckets(max_length: int, width: int) -> list[int]:
     if not width:
         return [max_length]
@@ -38,7 +50,8 @@ def length_buckets(max_length: int, width: int) -> list[int]:
 
 
 class DeviceRows:
-    def __init__(self, generator, max_batch: int, max_length: int, bucket_width: int, max_prefill: int):
+    def __init__(self, generator, max_batch: int, max_length: int, bucket_width: int, max_prefill: int,
+                 prefill_chunk: int = 32):
         self.generator = generator
         self.runner = generator.runner
         self.device = generator.device
@@ -48,7 +61,11 @@ class DeviceRows:
         self.batch_sizes = batch_buckets(max_batch)
         self.prefill_sizes = batch_buckets(min(max_prefill, max_batch))
         self.lengths = length_buckets(max_length, bucket_width)
+        self.chunk_sizes = chunk_buckets(min(prefill_chunk, max_length))
         model = self.runner.model
+        if self.lora is not None and max_batch + self.chunk_sizes[-1] > self.lora.rows.capacity:
+            raise ValueError(f"--max_batch plus --prefill_chunk exceeds the {self.lora.rows.capacity} rows "
+                             "LoRA adapters are stacked for")
         self._check_memory(model)
         # Our own caches, not the runner's pool: the offline path's generate calls use that pool
         # and must not overwrite the running rows.
@@ -68,6 +85,7 @@ class DeviceRows:
             # Each captured decode graph keeps its [b, V] logits (and, on HPU, each prefill graph
             # its own): one per (batch bucket, window) and (prefill bucket, length bucket).
             outputs = sum(self.batch_sizes) * len(self.lengths)
+            outputs += sum(b + 1 for b in self.batch_sizes) * len(self.lengths) * len(self.chunk_sizes)  # mixed
             if backend.per_layer_cache:
                 outputs += sum(self.prefill_sizes) * len(self.lengths)
             graphs = outputs * model.config.vocab_size * 4
@@ -82,7 +100,8 @@ class DeviceRows:
     @torch.no_grad()
     def warm_up(self) -> dict:
         """Run every step shape the engine uses: a prefill per (prefill bucket, length bucket), a
-        decode per (batch bucket, window). Returns what it ran and how long it took."""
+        decode per (batch bucket, window), a mixed step per (batch bucket, chunk bucket, window).
+        Returns what it ran and how long it took."""
         start = time.perf_counter()
         # Largest first: graphs captured into one memory pool can then reuse the larger ones' scratch.
         for k in reversed(self.prefill_sizes):
@@ -91,11 +110,14 @@ class DeviceRows:
         for b in reversed(self.batch_sizes):
             for window in reversed(self.lengths):
                 self.decode(b, [self.pad] * b, [0] * b, window)
+                for c in reversed(self.chunk_sizes):  # pad tokens into row 0: overwritten before use
+                    self.mixed(b, [self.pad] * b, [0] * b, window, [self.pad] * c, 0, 0)
         if self.runner.backend.compiles_eager_ops:
             self._warm_up_row_copies()
         self.generator.backend.synchronize()
         return {"prefill": len(self.prefill_sizes) * len(self.lengths),
                 "decode": len(self.batch_sizes) * len(self.lengths),
+                "mixed": len(self.batch_sizes) * len(self.lengths) * len(self.chunk_sizes),
                 "seconds": time.perf_counter() - start}
 
     @torch.no_grad()
@@ -117,6 +139,23 @@ class DeviceRows:
         attending over the first ``window`` slots. Returns logits [b, V]."""
         tokens, positions = self.upload(tokens, positions)
         return self.runner.decode(tokens[:, None], positions, self.caches[bucket], window)
+
+    @torch.no_grad()
+    def mixed(self, bucket: int, tokens: list[int], positions: list[int], window: int, chunk: list[int], row: int,
+              start: int, adapter: int = 0) -> torch.Tensor:
+        """A decode in ``caches[bucket]`` (as ``decode``) that also feeds ``chunk``, the prompt ids
+        that go to slots ``start``.. of row ``row``, with LoRA ``adapter``; padded to its chunk
+        bucket. Returns logits [b + 1, V]: the rows', then the chunk's last token's."""
+        c = next(n for n in self.chunk_sizes if n >= len(chunk))
+        if self.lora is not None:
+            # The row decodes with its adapter from now on; the chunk's tokens are rows b.. of the step.
+            for index in [row] + list(range(bucket, bucket + c)):
+                self.lora.rows.set(index, adapter)
+            self.generator.backend.mark_step()
+        # Each its own tensor, no view at an offset (steps.step_input: graphs are cached on that).
+        tokens, positions, ids, rows, starts, lengths = self.upload(
+            tokens, positions, [chunk + [self.pad] * (c - len(chunk))], [row], [start], [len(chunk)])
+        return self.runner.mixed(tokens[:, None], positions, ids, rows, starts, lengths, self.caches[bucket], window)
 
     def _warm_up_row_copies(self) -> None:
         """Every shape of row copy (prefill bucket into batch bucket, within and between batch

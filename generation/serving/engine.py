@@ -8,16 +8,23 @@
   so its cost follows the number of active rows, not ``max_batch``. Running rows are kept in the
   lowest slots (a finished row's place is taken by the highest one), and when the bucket changes
   their live slots move to the other bucket's cache.
-* **Prefill in place, several requests at once.** Waiting requests join in first-come order; up to
-  ``max_prefill`` of them are prefilled together as one [k, P] step (k a power of two, P the length
-  bucket of the longest), as long as padding to the longest wastes little; each prompt's slots are
-  then copied into its rows. The running rows' cache is never touched by a prefill.
+* **Prompts join in chunks inside the decode step.** While rows run, a waiting request takes its
+  slots at once, and its prompt is fed ``prefill_chunk`` tokens per step inside the running rows'
+  decode step (``DeviceRows.mixed``): one read of the weights serves both, and no running row stalls
+  for an arrival. A long prompt is spread over several steps; the row samples its first token after
+  its last chunk ran. One prompt is fed at a time, first come first served; a request's other rows
+  (sampled copies) take the prompt's slots from its first row when it is complete.
+* **Prefill when idle.** When no row is running, nobody waits: waiting requests are prefilled as
+  before, up to ``max_prefill`` together as one [k, P] step (k a power of two, P the length bucket
+  of the longest) while padding to the longest wastes little, and each prompt's slots are copied
+  into its rows.
 * **Decode.** Each step chooses every running row's next token (per-row options as tensors:
   ``row_options.py``), copies the [b] tokens to the host (the step's one sync: streaming, EOS,
   stop strings and budgets are decided there), then runs one [b, 1] decode in the bucket's cache
-  with each row at its own position and a window that is the length bucket of the furthest row.
-* **Warm-up** runs every (prefill bucket, length bucket) and (batch bucket, window) once, so after it no
-  load adds a step signature (``backend.signatures``).
+  (with a prompt chunk in it when a prompt is joining) with each row at its own position and a
+  window that is the length bucket of the furthest slot.
+* **Warm-up** runs every (prefill bucket, length bucket), (batch bucket, window) and (batch bucket,
+  chunk bucket, window) once, so after it no load adds a step signature (``backend.signatures``).
 * **Scheduling.** One thread owns the model. Requests arrive through a thread-safe queue and join
   between steps, first come first served; events stream back through each request's sink.
 * **LoRA adapters** (``bloom_hpu/lora_rows.py``, when the generator serves some): requests
@@ -69,7 +76,8 @@ class EngineConfig:
     max_length: int = 128
     bucket_width: int = 32  # length buckets (prompt padding, decode windows); 0: max_length only
     max_queue: int = 256
-    max_prefill: int = 4  # prompts prefilled together in one step
+    max_prefill: int = 4  # prompts prefilled together in one step (when no row is running)
+    prefill_chunk: int = 32  # prompt tokens fed per decode step while rows run
 
 
 class EngineMetrics:
@@ -139,6 +147,19 @@ class _Row:
     ids_given: int = 0  # token ids already sent
     pending: list = field(default_factory=list)  # TokenLogprob of ids not yet sent
     last_time: float = 0.0
+    # Joining in chunks: prompt tokens in this row's slots so far (prompt_len once it runs), and
+    # for a request's other rows, its first row, whose slots they take when its prompt is complete.
+    prompt_done: int = 0
+    copy_of: "_Row | None" = None
+
+    @property
+    def running(self) -> bool:
+        return self.prompt_done >= self.prompt_len
+
+    @property
+    def written(self) -> int:
+        """Slots of its row written so far (at most)."""
+        return self.prompt_len + len(self.ids) if self.running else self.prompt_done
 
 
 # Prompts prefilled together are padded to the longest: a group grows only while its padded
@@ -159,7 +180,7 @@ class Engine:
         self.lora = getattr(generator, "lora", None)  # ServedAdapters, or None
         self.eos = self.tokenizer.eos_token_id
         self.device_rows = device_rows or DeviceRows(generator, config.max_batch, config.max_length,
-                                                     config.bucket_width, config.max_prefill)
+                                                     config.bucket_width, config.max_prefill, config.prefill_chunk)
         self.batch_sizes = self.device_rows.batch_sizes
         self.prefill_sizes = self.device_rows.prefill_sizes
         self.lengths = self.device_rows.lengths
@@ -170,12 +191,15 @@ class Engine:
         self.bucket = 0  # batch bucket of the running rows (0: none)
         self.inbox: queue.Queue = queue.Queue(maxsize=config.max_queue)
         self.waiting: deque[RequestHandle] = deque()
+        self.joining: deque[_Row] = deque()  # first rows of requests whose prompt is fed in chunks, in order
         self.ready = threading.Event()
         self.warmup_report: dict | None = None
         self.tokens_total = 0
         # What the scheduler did, for tests and the benchmark: most rows at once, rows moved to
-        # lower slots, batch-bucket changes, prefill steps and the prompts they held.
-        self.stats = {"peak_rows": 0, "row_moves": 0, "bucket_changes": 0, "prefills": 0, "prompts_prefilled": 0}
+        # lower slots, batch-bucket changes, prefill steps and the prompts they held, mixed steps
+        # (decodes with a prompt chunk) and the prompts that joined that way.
+        self.stats = {"peak_rows": 0, "row_moves": 0, "bucket_changes": 0, "prefills": 0, "prompts_prefilled": 0,
+                      "mixed_steps": 0, "prompts_chunked": 0}
         # Called between handing out a step's events and the next decode (the app: wait, briefly,
         # until its event loop has sent them), so that the two do not compete for the cores.
         self.before_decode = None
@@ -279,11 +303,21 @@ class Engine:
         Returns False when there was nothing to do."""
         self._drop_cancelled()
         ran_offline = self._admit()
-        live = [i for i, r in enumerate(self.rows) if r is not None]
-        if not live:
+        if all(r is None for r in self.rows):
             return ran_offline
+        live = [i for i, r in enumerate(self.rows) if r is not None and r.running]
+        if live:
+            self._choose(live)
+        self._compact()
+        if self.before_decode is not None:
+            self.before_decode()
+        self._decode()
+        return True
+
+    def _choose(self, live: list[int]) -> None:
+        """Choose the next token of the running rows ``live`` and hand out what they give."""
         b = self.bucket
-        rows = self.rows[:b]
+        rows = [r if r is not None and r.running else None for r in self.rows[:b]]  # joining rows count as free
         used, steps = self.device_rows.upload([r.prompt_len + len(r.ids) if r else 0 for r in rows],
                                    [len(r.ids) if r else 0 for r in rows])
         flags = RowFlags([self.rows[i].handle.params for i in live])
@@ -316,24 +350,56 @@ class Engine:
         self.stats["peak_rows"] = max(self.stats["peak_rows"], len(live))
         self.tokens_total += len(live)
         self.metrics.tokens(len(live))
-        self._compact()
-        if self.before_decode is not None:
-            self.before_decode()
-        self._decode()
-        return True
 
     def _decode(self) -> None:
-        """One [b, 1] decode of every running row; its logits wait for the next step's choice."""
+        """One [b, 1] decode of every running row, with the next chunk of a joining prompt in it if
+        any; its logits wait for the next step's choice."""
         if not self.bucket:
             return
         rows = self.rows[: self.bucket]
-        # The token chosen last sits at slot prompt_len + generated - 1; free rows write slot 0.
-        positions = [r.prompt_len + len(r.ids) - 1 if r else 0 for r in rows]
-        tokens = [r.ids[-1] if r else self.pad for r in rows]
-        window = self._length_bucket(max(positions) + 1)
-        out = self.device_rows.decode(self.bucket, tokens, positions, window)
-        self.logits[: self.bucket].copy_(out)
+        # The token chosen last sits at slot prompt_len + generated - 1; free rows write slot 0. A
+        # joining row writes a filler at the next slot of its prompt, which its next chunk (or, for
+        # a copy, its first row's slots) replaces before anything reads it.
+        positions = [(r.prompt_len + len(r.ids) - 1 if r.running else r.prompt_done) if r else 0 for r in rows]
+        tokens = [r.ids[-1] if r and r.running else self.pad for r in rows]
+        lead = self._next_chunk()
+        if lead is None:
+            if not any(r is not None and r.running for r in rows):
+                return  # only copies waiting for their first row: nothing to decode
+            out = self.device_rows.decode(self.bucket, tokens, positions, self._length_bucket(max(positions) + 1))
+            self.logits[: self.bucket].copy_(out)
+            self.generator.backend.mark_step()
+            return
+        slot, row = lead
+        start = row.prompt_done
+        chunk = row.handle.prompt_ids[start : start + self.device_rows.chunk_sizes[-1]]
+        window = self._length_bucket(max(max(positions) + 1, start + len(chunk)))
+        try:
+            out = self.device_rows.mixed(self.bucket, tokens, positions, window, chunk, slot, start,
+                                         row.handle.params.adapter)
+        except Exception as error:  # this request fails alone; the running rows decode without it
+            self._unseat([row.handle])
+            row.handle.emit(Event("error", message=f"internal error: {error!r}"))
+            self._compact()
+            self._decode()
+            return
+        self.stats["mixed_steps"] += 1
+        self.logits[: self.bucket].copy_(out[: self.bucket])
+        row.prompt_done += len(chunk)
+        if row.running:
+            self.stats["prompts_chunked"] += 1
+            self._begin(row, out[self.bucket :])
         self.generator.backend.mark_step()
+
+    def _next_chunk(self) -> tuple[int, _Row] | None:
+        """The slot and row of the first joining prompt (first come first served), if any."""
+        while self.joining:
+            row = self.joining[0]
+            slot = next((i for i, r in enumerate(self.rows) if r is row), None)
+            if slot is not None and not row.running:
+                return slot, row
+            self.joining.popleft()  # cancelled, failed, or complete
+        return None
 
     def _length_bucket(self, needed: int) -> int:
         return next(n for n in self.lengths if n >= needed)
@@ -352,6 +418,8 @@ class Engine:
             except queue.Empty:
                 break
         ran = False
+        # No row running: no one waits for a prefill, which is faster than chunks for a burst.
+        idle = all(r is None for r in self.rows)
         while self.waiting:
             handle = self.waiting[0]
             if handle.cancelled.is_set():
@@ -361,6 +429,12 @@ class Engine:
                 self.waiting.popleft()
                 self._answer_offline(handle)
                 ran = True
+                continue
+            if not idle:  # rows run: the prompt joins in chunks inside their decode steps
+                if handle.params.rows > sum(r is None for r in self.rows):
+                    break
+                self.waiting.popleft()
+                self._seat_joining(handle)
                 continue
             group = self._next_group()
             if not group:
@@ -424,20 +498,56 @@ class Engine:
         self.generator.backend.mark_step()
 
     def _seat(self, handle: RequestHandle, slots: list[int], logits: torch.Tensor) -> None:
-        """The request's rows take ``slots``: options, sampling keys, first logits, host state."""
+        """The request's rows take ``slots`` with its prompt in place: host state, then ``_start``."""
+        for copy, slot in enumerate(slots):
+            self.rows[slot] = self._new_row(handle, copy, len(handle.prompt_ids))
+        self._start(slots, logits)
+
+    def _new_row(self, handle: RequestHandle, copy: int, prompt_done: int, copy_of: _Row | None = None) -> _Row:
+        params, length = handle.params, len(handle.prompt_ids)
+        limit = min(params.max_tokens, self.config.max_length - length)
+        indices = [copy] if params.sampling else list(range(params.n))
+        return _Row(handle, indices, length, limit, IncrementalText(self.text_of.token_bytes, params.stop),
+                    prompt_done=prompt_done, copy_of=copy_of)
+
+    def _start(self, slots: list[int], logits: torch.Tensor) -> None:
+        """The rows in ``slots`` (one request's, prompt in place) start: options, sampling keys,
+        first logits ``logits`` [1, V]."""
+        handle = self.rows[slots[0]].handle
         params, ids = handle.params, handle.prompt_ids
-        length = len(ids)
         if params.sampling:
             # The keys Generator.generate gives this prompt alone: the same seed samples the same text.
             keys = row_keys([ids], resolve_seed(params.seed), params.rows, "cpu").tolist()
         else:
             keys = [0] * len(slots)
-        limit = min(params.max_tokens, self.config.max_length - length)
-        for copy, slot in enumerate(slots):
+        for slot in slots:
+            copy = self.rows[slot].indices[0]
             self.logits.index_copy_(0, torch.tensor([slot]).to(self.device), logits.to(self.logits.dtype))
-            self.opts.set_row(slot, params, keys[copy], ids)
-            indices = [copy] if params.sampling else list(range(params.n))
-            self.rows[slot] = _Row(handle, indices, length, limit, IncrementalText(self.text_of.token_bytes, params.stop))
+            self.opts.set_row(slot, params, keys[copy] if params.sampling else 0, ids)
+
+    def _seat_joining(self, handle: RequestHandle) -> None:
+        """The request takes free slots now; its prompt is fed in chunks into the first (``_decode``)."""
+        free = [i for i, r in enumerate(self.rows) if r is None][: handle.params.rows]
+        lead = self._new_row(handle, 0, 0)
+        self.rows[free[0]] = lead
+        for copy, slot in enumerate(free[1:], start=1):
+            self.rows[slot] = self._new_row(handle, copy, 0, copy_of=lead)
+        self.joining.append(lead)
+        occupied = [i for i, r in enumerate(self.rows) if r is not None]
+        self._resize(self._batch_bucket(max(occupied) + 1))
+
+    def _begin(self, lead: _Row, logits: torch.Tensor) -> None:
+        """``lead``'s prompt is complete (``logits`` [1, V] its last token's): the request's other
+        rows take its slots, and all of them start."""
+        lead_slot = self.rows.index(lead)
+        slots = [lead_slot]
+        extent = self._extent()
+        for slot, row in enumerate(self.rows):
+            if row is not None and row.copy_of is lead:
+                self.device_rows.move(self.bucket, lead_slot, slot, extent)
+                row.prompt_done, row.copy_of = row.prompt_len, None
+                slots.append(slot)
+        self._start(slots, logits)
 
     def _answer_offline(self, handle: RequestHandle) -> None:
         from ..jobs.requests import batch_length
@@ -521,7 +631,7 @@ class Engine:
     def _extent(self) -> int:
         """Slots written so far by any running row (what a move must copy), rounded up to its
         length bucket so that the copies keep a few shapes."""
-        written = max((r.prompt_len + len(r.ids) for r in self.rows if r is not None), default=0)
+        written = max((r.written for r in self.rows if r is not None), default=0)
         return self._length_bucket(written) if written else 0
 
     def _compact(self) -> None:

@@ -32,7 +32,7 @@ from bloom_hpu.runtime.launch import collective_timeout
 from .device_rows import DeviceRows
 
 # The DeviceRows calls that touch the model or its caches: every rank makes them.
-FOLLOWED = ("warm_up", "prefill", "decode", "place", "move", "resize", "answer_offline", "close")
+FOLLOWED = ("warm_up", "prefill", "decode", "mixed", "place", "move", "resize", "answer_offline", "close")
 HEARTBEAT = "heartbeat"  # sent by an idle rank 0 so that no follower's wait reaches the timeout
 
 

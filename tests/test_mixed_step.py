@@ -1,0 +1,87 @@
+"""``StaticBloom.mixed``: a decode step carrying a chunk of one row's prompt gives the logits and
+cache slots that a separate decode and a separate prefill of the whole prompt give (fp32), in both
+cache layouts, with a padded chunk; through the runner its signature is recorded."""
+
+import pytest
+import torch
+
+from bloom_hpu.config import BloomConfig
+from bloom_hpu.model import StaticBloom
+from bloom_hpu.runtime.backends import Backend
+from bloom_hpu.runtime.steps import StepRunner
+
+K, ROWS, JOINING = 32, 4, 2  # cache length, rows, the row whose prompt arrives in chunks
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    model = StaticBloom(BloomConfig(vocab_size=256, hidden_size=64, n_layer=2, n_head=4)).eval()
+    for p in model.parameters():  # LayerNorms away from 1/0, so every weight matters
+        torch.nn.init.normal_(p, std=0.3)
+    return model
+
+
+def clone(cache):
+    keys = [k.clone() for k in cache.keys]
+    values = [v.clone() for v in cache.values]
+    return keys, values
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("done,real", [(0, 9), (5, 7), (20, 11)])  # prompt tokens in the cache, real chunk tokens
+@torch.no_grad()
+def test_mixed_equals_decode_and_prefill(model, per_layer, done, real):
+    g = torch.Generator().manual_seed(done)
+    chunk_size = 16
+    prompt = torch.randint(0, 256, (done + real,), generator=g)
+    lengths = torch.tensor([6, 11, done, 3])
+    lengths[JOINING] = max(done, 1)  # a prefill needs one token; slot 0 is then rewritten by the chunk when done = 0
+    ids = torch.randint(0, 256, (ROWS, 12), generator=g)
+    ids = torch.nn.functional.pad(ids, (0, K - 12))
+    ids[JOINING, : done] = prompt[:done]
+    cache = model.allocate_cache(ROWS, K, per_layer)
+    model.prefill(ids[:, : max(12, done)], lengths, cache)
+    before = clone(cache)
+
+    tokens = torch.randint(0, 256, (ROWS, 1), generator=g)
+    positions = lengths.clone()
+    positions[JOINING] = done  # the joining row's filler goes where its chunk starts
+    chunk = torch.zeros(1, chunk_size, dtype=torch.long)
+    chunk[0, :real] = prompt[done:]
+    window = K
+    mixed = model.mixed(tokens, positions, chunk, torch.tensor([JOINING]), torch.tensor([done]),
+                        torch.tensor([real]), cache, window)
+
+    # Reference 1: a plain decode of the same rows on the cache as it was.
+    reference = model.allocate_cache(ROWS, K, per_layer)
+    for mine, saved in zip(list(reference.keys) + list(reference.values), before[0] + before[1]):
+        mine.copy_(saved)
+    decoded = model.decode(tokens, positions, reference, window)
+    running = [r for r in range(ROWS) if r != JOINING]
+    torch.testing.assert_close(mixed[running], decoded[running], rtol=1e-5, atol=1e-5)
+    # Reference 2: the whole prompt prefilled at once.
+    alone = model.allocate_cache(1, K, per_layer)
+    first = model.prefill(prompt[None], torch.tensor([done + real]), alone)
+    torch.testing.assert_close(mixed[ROWS], first[0], rtol=1e-5, atol=1e-5)
+    # The slots: running rows as after the decode, the joining row's prompt as after its prefill.
+    for layer in range(model.config.n_layer):
+        for mine, theirs, whole in ((cache.keys, reference.keys, alone.keys), (cache.values, reference.values, alone.values)):
+            for r in running:
+                torch.testing.assert_close(mine[layer][r, :, :16], theirs[layer][r, :, :16], rtol=1e-5, atol=1e-5)
+            n = done + real
+            torch.testing.assert_close(mine[layer][JOINING, :, :n], whole[layer][0, :, :n], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_the_runner_records_a_mixed_signature(model):
+    backend = Backend("cpu")
+    runner = StepRunner(model, backend)
+    cache = runner.cache(2, K)
+    logits = runner.mixed(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, dtype=torch.long),
+                          torch.zeros(1, 8, dtype=torch.long), torch.tensor([1]), torch.tensor([28]),
+                          torch.tensor([3]), cache, 16)
+    assert logits.shape == (3, 256)
+    assert backend.signatures_of("mixed") == {("mixed", (((2, 1), "torch.int64"), ((2,), "torch.int64"),
+                                                         ((1, 8), "torch.int64"), ((1,), "torch.int64"),
+                                                         ((1,), "torch.int64"), ((1,), "torch.int64")), (2, K, 16))}
