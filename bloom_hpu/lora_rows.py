@@ -50,12 +50,18 @@ class AdapterRows:
         return len(self.host)
 
     def set(self, row: int, adapter: int) -> None:
-        if self.host[row] != adapter:
+        self.host[row] = adapter
+        # The whole index from the host mirror: one op of one shape whatever the row, written even
+        # when nothing changed (``index[row].fill_(adapter)`` is a view at a new offset and a new
+        # scalar each time, and a write made only sometimes changes the sequence of ops: lazy mode
+        # on a Gaudi would compile each variant anew).
+        self.index.copy_(torch.tensor(self.host, dtype=torch.long))
+
+    def set_many(self, rows: list[int], adapter: int) -> None:
+        """``set`` for several rows, in one write."""
+        for row in rows:
             self.host[row] = adapter
-            # The whole index from the host mirror: one op of one shape whatever the row
-            # (``index[row].fill_(adapter)`` is a view at a new offset and a new scalar each time,
-            # which lazy mode on a Gaudi compiles anew for every row and adapter).
-            self.index.copy_(torch.tensor(self.host, dtype=torch.long))
+        self.index.copy_(torch.tensor(self.host, dtype=torch.long))
 
     def move(self, src: int, dst: int) -> None:
         """The row in ``src`` now lives in ``dst`` (the engine compacting its rows)."""

@@ -128,7 +128,8 @@ class Backend:
 
 
 class CudaBackend(Backend):
-    """Decode steps captured as CUDA graphs, one per (step module, signature), then replayed.
+    """Decode steps (and the server's mixed ones, a decode carrying a prompt chunk) captured as CUDA
+    graphs, one per (step module, signature), then replayed.
 
     Following PyTorch's CUDA-graph notes:
 
@@ -172,7 +173,7 @@ class CudaBackend(Backend):
         return self.captured
 
     def run(self, name: str, step, *inputs: torch.Tensor):
-        if not self.use_graphs or name != "decode":
+        if not self.use_graphs or name not in ("decode", "mixed"):  # the steps of every token
             return super().run(name, step, *inputs)
         sig = signature(name, step, inputs)
         self.signatures.add(sig)

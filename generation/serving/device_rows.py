@@ -149,8 +149,7 @@ class DeviceRows:
         c = next(n for n in self.chunk_sizes if n >= len(chunk))
         if self.lora is not None:
             # The row decodes with its adapter from now on; the chunk's tokens are rows b.. of the step.
-            for index in [row] + list(range(bucket, bucket + c)):
-                self.lora.rows.set(index, adapter)
+            self.lora.rows.set_many([row] + list(range(bucket, bucket + c)), adapter)
             self.generator.backend.mark_step()
         # Each its own tensor, no view at an offset (steps.step_input: graphs are cached on that).
         tokens, positions, ids, rows, starts, lengths = self.upload(
