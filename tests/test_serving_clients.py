@@ -69,6 +69,10 @@ def test_the_schema_documents_the_bodies_and_metrics_as_text(server):
     fields = schema["components"]["schemas"]["CompletionBody"]["properties"]
     assert {"prompt", "max_tokens", "temperature", "ignore_eos", "min_tokens"} <= set(fields)
     assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    # The ranges our checks accept, and the vLLM fields refused, are in the schema for clients to read.
+    assert (fields["top_p"]["exclusiveMinimum"], fields["top_p"]["maximum"]) == (0, 1)
+    assert (fields["n"]["minimum"], fields["presence_penalty"]["maximum"]) == (1, 2)
+    assert fields["guided_json"]["not"] == {} and fields["min_p"]["enum"] == [0, None]
 
 
 # --- vLLM's extensions, as a load generator sends them ------------------------------------------------
@@ -230,13 +234,14 @@ def test_schemathesis_finds_no_server_error_and_the_server_stays_exact(server, c
     """Property-based fuzzing from /openapi.json (bounded, fixed seed), run as its own CLI."""
     engine, port = server
     command = [sys.executable, "-m", "schemathesis.cli", "run", f"http://127.0.0.1:{port}/openapi.json",
-               "--checks", "not_a_server_error", "--max-examples", "10", "--seed", "7", "--generation-deterministic",
+               "--checks", "not_a_server_error", "--max-examples", "40", "--seed", "7", "--generation-deterministic",
                "--phases", "coverage,fuzzing", "--header", f"Authorization: Bearer {KEY}", "--request-timeout", "60",
-               "--max-time", "60",
                "--workers", "1", "--no-shrink", "--report", "junit", "--report-dir", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)  # its cache there
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert "Tested: 5" in done.stdout and " generated" in done.stdout, done.stdout[-3000:]
+    # The documented ranges are ours: the valid requests it makes mostly run, not mostly a 400.
+    assert "mostly rejected" not in done.stdout, done.stdout[-3000:]
     # Still healthy and exact afterwards.
     for _ in range(100):
         if engine.running_rows == 0 and engine.queue_length == 0:
