@@ -169,6 +169,7 @@ def test_chat_answered_offline_keeps_the_chat_shape(server, client, generator):
     ({"prompt": "Hi", "max_tokens": 3, "min_tokens": 5, "ignore_eos": True}, "min_tokens"),
     ({"prompt": "Hi", "min_tokens": -1, "ignore_eos": True}, "min_tokens"),
     ({"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "use_beam_search": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}, "top_logprobs"),
 ])
 def test_vllm_fields_out_of_range_are_a_400_naming_them(server, body, field):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"

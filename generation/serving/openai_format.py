@@ -283,6 +283,8 @@ def parse_chat(body, model: str | list[str], tokenizer) -> Completion:
     top = body.get("top_logprobs")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
         raise bad_request(f"top_logprobs must be an integer between 0 and {MAX_LOGPROBS}", "top_logprobs")
+    if top and not logprobs:  # as OpenAI and vLLM: alternatives without logprobs would be silently dropped
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     completion_body = {k: v for k, v in body.items()
                        if k not in ("messages", "max_completion_tokens", "logprobs", "top_logprobs")}
     completion_body["prompt"] = prompt
