@@ -381,6 +381,8 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
     if name in lora:
         raise ValueError(f"the LoRA adapter name {name!r} is the base model's name; give the adapter another")
     app = make_app(engine, name, api_key, metrics)
+    listener = listener or bind(host, port)
+    port = listener.getsockname()[1]  # --port 0: the port the system chose
     start = time.perf_counter()
     engine.start()
 
@@ -393,7 +395,6 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
             f"(max_batch {config.max_batch}, max_length {config.max_length}, bucket_width {config.bucket_width})")
 
     threading.Thread(target=report, daemon=True).start()
-    listener = listener or bind(host, port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     try:
         server.run(sockets=[listener])
