@@ -383,6 +383,7 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
     app = make_app(engine, name, api_key, metrics)
     listener = listener or bind(host, port)
     port = listener.getsockname()[1]  # --port 0: the port the system chose
+    address = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
     start = time.perf_counter()
     engine.start()
 
@@ -391,7 +392,7 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
         r = engine.warmup_report or {}
         log(f"warm-up: {r.get('prefill', 0)} prefill and {r.get('decode', 0)} decode shapes in "
             f"{time.perf_counter() - start:.2f} s; serving {', '.join(map(repr, [name, *lora]))} "
-            f"on http://{host}:{port}/v1 "
+            f"on http://{address}:{port}/v1 "
             f"(max_batch {config.max_batch}, max_length {config.max_length}, bucket_width {config.bucket_width})")
 
     threading.Thread(target=report, daemon=True).start()

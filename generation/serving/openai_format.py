@@ -201,10 +201,6 @@ def parse_completion(body, model: str | list[str], tokenizer=None) -> Completion
     if ids is not None:
         # The batch runner's parser checks text; the ids stay what is generated from and scored.
         rest["prompt"] = [tokenizer.decode(p) or " " for p in ids]  # (ids of special tokens only: no text)
-    for name in ("temperature", "top_p", "repetition_penalty"):
-        value = rest.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != value:
-            raise bad_request(f"{name} must be a number, got NaN", name)
     for name, value in rest.items():  # JSON has no NaN or Infinity, though Python's parser reads them
         if isinstance(value, float) and not math.isfinite(value):
             raise bad_request(f"{name} must be a finite number, got {value}", name)
