@@ -69,6 +69,10 @@ def test_the_schema_documents_the_bodies_and_metrics_as_text(server):
     fields = schema["components"]["schemas"]["CompletionBody"]["properties"]
     assert {"prompt", "max_tokens", "temperature", "ignore_eos", "min_tokens"} <= set(fields)
     assert "text/plain" in schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    # The ranges our checks accept, and the vLLM fields refused, are in the schema for clients to read.
+    assert (fields["top_p"]["exclusiveMinimum"], fields["top_p"]["maximum"]) == (0, 1)
+    assert (fields["n"]["minimum"], fields["presence_penalty"]["maximum"]) == (1, 2)
+    assert fields["guided_json"]["not"] == {} and fields["min_p"]["enum"] == [0, None]
 
 
 # --- vLLM's extensions, as a load generator sends them ------------------------------------------------
@@ -89,7 +93,25 @@ def test_a_load_generators_request_with_vllms_fields(server, client, generator):
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts == sorted(counts)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
-    assert text.startswith(greedy_alone(generator, "It was the best of times", 20)[:10])
+    want = generator.generate(["It was the best of times"], max_length=MAX_LENGTH, max_new_tokens=20,
+                              ignore_eos=True)[0]
+    assert text == want.text
+
+
+def test_a_load_generators_chat_request_with_vllms_fields(server, client, generator):
+    """The same on the chat endpoint: every chunk, the role's first one included, has the usage."""
+    stream = client.chat.completions.create(
+        model="bloom-tiny", messages=[{"role": "user", "content": "Hello"}], max_completion_tokens=7, stream=True,
+        temperature=0, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "min_tokens": 7, "max_tokens": 7,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    chunks = list(stream)
+    assert all(chunk.usage is not None for chunk in chunks)
+    assert chunks[0].usage.completion_tokens == 0 and chunks[-1].usage.completion_tokens == 7
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    want = generator.generate(["User: Hello\nAssistant:"], max_length=MAX_LENGTH, max_new_tokens=7, ignore_eos=True)
+    assert text == want[0].text.split("\nUser:")[0].split("\nSystem:")[0]
 
 
 def test_chat_with_vllms_fields_and_text_parts(server, client):
@@ -109,6 +131,52 @@ def test_vllm_fields_we_cannot_honour_are_a_400_naming_them(server, client, fiel
     assert error.value.body["param"] == field and "not supported" in error.value.body["message"]
 
 
+def chat_alone(generator, content: str, max_tokens: int, **options) -> str:
+    """What the chat endpoint should answer: the default turn format's prompt, generated alone and
+    cut at the turn stops."""
+    from generation.serving.openai_format import TURN_STOPS
+
+    text = generator.generate([f"User: {content}\nAssistant:"], max_length=MAX_LENGTH, max_new_tokens=max_tokens,
+                              ignore_eos=False, **options)[0].text
+    for stop in TURN_STOPS:
+        text = text.split(stop)[0]
+    return text
+
+
+def test_chat_answered_offline_keeps_the_chat_shape(server, client, generator):
+    """Beams and min_tokens run on the batch runner's path; its answer must still be a chat answer
+    (a message, or content deltas), as the client parses it."""
+    want = chat_alone(generator, "Hello", 5, num_beams=2)
+    out = client.chat.completions.create(model="bloom-tiny", messages=[{"role": "user", "content": "Hello"}],
+                                         max_tokens=5, extra_body={"use_beam_search": True})
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == want
+    assert out.choices[0].finish_reason in ("length", "stop")
+    # Streamed as in vLLM's own tests: min_tokens without ignore_eos, usage on every chunk.
+    stream = client.chat.completions.create(
+        model="bloom-tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=6, stream=True,
+        stream_options={"include_usage": True}, temperature=0,
+        extra_body={"min_tokens": 6, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    chunks = list(stream)
+    assert all(chunk.usage is not None for chunk in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat_alone(generator, "Hello", 6, min_new_tokens=6)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].usage.completion_tokens <= 6
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "Hi", "max_tokens": 3, "min_tokens": 5}, "min_tokens"),
+    ({"prompt": "Hi", "max_tokens": 3, "min_tokens": 5, "ignore_eos": True}, "min_tokens"),
+    ({"prompt": "Hi", "min_tokens": -1, "ignore_eos": True}, "min_tokens"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "use_beam_search": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "Hi"}], "top_logprobs": 2}, "top_logprobs"),
+])
+def test_vllm_fields_out_of_range_are_a_400_naming_them(server, body, field):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    status, answer = post(server[1], path, json.dumps(body).encode())
+    assert status == 400 and answer["error"]["param"] == field, answer
+
+
 def test_use_beam_search_runs_beams(server, client, generator):
     out = client.completions.create(model="bloom-tiny", prompt="It was", max_tokens=5, best_of=3,
                                     extra_body={"use_beam_search": True})
@@ -125,6 +193,8 @@ def test_use_beam_search_runs_beams(server, client, generator):
     ({"messages": [{"role": "user", "content": 5}]}, "messages"),
     ({"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
     ({"prompt": "hi", "bogus": 1}, "bogus"),
+    ({"prompt": "hi", "repetition_penalty": float("inf")}, "repetition_penalty"),  # Python's json writes Infinity
+    ({"prompt": "hi", "length_penalty": float("nan"), "num_beams": 2}, "length_penalty"),
 ])
 def test_ill_typed_bodies_are_a_400_naming_the_field(server, body, field):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
@@ -165,13 +235,14 @@ def test_schemathesis_finds_no_server_error_and_the_server_stays_exact(server, c
     """Property-based fuzzing from /openapi.json (bounded, fixed seed), run as its own CLI."""
     engine, port = server
     command = [sys.executable, "-m", "schemathesis.cli", "run", f"http://127.0.0.1:{port}/openapi.json",
-               "--checks", "not_a_server_error", "--max-examples", "10", "--seed", "7", "--generation-deterministic",
+               "--checks", "not_a_server_error", "--max-examples", "40", "--seed", "7", "--generation-deterministic",
                "--phases", "coverage,fuzzing", "--header", f"Authorization: Bearer {KEY}", "--request-timeout", "60",
-               "--max-time", "60",
                "--workers", "1", "--no-shrink", "--report", "junit", "--report-dir", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)  # its cache there
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]
     assert "Tested: 5" in done.stdout and " generated" in done.stdout, done.stdout[-3000:]
+    # The documented ranges are ours: the valid requests it makes mostly run, not mostly a 400.
+    assert "mostly rejected" not in done.stdout, done.stdout[-3000:]
     # Still healthy and exact afterwards.
     for _ in range(100):
         if engine.running_rows == 0 and engine.queue_length == 0:

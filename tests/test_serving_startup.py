@@ -55,3 +55,25 @@ def test_peft_weights_given_a_file_says_it_is_not_a_folder(tmp_path):
     adapter.write_bytes(b"not a folder")
     done, _ = bloom("--peft_weights", str(adapter), "Hello")
     assert "is a file, not an adapter folder" in one_error_line(done)
+
+
+def test_port_0_serves_on_the_port_the_system_chose_and_says_which():
+    import re
+
+    from servers import health
+
+    proc = subprocess.Popen([sys.executable, str(ROOT / "bloom.py"), "--serve", "--port", "0", "--max_length", "32",
+                             "--max_batch", "2", "--bucket_width", "16"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:  # until the line that says where it serves
+            lines.append(line)
+            found = re.search(r"serving .* on http://127\.0\.0\.1:(\d+)/v1", line)
+            if found:
+                break
+        assert found, "".join(lines)
+        port = int(found.group(1))
+        assert port != 0 and health(port) == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)

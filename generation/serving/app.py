@@ -22,8 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..logprobs import TokenText
 from .engine import EngineError, QueueFull
 from .metrics import PrometheusMetrics
-from .openai_format import (OPENAI_FINISH, ApiError, Completion, bad_request, chat_logprobs, completion_logprobs,
-                            envelope, new_id, parse_chat, parse_completion, sse)
+from .openai_format import (OPENAI_FINISH, ApiError, Completion, bad_request, chat_choice, chat_logprobs,
+                            completion_logprobs, envelope, new_id, parse_chat, parse_completion, sse)
 from .schema import ChatBody, CompletionBody, as_sent
 
 POLL_S = 0.25  # how often a waiting non-streamed request looks whether its client is still there
@@ -253,7 +253,8 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
         finally:
             answer.cancel()  # (no-op for finished requests)
         if record is not None:
-            return envelope(kind, new_id(c.chat), c.model, record["choices"], record["usage"])
+            choices = [chat_choice(choice) for choice in record["choices"]] if c.chat else record["choices"]
+            return envelope(kind, new_id(c.chat), c.model, choices, record["usage"])
         choices = []
         for index in sorted(sequences):
             p, seq = sequences[index]
@@ -305,7 +306,8 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
             for index in range(choices):
                 if c.chat:
                     yield sse(envelope(kind, rid, c.model, [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                                "logprobs": None, "finish_reason": None}]))
+                                                                "logprobs": None, "finish_reason": None}],
+                                       running_usage()))
                 elif c.request.echo and not c.offline:
                     yield chunk(index, c.request.prompts[index // n_of(c)])
             while ended < answer.expected:
@@ -321,10 +323,21 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
                     ended += 1
                     usage = _add(usage, event.usage)
                 elif event.kind == "record":
+                    # An offline answer arrives whole: each choice is one chunk (chat: its text,
+                    # then its finish), with the final usage on each when usage is continuous.
                     ended += 1
                     usage = _add(usage, event.record["usage"])
+                    every = event.record["usage"] if c.continuous_usage else None
                     for choice in event.record["choices"]:
-                        yield sse(envelope(kind, rid, c.model, [choice]))
+                        if c.chat:
+                            message = chat_choice(choice)
+                            text, finish = message["message"]["content"], message["finish_reason"]
+                            for delta, reason in (({"content": text}, None), ({}, finish)):
+                                yield sse(envelope(kind, rid, c.model, [{"index": message["index"], "delta": delta,
+                                                                         "logprobs": None, "finish_reason": reason}],
+                                                   every))
+                        else:
+                            yield sse(envelope(kind, rid, c.model, [choice], every))
                 elif event.kind == "error":
                     yield sse(ApiError(500, event.message, "server_error").body())
                     break
@@ -368,6 +381,9 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
     if name in lora:
         raise ValueError(f"the LoRA adapter name {name!r} is the base model's name; give the adapter another")
     app = make_app(engine, name, api_key, metrics)
+    listener = listener or bind(host, port)
+    port = listener.getsockname()[1]  # --port 0: the port the system chose
+    address = f"[{host}]" if ":" in host else host  # an IPv6 address is bracketed in a URL
     start = time.perf_counter()
     engine.start()
 
@@ -376,11 +392,10 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
         r = engine.warmup_report or {}
         log(f"warm-up: {r.get('prefill', 0)} prefill, {r.get('decode', 0)} decode and {r.get('mixed', 0)} mixed shapes in "
             f"{time.perf_counter() - start:.2f} s; serving {', '.join(map(repr, [name, *lora]))} "
-            f"on http://{host}:{port}/v1 "
+            f"on http://{address}:{port}/v1 "
             f"(max_batch {config.max_batch}, max_length {config.max_length}, bucket_width {config.bucket_width})")
 
     threading.Thread(target=report, daemon=True).start()
-    listener = listener or bind(host, port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     try:
         server.run(sockets=[listener])

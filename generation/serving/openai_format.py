@@ -10,12 +10,14 @@ completion request on the prompt that the chat template makes of the messages.
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from ..jobs.requests import MAX_LOGPROBS, Request, RequestError, parse_request
 from ..logprobs import TokenText, clip_pieces, offsets_of
+from ..options import MAX_INT
 from .params import SamplingParams
 
 OPENAI_FINISH = {"length": "length", "eos": "stop", "stop": "stop"}
@@ -106,6 +108,7 @@ _OFF = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "inc
 class Extensions:
     ignore_eos: bool = False
     continuous_usage: bool = False
+    min_tokens: int | None = None  # as sent (vLLM refuses more than max_tokens, and so do we)
 
 
 def vllm_extensions(body: dict) -> tuple[dict, Extensions]:
@@ -121,7 +124,9 @@ def vllm_extensions(body: dict) -> tuple[dict, Extensions]:
                  "guided_grammar", "response_format"):
         if name in body:
             raise bad_request(f"{name} is not supported by this server; see docs/serving.md", name)
-    min_tokens = body.pop("min_tokens", None)
+    min_tokens = extensions.min_tokens = body.pop("min_tokens", None)
+    if min_tokens is not None and (not _is_id(min_tokens) or not 0 <= min_tokens <= MAX_INT):
+        raise bad_request(f"min_tokens must be between 0 and {MAX_INT}, got {min_tokens}", "min_tokens")
     if min_tokens and not extensions.ignore_eos:
         body["min_new_tokens"] = min_tokens
     if body.pop("use_beam_search", False):
@@ -196,10 +201,9 @@ def parse_completion(body, model: str | list[str], tokenizer=None) -> Completion
     if ids is not None:
         # The batch runner's parser checks text; the ids stay what is generated from and scored.
         rest["prompt"] = [tokenizer.decode(p) or " " for p in ids]  # (ids of special tokens only: no text)
-    for name in ("temperature", "top_p", "repetition_penalty"):
-        value = rest.get(name)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value != value:
-            raise bad_request(f"{name} must be a number, got NaN", name)
+    for name, value in rest.items():  # JSON has no NaN or Infinity, though Python's parser reads them
+        if isinstance(value, float) and not math.isfinite(value):
+            raise bad_request(f"{name} must be a finite number, got {value}", name)
     if isinstance(rest.get("top_p"), (int, float)) and not 0 < rest["top_p"] <= 1:
         raise bad_request(f"top_p must be in (0, 1], got {rest['top_p']}", "top_p")
     try:
@@ -210,6 +214,9 @@ def parse_completion(body, model: str | list[str], tokenizer=None) -> Completion
     completion = Completion(request, stream, options.get("include_usage", False), presence, frequency, prompt_ids=ids,
                             model=chosen, ignore_eos=extensions.ignore_eos,
                             continuous_usage=extensions.continuous_usage)
+    if extensions.min_tokens is not None and extensions.min_tokens > request.max_tokens:
+        raise bad_request(f"min_tokens ({extensions.min_tokens}) must be at most max_tokens ({request.max_tokens})",
+                          "min_tokens")
     if completion.offline and extensions.ignore_eos:
         raise bad_request("ignore_eos works with greedy search and sampling (not with beams, best_of > n, "
                           "echo with logprobs, min_tokens or max_tokens 0)", "ignore_eos")
@@ -272,6 +279,8 @@ def parse_chat(body, model: str | list[str], tokenizer) -> Completion:
     top = body.get("top_logprobs")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
         raise bad_request(f"top_logprobs must be an integer between 0 and {MAX_LOGPROBS}", "top_logprobs")
+    if top and not logprobs:  # as OpenAI and vLLM: alternatives without logprobs would be silently dropped
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     completion_body = {k: v for k, v in body.items()
                        if k not in ("messages", "max_completion_tokens", "logprobs", "top_logprobs")}
     completion_body["prompt"] = prompt
@@ -289,6 +298,9 @@ def parse_chat(body, model: str | list[str], tokenizer) -> Completion:
         raise bad_request("max_tokens must be at least 1", "max_tokens")
     completion.chat = True
     completion.chat_logprobs = (top or 0) if logprobs else None
+    if completion.offline and logprobs:
+        raise bad_request("logprobs in chat work with greedy search and sampling (not with beams, best_of > n "
+                          "or min_tokens)", "logprobs")
     return completion
 
 
@@ -330,6 +342,13 @@ def chat_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list, text
     content = [dict(entry(lp.token_id, lp.logprob, piece), top_logprobs=[entry(i, v) for i, v in lp.top])
                for piece, lp in zip(pieces, logprobs)]
     return {"content": content}
+
+
+def chat_choice(choice: dict) -> dict:
+    """A choice of the batch runner's record (the offline path: beams, min_tokens...) as a chat
+    choice. Chat asks for no log-probs there (``parse_chat`` refuses them)."""
+    return {"index": choice["index"], "message": {"role": "assistant", "content": choice["text"]}, "logprobs": None,
+            "finish_reason": choice["finish_reason"]}
 
 
 def envelope(kind: str, response_id: str, model: str, choices: list, usage: dict | None = None) -> dict:

@@ -14,11 +14,33 @@ Besides OpenAI's fields, each body takes our search options (``top_k``, ``num_be
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WithJsonSchema
+
+from ..jobs.requests import MAX_CHOICES, MAX_LOGPROBS
+from ..options import MAX_INT
 
 Number = float  # strict mode: an int or a float, never a string
+
+
+def ranged(**bounds):
+    """An optional field whose documented range (JSON schema's ``minimum``...) says what our own
+    checks accept: clients and fuzzers read it; the checks (``openai_format``, ``jobs.requests``)
+    still give the error, with their message."""
+    return Field(None, json_schema_extra=bounds)
+
+
+def only(value):
+    """A vLLM extension accepted with the value that turns it off, and documented so."""
+    return Field(None, json_schema_extra={"enum": [value, None], "description": f"vLLM's; only {value!r} here"})
+
+
+def unsupported(what: str = "vLLM's; not supported by this server"):
+    """A field the server refuses (a 400 naming it): the schema says it must be left out."""
+    return Field(None, json_schema_extra={"not": {}, "description": what})
+# Text that is not empty (our check says why an empty prompt or stop string is refused).
+Text = Annotated[StrictStr, WithJsonSchema({"type": "string", "minLength": 1})]
 
 
 class _Body(BaseModel):
@@ -34,55 +56,55 @@ class _Options(_Body):
     """What completions and chat share: sampling, search, streaming, vLLM's extensions."""
 
     model: StrictStr | None = None
-    max_tokens: StrictInt | None = None
-    temperature: Number | None = None
-    top_p: Number | None = None
-    n: StrictInt | None = None
-    stop: Union[StrictStr, list[StrictStr], None] = None
-    seed: StrictInt | None = None
+    max_tokens: StrictInt | None = ranged(minimum=0, maximum=MAX_INT)
+    temperature: Number | None = ranged(minimum=0)
+    top_p: Number | None = ranged(exclusiveMinimum=0, maximum=1)
+    n: StrictInt | None = ranged(minimum=1, maximum=MAX_CHOICES)
+    stop: Union[Text, list[Text], None] = None
+    seed: StrictInt | None = ranged(minimum=0, maximum=MAX_INT)
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    presence_penalty: Number | None = None
-    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = ranged(minimum=-2, maximum=2)
+    frequency_penalty: Number | None = ranged(minimum=-2, maximum=2)
     logit_bias: dict[str, Number] | None = None
     user: StrictStr | None = None
     # Our search options (docs/generation-options.md).
-    top_k: StrictInt | None = None
-    num_beams: StrictInt | None = None
-    repetition_penalty: Number | None = None
+    top_k: StrictInt | None = ranged(minimum=0, maximum=MAX_INT)
+    num_beams: StrictInt | None = ranged(minimum=1, maximum=MAX_INT)
+    repetition_penalty: Number | None = ranged(exclusiveMinimum=0)
     length_penalty: Number | None = None
-    no_repeat_ngram_size: StrictInt | None = None
+    no_repeat_ngram_size: StrictInt | None = ranged(minimum=0, maximum=MAX_INT)
     early_stopping: Union[StrictBool, Literal["never"], None] = None
-    min_new_tokens: StrictInt | None = None
+    min_new_tokens: StrictInt | None = ranged(minimum=0, maximum=MAX_INT)
     # vLLM's extensions (openai_format.VLLM_EXTENSIONS says which are honoured).
     ignore_eos: StrictBool | None = None
-    min_tokens: StrictInt | None = None
-    skip_special_tokens: StrictBool | None = None
-    spaces_between_special_tokens: StrictBool | None = None
-    include_stop_str_in_output: StrictBool | None = None
+    min_tokens: StrictInt | None = ranged(minimum=0, maximum=MAX_INT)
+    skip_special_tokens: StrictBool | None = only(True)
+    spaces_between_special_tokens: StrictBool | None = only(True)
+    include_stop_str_in_output: StrictBool | None = only(False)
     add_special_tokens: StrictBool | None = None
     use_beam_search: StrictBool | None = None
-    min_p: Number | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    priority: StrictInt | None = None
-    truncate_prompt_tokens: StrictInt | None = None
-    prompt_logprobs: StrictInt | None = None
-    return_tokens_as_token_ids: StrictBool | None = None
-    guided_json: Union[StrictStr, dict, None] = None
-    guided_regex: StrictStr | None = None
-    guided_choice: list[StrictStr] | None = None
-    guided_grammar: StrictStr | None = None
-    response_format: dict | None = None
+    min_p: Number | None = only(0)
+    stop_token_ids: list[StrictInt] | None = Field(None, json_schema_extra={"maxItems": 0})
+    priority: StrictInt | None = only(0)
+    truncate_prompt_tokens: StrictInt | None = unsupported()
+    prompt_logprobs: StrictInt | None = unsupported()
+    return_tokens_as_token_ids: StrictBool | None = only(False)
+    guided_json: Union[StrictStr, dict, None] = unsupported()
+    guided_regex: StrictStr | None = unsupported()
+    guided_choice: list[StrictStr] | None = unsupported()
+    guided_grammar: StrictStr | None = unsupported()
+    response_format: dict | None = unsupported()
 
 
 class CompletionBody(_Options):
     """``POST /v1/completions``."""
 
-    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
-    best_of: StrictInt | None = None
-    logprobs: StrictInt | None = None
+    prompt: Union[Text, list[Text], list[StrictInt], list[list[StrictInt]]] = Field(json_schema_extra={"minItems": 1})
+    best_of: StrictInt | None = ranged(minimum=1, maximum=MAX_CHOICES)
+    logprobs: StrictInt | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
     echo: StrictBool | None = None
-    suffix: StrictStr | None = None
+    suffix: StrictStr | None = unsupported("not supported by this server")
     engine: StrictStr | None = None
     id: StrictStr | None = None
     request_id: StrictStr | None = None
@@ -102,11 +124,12 @@ class Message(_Body):
 class ChatBody(_Options):
     """``POST /v1/chat/completions``."""
 
-    messages: list[Message]
-    max_completion_tokens: StrictInt | None = None
+    messages: list[Message] = Field(json_schema_extra={"minItems": 1})
+    max_tokens: StrictInt | None = ranged(minimum=1, maximum=MAX_INT)  # chat: at least one token
+    max_completion_tokens: StrictInt | None = ranged(minimum=1, maximum=MAX_INT)
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
-    best_of: StrictInt | None = None
+    top_logprobs: StrictInt | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
+    best_of: StrictInt | None = ranged(minimum=1, maximum=MAX_CHOICES)
 
 
 def as_sent(body: _Body) -> dict:
