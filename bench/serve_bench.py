@@ -13,7 +13,9 @@ Load: closed loop (``--clients``: each client sends its next request when the la
 open loop (``--rates``: Poisson arrivals at these requests/s), prompts of mixed lengths, greedy,
 ``--max_tokens`` each. Every request streams; time to first token is from sending to the first
 chunk with text, inter-token latency the gaps between chunks, tokens the server's usage count.
-For ours it also prints the step shapes the load added after warm-up (should be 0).
+For ours it also prints the step shapes the load added after warm-up (should be 0), and times the
+yardsticks of the latency targets in the same run: the engine's plain decode step of one row, and of
+the batch bucket each closed-loop level runs (min(clients, max_batch) rows).
 
     python bench/serve_bench.py --config tiny --clients 1,4,16,32 --requests 64
     OMP_NUM_THREADS=2 python bench/serve_bench.py --config bloom-560m --dtype bf16 --clients 1,4,16 \\
@@ -171,7 +173,8 @@ def ours(generator, args):
     from generation.serving.engine import Engine, EngineConfig
 
     engine = Engine(generator, EngineConfig(max_batch=args.max_batch, max_length=args.max_length,
-                                            bucket_width=args.bucket_width, max_prefill=args.max_prefill))
+                                            bucket_width=args.bucket_width, max_prefill=args.max_prefill,
+                                            prefill_chunk=args.prefill_chunk))
     engine.start()
     engine.ready.wait()
     port = free_port()
@@ -256,30 +259,35 @@ def offline_run(generator, bodies: list[dict], budget: int) -> dict:
             "new_shapes": ""}
 
 
-def batch1_decode_ms(generator, args, prompt_tokens: int) -> float:
-    """One row's decode step as the engine runs it (bucket 1, the window of a typical row), timed
-    alone: the yardstick of the inter-token latency target."""
-    from generation.serving.device_rows import DeviceRows
+def decode_ms(generator, args, rows: int, prompt_tokens: int) -> float:
+    """The engine's decode step of ``rows`` running rows (their batch bucket, the window of a typical
+    row, no prompt chunk in it), timed alone: the yardstick of the inter-token latency targets."""
+    from generation.serving.device_rows import DeviceRows, batch_buckets
 
-    rows = DeviceRows(generator, 1, args.max_length, args.bucket_width, 1)
-    rows.prefill([[5] * prompt_tokens])
-    window = rows.length_bucket(min(args.max_length, prompt_tokens + args.max_tokens))
+    bucket = next(b for b in batch_buckets(args.max_batch) if b >= rows)
+    device_rows = DeviceRows(generator, bucket, args.max_length, args.bucket_width, 1, args.prefill_chunk)
+    window = device_rows.length_bucket(min(args.max_length, prompt_tokens + args.max_tokens))
     for _ in range(3):
-        rows.decode(1, [5], [prompt_tokens], window)
+        device_rows.decode(bucket, [5] * bucket, [prompt_tokens] * bucket, window)
     times = []
     for i in range(20):
         start = time.perf_counter()
-        rows.decode(1, [5], [prompt_tokens + i % args.max_tokens], window)
+        device_rows.decode(bucket, [5] * bucket, [prompt_tokens + i % args.max_tokens] * bucket, window)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
 
-def ratios(rows: list[dict], decode_ms: float) -> str:
+def running_rows(load: str, args) -> int | None:
+    """Rows a closed-loop level keeps running ("16 clients" -> min(16, max_batch)); None for open loop."""
+    return min(int(load.split()[0]), args.max_batch) if load.endswith("clients") else None
+
+
+def ratios(rows: list[dict], steps_ms: dict[int, float]) -> str:
     """The issue's targets, per closed-loop level: ours / transformers and ours / offline
-    throughput, ours' p99 inter-token latency / the batch-1 decode step."""
+    throughput; ours' inter-token latency p99 and p50 / the decode step of as many running rows."""
     by = {(r["variant"], r["load"]): r for r in rows}
     offline = by.get(("offline", "one job"))
-    lines = [f"batch-1 decode step: {decode_ms:.1f} ms"]
+    lines = [f"batch-1 decode step: {steps_ms[1]:.1f} ms"]
     for (variant, load), r in by.items():
         if variant != "ours":
             continue
@@ -288,7 +296,10 @@ def ratios(rows: list[dict], decode_ms: float) -> str:
             parts.append(f"{r['tok_s'] / by[('transformers', load)]['tok_s']:.2f}x transformers")
         if offline:
             parts.append(f"{r['tok_s'] / offline['tok_s']:.2f}x offline")
-        parts.append(f"p99 inter-token {r['itl_p99'] / decode_ms:.2f}x the batch-1 step")
+        n = running_rows(load, r["settings"]) if "settings" in r else None
+        step = steps_ms.get(n or 1)
+        parts.append(f"p99 inter-token {r['itl_p99'] / step:.2f}x / p50 {r['itl_p50'] / step:.2f}x "
+                     f"the {n or 1}-row decode step ({step:.1f} ms)")
         lines.append(" ".join(parts[:1]) + " " + ", ".join(parts[1:]))
     return "\n".join(lines)
 
@@ -314,7 +325,8 @@ def parse_args(argv=None):
     p.add_argument("--max_length", type=int, default=128)
     p.add_argument("--max_batch", type=int, default=32)
     p.add_argument("--bucket_width", type=int, default=32)
-    p.add_argument("--max_prefill", type=int, default=4, help="ours: prompts prefilled together")
+    p.add_argument("--max_prefill", type=int, default=4, help="ours: prompts prefilled together (when idle)")
+    p.add_argument("--prefill_chunk", type=int, default=32, help="ours: prompt tokens per decode step")
     p.add_argument("--clients", default="1,4,16,32", help="closed-loop client counts")
     p.add_argument("--rates", default="", help="open-loop Poisson rates, requests/s (e.g. 2,8)")
     p.add_argument("--requests", type=int, default=64, help="requests per load level")
@@ -372,7 +384,11 @@ def main(argv=None) -> int:
             stop()
     print(table(rows))
     mean_prompt = round(statistics.mean(len(generator.tokenizer.encode(p)) for p in prompts))
-    print(ratios(rows, batch1_decode_ms(generator, args, mean_prompt)))
+    sizes = {1} | {min(level, args.max_batch) for kind, level in loads if kind == "closed"}
+    steps_ms = {n: decode_ms(generator, args, n, mean_prompt) for n in sorted(sizes)}
+    for r in rows:
+        r["decode_step_ms"] = steps_ms.get(running_rows(r["load"], args) or 1) if r["variant"] == "ours" else None
+    print(ratios([dict(r, settings=args) for r in rows], steps_ms))
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2) + "\n")
     return 0

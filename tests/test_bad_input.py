@@ -54,6 +54,7 @@ CLI_CASES = [
     (["--mode", "vanilla", "--max_length", "1000000000", "Hello"], "memory"),
     (["--serve", "--max_batch", "4096", "--max_length", "100000"], "lower --max_batch, --max_prefill, --max_length or --bucket_width"),
     (["--serve", "--max_prefill", "0"], "--max_prefill"),
+    (["--serve", "--prefill_chunk", "0"], "--prefill_chunk"),
     (["--input_file", "{obj}"], "JSON object"),
     (["--eval", "{surrogate}"], "lone surrogate"),
     (["--eval", "{deep}"], "nested too deeply"),

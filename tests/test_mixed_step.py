@@ -85,3 +85,32 @@ def test_the_runner_records_a_mixed_signature(model):
     assert backend.signatures_of("mixed") == {("mixed", (((2, 1), "torch.int64"), ((2,), "torch.int64"),
                                                          ((1, 8), "torch.int64"), ((1,), "torch.int64"),
                                                          ((1,), "torch.int64"), ((1,), "torch.int64")), (2, K, 16))}
+
+
+def test_the_server_joins_prompts_in_chunks_on_the_hpu_layout(hpu_stand_in, tiny_checkpoint):
+    """On the HPU stand-in (per-layer cache written whole; in-place writes into views refused while
+    capturing): a prompt joining a running row in chunks gives what the generator gives alone, and
+    after warm-up no step captures a new graph."""
+    from test_hpu import hpu_generator
+
+    from generation.serving.engine import Engine, EngineConfig
+    from generation.serving.params import SamplingParams
+
+    generator = hpu_generator(tiny_checkpoint)
+    engine = Engine(generator, EngineConfig(max_batch=2, max_length=32, bucket_width=16, prefill_chunk=8))
+    assert all(c.per_layer for c in engine.device_rows.caches.values())
+    engine.warm_up()
+    warm, captured = set(generator.backend.signatures), generator.backend.captured
+    encode = generator.tokenizer.encode
+    prompts = ["It was the best of times", "a b c d e f g h i j k l m n o p"]  # the second over 2 chunks
+    params = SamplingParams(max_tokens=6)
+    first = engine.submit(encode(prompts[0]), params)
+    engine.step()
+    second = engine.submit(encode(prompts[1]), params)
+    while engine.step():
+        pass
+    assert engine.stats["prompts_chunked"] == 1 and engine.stats["mixed_steps"] >= 2
+    assert generator.backend.signatures == warm and generator.backend.captured == captured
+    for prompt, handle in zip(prompts, (first, second)):
+        ref = generator.generate([prompt], max_length=32, max_new_tokens=6, ignore_eos=False, bucket_width=16)[0]
+        assert [s.token_ids for s in handle.result(1)] == [ref.sequences[0].token_ids], prompt

@@ -13,7 +13,8 @@ def test_serve_bench_runs_every_variant(tmp_path, capsys):
     assert serve_bench.main(argv) == 0
     printed = capsys.readouterr().out
     for column in ("tok/s", "TTFT p50", "ITL p99", "new shapes", "batch-1 decode step:",
-                   "ours at 3 clients: ", "x transformers, ", "x offline, p99 inter-token "):
+                   "ours at 3 clients: ", "x transformers, ", "x offline, p99 inter-token ",
+                   "the 3-row decode step ("):
         assert column in printed
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["load"]) for r in rows] == [

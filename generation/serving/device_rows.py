@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from bloom_hpu.runtime.backends import HPU_MAX_GRAPHS
+
 from ..batch import round_up
 
 
@@ -36,8 +38,11 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 
 def chunk_buckets(prefill_chunk: int) -> list[int]:
-    """The chunk lengths a mixed step pads to: powers of two from 8, then ``prefill_chunk``."""
-    return [c for c in batch_buckets(prefill_chunk) if c >= min(MIN_CHUNK, prefill_chunk)]
+    """The chunk lengths a mixed step pads to: powers of two from 8, then ``prefill_chunk``; the
+    largest HPU_MAX_GRAPHS of them, as one mixed step module (per cache and window) serves every
+    chunk length and a Gaudi keeps that many graphs per module."""
+    sizes = [c for c in batch_buckets(prefill_chunk) if c >= min(MIN_CHUNK, prefill_chunk)]
+    return sizes[-HPU_MAX_GRAPHS:]
 
 
 MIN_CHUNK = 8  # shorter chunks are padded to 8: a few more shapes would save little

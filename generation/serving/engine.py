@@ -539,7 +539,7 @@ class Engine:
     def _begin(self, lead: _Row, logits: torch.Tensor) -> None:
         """``lead``'s prompt is complete (``logits`` [1, V] its last token's): the request's other
         rows take its slots, and all of them start."""
-        lead_slot = self.rows.index(lead)
+        lead_slot = next(i for i, r in enumerate(self.rows) if r is lead)  # by identity: rows are dataclasses
         slots = [lead_slot]
         extent = self._extent()
         for slot, row in enumerate(self.rows):
