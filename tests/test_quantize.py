@@ -32,6 +32,22 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Hello, world", "Numbers 1 2 3 4"]
 
 
+def two_rank_tokens(tmp_path, *weights) -> list[list[int]]:
+    """``./bloom.py WEIGHTS --max_length 20`` on PROMPTS[1:] under the deepspeed launcher, 2 ranks:
+    each prompt's generated ids."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "two.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
+               str(ROOT / "bloom.py"), *weights, "--max_length", "20", "--quiet", "--output_file", str(out),
+               *PROMPTS[1:]]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return [r["token_ids"] for r in json.loads(out.read_text())]
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     return make_random_checkpoint(tmp_path_factory.mktemp("int8"), hidden_size=64, n_layer=3, n_head=4, seed=7)
@@ -180,19 +196,10 @@ def test_bad_quantization_flags_are_one_line(folder, capsys):
 def test_two_ranks_with_int8_give_one_process_tokens(folder, tmp_path):
     """Row-parallel layers take the whole row's scale (an all-reduce of the row maxima): the same
     int8 weights on 2 ranks as in one process."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "two.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
-               str(ROOT / "bloom.py"), "--weights", str(folder), "--quantize", "int8", "--max_length", "20",
-               "--quiet", "--output_file", str(out), *PROMPTS[1:]]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    got = two_rank_tokens(tmp_path, "--weights", str(folder), "--quantize", "int8")
     one = Generator.from_pretrained(folder, quantize="int8")
     want = [r.token_ids for r in one.generate(PROMPTS[1:], max_length=20)]
-    assert [r["token_ids"] for r in json.loads(out.read_text())] == want
+    assert got == want
 
 
 # --- a checkpoint saved int8 (utils/quantize_checkpoint.py) ------------------------------------------
@@ -223,18 +230,8 @@ def test_a_saved_int8_checkpoint_loads_as_int8_and_gives_the_same_tokens(int8, i
 
 
 def test_two_ranks_read_their_slices_of_a_saved_int8_checkpoint(int8_folder, int8, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "two.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
-               str(ROOT / "bloom.py"), "--weights", str(int8_folder), "--max_length", "20", "--quiet",
-               "--output_file", str(out), *PROMPTS[1:]]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     want = [r.token_ids for r in int8.generate(PROMPTS[1:], max_length=20)]
-    assert [r["token_ids"] for r in json.loads(out.read_text())] == want
+    assert two_rank_tokens(tmp_path, "--weights", str(int8_folder)) == want
 
 
 def test_checkpoints_quantized_otherwise_or_twice_are_one_line(folder, int8_folder, tmp_path):

@@ -80,20 +80,10 @@ class DecodeStep(nn.Module):
         return self.model.decode(tokens, positions, self.cache, self.window)
 
 
-class MixedStep(nn.Module):
+class MixedStep(DecodeStep):
     """A decode step that carries a prompt chunk (``StaticBloom.mixed``): the server's prefill in
     chunks. Its shape is (rows, cache length, window, chunk length). Always the model's own ops:
     the CPU's one-call decode kernel (bound to ``model.decode``) has no chunk."""
-
-    def __init__(self, model: StaticBloom, cache: KVCache, window: int):
-        super().__init__()
-        self.model = model
-        self.cache = cache
-        self.window = window
-
-    @property
-    def static_shape(self) -> tuple:
-        return (self.cache.batch_size, self.cache.length, self.window)
 
     def forward(self, tokens, positions, chunk, chunk_row, chunk_start, chunk_len) -> torch.Tensor:
         return self.model.mixed(tokens, positions, chunk, chunk_row, chunk_start, chunk_len, self.cache, self.window)
