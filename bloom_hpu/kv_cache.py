@@ -113,23 +113,24 @@ class KVCache:
         self.keys[layer][self.rows, :, positions] = k[:, :, 0]  # [B, H, D] at (row, all heads, slot)
         self.values[layer][self.rows, :, positions] = v[:, :, 0]
 
-    def write_span(self, layer: int, row: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a prompt chunk's keys/values [1, H, C, D] in row ``row`` [1] at ``slots`` [C] (a
-        prompt continued inside a decode step: ``StaticBloom.mixed``). Row and slots are device
-        tensors, so any row and offset is the same op."""
+    def write_span(self, layer: int, rows: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store S prompt segments' keys/values [S, H, C, D]: segment s in row ``rows[s]`` at
+        ``slots[s]`` [S, C] (prompts continued inside a decode step: ``StaticBloom.mixed``). Rows
+        and slots are device tensors, so any row and offset is the same op."""
         if self.per_layer:
-            where = (self.row_heads.index_select(0, row)[:, :, None] + slots[None, None, :]).reshape(-1)  # [H*C]
+            # Flat row of (rows[s], head h, slots[s, c]) for every s, h, c: [S*H*C].
+            where = (self.row_heads.index_select(0, rows)[:, :, None] + slots[:, None, :]).reshape(-1)
             self.flat_keys[layer].index_copy_(0, where, k.reshape(-1, k.shape[-1]))
             self.flat_values[layer].index_copy_(0, where, v.reshape(-1, v.shape[-1]))
             return
-        # (row, all heads, slot c) for every c: indexed assignment of [C, H, D].
-        self.keys[layer][row, :, slots] = k[0].transpose(0, 1)
-        self.values[layer][row, :, slots] = v[0].transpose(0, 1)
+        # (row s, all heads, slot c) for every (s, c): indexed assignment of [S, C, H, D].
+        self.keys[layer][rows[:, None], :, slots] = k.transpose(1, 2)
+        self.values[layer][rows[:, None], :, slots] = v.transpose(1, 2)
 
-    def row_window(self, layer: int, row: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [1, H, window, D] of the first ``window`` slots of row ``row`` [1]."""
-        return (self.keys[layer][:, :, :window].index_select(0, row),
-                self.values[layer][:, :, :window].index_select(0, row))
+    def row_window(self, layer: int, rows: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [S, H, window, D] of the first ``window`` slots of rows ``rows`` [S]."""
+        return (self.keys[layer][:, :, :window].index_select(0, rows),
+                self.values[layer][:, :, :window].index_select(0, rows))
 
     def prefix_rows(self, prompt_len: int) -> torch.Tensor:
         """Flat rows of slots 0..P-1 of every (row, head), [B*H*P]. Computed where it is used (two

@@ -59,7 +59,11 @@ class AdapterRows:
 
     def set_many(self, rows: list[int], adapter: int) -> None:
         """``set`` for several rows, in one write."""
-        for row in rows:
+        self.set_each(rows, [adapter] * len(rows))
+
+    def set_each(self, rows: list[int], adapters: list[int]) -> None:
+        """Row ``rows[i]`` reads ``adapters[i]``, for every i, in one write."""
+        for row, adapter in zip(rows, adapters):
             self.host[row] = adapter
         self.index.copy_(torch.tensor(self.host, dtype=torch.long))
 

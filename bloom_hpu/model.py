@@ -131,25 +131,27 @@ class Attention(nn.Module):
         return self.dense(self._attend(q, keys, values, masked_alibi))
 
 
-    def mixed(self, x, layer: int, cache: KVCache, positions, window: int, masked_alibi, chunk_row, chunk_slots,
+    def mixed(self, x, layer: int, cache: KVCache, positions, window: int, masked_alibi, chunk_rows, chunk_slots,
               chunk_bias):
-        """A decode step of b rows with a prompt chunk of C tokens: x [b + C, 1, hidden], the b
-        decode tokens first. One product for all; then the decode tokens attend as in ``decode``
-        and the chunk as a prompt continued in row ``chunk_row`` [1]: its keys and values go to
-        ``chunk_slots`` [C], its queries attend that row's first ``window`` slots with
-        ``chunk_bias`` [H, C, W] (ALiBi with the causal mask folded in)."""
-        b = positions.shape[0]
-        qkv = self.query_key_value(x)  # [b + C, 1, 3*H*D]
+        """A decode step of b rows with S prompt segments of C tokens: x [b + S*C, 1, hidden], the
+        b decode tokens first. One product for all; then the decode tokens attend as in ``decode``
+        and segment s as a prompt continued in row ``chunk_rows[s]``: its keys and values go to
+        ``chunk_slots[s]`` [C], its queries attend that row's first ``window`` slots with
+        ``chunk_bias[s]`` [H, C, W] (ALiBi with the causal mask folded in)."""
+        b, segments = positions.shape[0], chunk_slots.shape[0]
+        qkv = self.query_key_value(x)  # [b + S*C, 1, 3*H*D]
         q, k, v = self._split_heads(qkv[:b])
-        cq, ck, cv = self._split_heads(qkv[b:].reshape(1, -1, qkv.shape[-1]))  # [1, H, C, D]
+        cq, ck, cv = self._split_heads(qkv[b:].reshape(segments, -1, qkv.shape[-1]))  # [S, H, C, D]
         # The decode writes first: a row still being prefilled decodes a filler token at the slot
-        # its chunk starts at (engine.py), which the chunk's own write then replaces.
+        # its next segment starts at (engine.py), which the segment's own write then replaces.
+        # Every segment writes before any attends, so a prompt's later segment in the same step
+        # sees its earlier ones.
         cache.write_at(layer, positions, k, v)
-        cache.write_span(layer, chunk_row, chunk_slots, ck, cv)
+        cache.write_span(layer, chunk_rows, chunk_slots, ck, cv)
         context = self._attend(q, cache.keys[layer][:, :, :window], cache.values[layer][:, :, :window], masked_alibi)
-        row_keys, row_values = cache.row_window(layer, chunk_row, window)
-        chunk_context = self._attend(cq, row_keys, row_values, chunk_bias)  # [1, C, H*D]
-        return self.dense(torch.cat([context, chunk_context.transpose(0, 1)]))
+        row_keys, row_values = cache.row_window(layer, chunk_rows, window)
+        chunk_context = self._attend(cq, row_keys, row_values, chunk_bias)  # [S, C, H*D]
+        return self.dense(torch.cat([context, chunk_context.reshape(-1, 1, chunk_context.shape[-1])]))
 
 
 class MLP(nn.Module):
@@ -278,28 +280,32 @@ class StaticBloom(nn.Module):
         alibi = cache.alibi[:, :, :window]
         return alibi.masked_fill(hidden[:, None, :], torch.finfo(alibi.dtype).min)  # [B*H, 1, W], row b*H+h
 
-    def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, chunk: torch.Tensor, chunk_row: torch.Tensor,
+    def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, chunk: torch.Tensor, chunk_rows: torch.Tensor,
               chunk_start: torch.Tensor, chunk_len: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
-        """A decode step with a prompt chunk in it: one read of the weights serves both.
+        """A decode step with prompt segments in it: one read of the weights serves both.
 
-        tokens [B, 1] at positions [B], as ``decode``; chunk [1, C] ids, right-padded after
-        ``chunk_len`` [1] real ones, continuing the prompt of cache row ``chunk_row`` [1] from slot
-        ``chunk_start`` [1] (its earlier slots hold the prompt's start). Every slot attended is
-        below ``window``. Returns logits [B + 1, V]: the B rows', then the chunk's last real token's
-        (the first token's logits when the chunk ends its prompt).
+        tokens [B, 1] at positions [B], as ``decode``; chunk [S, C] ids: segment s, right-padded
+        after ``chunk_len[s]`` real ones, continues the prompt of cache row ``chunk_rows[s]`` from
+        slot ``chunk_start[s]`` (that row's earlier slots hold the prompt's start; a prompt may
+        take several segments of one step). Every slot attended is below ``window``. Returns
+        logits [B + S, V]: the B rows', then each segment's last real token's (a prompt's first
+        token's logits when the segment ends it).
 
-        The chunk's pad tokens write the slots after its real ones (clamped to the cache), which
-        nothing attends before the row writes them again."""
+        A segment's pad tokens write the slots after its real ones (clamped to the cache), which
+        nothing attends before the row writes them again. An unused segment repeats a used one
+        (same row, slots and ids): it writes the same values again."""
         b, c, heads = tokens.shape[0], chunk.shape[1], self.local_heads
         masked_alibi = self._decode_bias(positions, cache, window)
-        chunk_slots = (chunk_start + cache.slots[:c]).clamp(max=cache.length - 1)  # [C]
-        # Chunk token i sees its row's slots <= chunk_start + i (causal, the earlier chunks included).
-        hidden = cache.slots[None, :window] > chunk_slots[:, None]  # [C, W]
+        chunk_slots = (chunk_start[:, None] + cache.slots[None, :c]).clamp(max=cache.length - 1)  # [S, C]
+        # Token i of segment s sees its row's slots <= chunk_start[s] + i (causal, earlier segments included).
+        hidden = cache.slots[None, None, :window] > chunk_slots[:, :, None]  # [S, C, W]
         alibi = cache.alibi[:heads, :, :window]  # [H, 1, W]: the bias is the same for every row
-        chunk_bias = alibi.masked_fill(hidden[None], torch.finfo(alibi.dtype).min)  # [H, C, W]
-        h = self.embed(torch.cat([tokens[:, 0], chunk[0]])[:, None])  # [B + C, 1, hidden]: one token per row
+        chunk_bias = alibi[None].masked_fill(hidden[:, None], torch.finfo(alibi.dtype).min)  # [S, H, C, W]
+        chunk_bias = chunk_bias.reshape(-1, c, window)  # [S*H, C, W], as _attend takes it
+        h = self.embed(torch.cat([tokens[:, 0], chunk.reshape(-1)])[:, None])  # [B + S*C, 1, hidden]: one token per row
         for i, block in enumerate(self.h):
             h = block(h, lambda x, i=i, block=block: block.self_attention.mixed(
-                x, i, cache, positions, window, masked_alibi, chunk_row, chunk_slots, chunk_bias))
-        keep = torch.cat([cache.rows[:b], chunk_len + (b - 1)])  # the B rows and the chunk's last real token
+                x, i, cache, positions, window, masked_alibi, chunk_rows, chunk_slots, chunk_bias))
+        segment_ends = b - 1 + chunk_len + c * cache.slots[: chunk.shape[0]]  # (slots: 0, 1, ..., no new tensor)
+        keep = torch.cat([cache.rows[:b], segment_ends])  # the B rows and each segment's last real token
         return self.lm_head(h[:, 0].index_select(0, keep))

@@ -253,7 +253,7 @@ def test_engine_mixed_load_lora_rows_and_cancellation(graph_stand_in, checkpoint
     # The count docs/graph-runtimes.md states: a decode graph per (batch bucket, window), a mixed
     # one (decode + a prompt chunk) per (batch bucket, window, chunk bucket), and on HPU a prefill
     # graph per (prefill bucket, length bucket); warm-up captures them all.
-    expected = len(rows.batch_sizes) * len(rows.lengths) * (1 + len(rows.chunk_sizes))
+    expected = len(rows.batch_sizes) * len(rows.lengths) * (1 + len(rows.segment_counts))
     if graph_stand_in.personality == "hpu":
         expected += len(rows.prefill_sizes) * len(rows.lengths)
     assert graph_stand_in.captures - before == expected

@@ -1,6 +1,8 @@
 """``StaticBloom.mixed``: a decode step carrying a chunk of one row's prompt gives the logits and
 cache slots that a separate decode and a separate prefill of the whole prompt give (fp32), in both
-cache layouts, with a padded chunk; through the runner its signature is recorded."""
+cache layouts, with a padded chunk; so does one carrying several prompts' segments (one prompt over
+two segments of the step, an unused segment repeating a used one); through the runner its
+signature is recorded."""
 
 import pytest
 import torch
@@ -71,6 +73,50 @@ def test_mixed_equals_decode_and_prefill(model, per_layer, done, real):
                 torch.testing.assert_close(mine[layer][r, :, :16], theirs[layer][r, :, :16], rtol=1e-5, atol=1e-5)
             n = done + real
             torch.testing.assert_close(mine[layer][JOINING, :, :n], whole[layer][0, :, :n], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+@torch.no_grad()
+def test_segments_of_several_prompts_in_one_step(model, per_layer):
+    """Rows 1 and 3 join together: row 1's prompt (5 done, 11 to go) over two segments of 8, row
+    3's (3 tokens) in a third, the fourth segment a repeat of the third. Each prompt's first-token
+    logits and slots are its whole prefill's; rows 0 and 2 decode as in a plain decode."""
+    g = torch.Generator().manual_seed(7)
+    c = 8
+    long_prompt = torch.randint(0, 256, (16,), generator=g)
+    short_prompt = torch.randint(0, 256, (3,), generator=g)
+    ids = torch.nn.functional.pad(torch.randint(0, 256, (ROWS, 12), generator=g), (0, K - 12))
+    ids[1, :5] = long_prompt[:5]
+    lengths = torch.tensor([6, 5, 9, 1])
+    cache = model.allocate_cache(ROWS, K, per_layer)
+    model.prefill(ids[:, :12], lengths, cache)
+    before = clone(cache)
+
+    tokens = torch.randint(0, 256, (ROWS, 1), generator=g)
+    positions = torch.tensor([6, 5, 9, 0])  # the joining rows' fillers where their prompts continue
+    chunk = torch.zeros(4, c, dtype=torch.long)
+    chunk[0] = long_prompt[5:13]
+    chunk[1, :3] = long_prompt[13:]
+    chunk[2, :3] = short_prompt
+    chunk[3] = chunk[2]
+    rows, starts, reals = torch.tensor([1, 1, 3, 3]), torch.tensor([5, 13, 0, 0]), torch.tensor([8, 3, 3, 3])
+    mixed = model.mixed(tokens, positions, chunk, rows, starts, reals, cache, K)
+    assert mixed.shape == (ROWS + 4, 256)
+
+    reference = model.allocate_cache(ROWS, K, per_layer)
+    for mine, saved in zip(list(reference.keys) + list(reference.values), before[0] + before[1]):
+        mine.copy_(saved)
+    decoded = model.decode(tokens, positions, reference, K)
+    torch.testing.assert_close(mixed[[0, 2]], decoded[[0, 2]], rtol=1e-5, atol=1e-5)
+    for prompt, row, logits in ((long_prompt, 1, mixed[ROWS + 1]), (short_prompt, 3, mixed[ROWS + 2])):
+        alone = model.allocate_cache(1, K, per_layer)
+        first = model.prefill(prompt[None], torch.tensor([len(prompt)]), alone)
+        torch.testing.assert_close(logits, first[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mixed[ROWS + 3], mixed[ROWS + 2])
+        for layer in range(model.config.n_layer):
+            n = len(prompt)
+            torch.testing.assert_close(cache.keys[layer][row, :, :n], alone.keys[layer][0, :, :n], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(cache.values[layer][row, :, :n], alone.values[layer][0, :, :n], rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()

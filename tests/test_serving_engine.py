@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from generation import Generator
-from generation.serving.device_rows import batch_buckets, chunk_buckets, length_buckets
+from generation.serving.device_rows import batch_buckets, chunk_shape, length_buckets
 from generation.serving.engine import Engine, EngineConfig, EngineError
 from generation.serving.params import SamplingParams
 
@@ -45,8 +45,9 @@ def alone(generator, prompt, params: SamplingParams):
 def test_buckets():
     assert batch_buckets(1) == [1] and batch_buckets(6) == [1, 2, 4, 6] and batch_buckets(8) == [1, 2, 4, 8]
     # Chunks: from 8 up, at most 4 sizes (a Gaudi keeps 4 graphs per step module: HPU_MAX_GRAPHS).
-    assert chunk_buckets(32) == [8, 16, 32] and chunk_buckets(5) == [5] and chunk_buckets(12) == [8, 12]
-    assert chunk_buckets(128) == [16, 32, 64, 128]
+    # (segment length, segment counts): segments of max(8, C/4) tokens, 1, 2, 4 of them
+    assert chunk_shape(32) == (8, [1, 2, 4]) and chunk_shape(5) == (5, [1]) and chunk_shape(12) == (12, [1])
+    assert chunk_shape(128) == (32, [1, 2, 4]) and chunk_shape(16) == (8, [1, 2]) and chunk_shape(24) == (8, [1, 2, 3])
     assert length_buckets(64, 16) == [16, 32, 48, 64] and length_buckets(50, 16) == [16, 32, 48, 50]
     assert length_buckets(64, 0) == [64]
 
@@ -109,24 +110,31 @@ def test_waiting_requests_are_prefilled_together(generator):
         assert [s.token_ids for s in handle.result(1)] == alone(generator, prompt, params), prompt
 
 
-def test_prompts_join_in_chunks_while_rows_run(generator):
-    """Prompts that arrive while a row runs are fed in chunks inside its decode steps (a long one over
-    several), never in a prefill of their own: the running row gains a token at every step; every
-    request still equals itself alone, and no step signature is new after warm-up."""
-    engine = Engine(generator, EngineConfig(max_batch=4, max_length=MAX_LENGTH, bucket_width=WIDTH, prefill_chunk=8))
+@pytest.mark.parametrize("prefill_chunk", [8, 32])
+def test_prompts_join_in_segments_while_rows_run(generator, prefill_chunk):
+    """Prompts that arrive while a row runs are fed in segments inside its decode steps (a long one
+    over several), never in a prefill of their own: the running row gains a token at every step;
+    every request still equals itself alone, and no step signature is new after warm-up. With
+    8 tokens a step, one segment a step; with 32, four segments of 8, so one step carries several
+    prompts, and several pieces of the long one."""
+    engine = Engine(generator, EngineConfig(max_batch=4, max_length=MAX_LENGTH, bucket_width=WIDTH,
+                                            prefill_chunk=prefill_chunk))
     engine.warm_up()
     warm = set(generator.backend.signatures)
     calls = {"prefill": 0, "mixed": 0}
+    carried = []  # the slots of each mixed step's segments
     for name in calls:
         real = getattr(engine.device_rows, name)
         setattr(engine.device_rows, name, lambda *a, real=real, name=name: calls.__setitem__(name, calls[name] + 1) or real(*a))
+    real_mixed = engine.device_rows.mixed
+    engine.device_rows.mixed = lambda *a: carried.append([seg[0] for seg in a[4]]) or real_mixed(*a)
     encode = generator.tokenizer.encode
     cases = [("the cat sat on the mat", SamplingParams(max_tokens=30, ignore_eos=True))]
     first = engine.submit(encode(cases[0][0]), cases[0][1])
     engine.step()  # nothing ran before it: a plain prefill
     long_prompt = " ".join(WORDS[i % len(WORDS)] for i in range(27))  # over 8-token chunks: 4 of them
-    cases += [(long_prompt, SamplingParams(max_tokens=8)),
-              ("a dog and a cat", SamplingParams(max_tokens=8, temperature=0.8, seed=3, n=2)),  # copies of its row
+    cases += [("a dog and a cat", SamplingParams(max_tokens=8, temperature=0.8, seed=3, n=2)),  # copies of its row
+              (long_prompt, SamplingParams(max_tokens=8)),
               ("in the house", SamplingParams(max_tokens=6, repetition_penalty=1.3))]
     handles = [first] + [engine.submit(encode(p), params) for p, params in cases[1:]]
     assert len(encode(long_prompt)) > 3 * 8
@@ -138,7 +146,11 @@ def test_prompts_join_in_chunks_while_rows_run(generator):
         if row is not None and any(r is row for r in engine.rows):
             assert len(row.ids) == before + 1  # no step passed it by
     assert generator.backend.signatures == warm
-    assert calls["prefill"] == 1 and calls["mixed"] >= 4 + 1 + 1
+    if prefill_chunk == 8:
+        assert calls["prefill"] == 1 and calls["mixed"] >= 4 + 1 + 1 and all(len(c) == 1 for c in carried)
+    else:
+        assert calls["prefill"] == 1 and max(len(set(c)) for c in carried) >= 2  # several prompts in a step
+        assert any(len(c) > len(set(c)) for c in carried)  # the long prompt: several pieces in a step
     assert engine.stats["prompts_chunked"] == 3
     for (prompt, params), handle in zip(cases, handles):
         expected = alone(generator, prompt, params) if not params.ignore_eos else None

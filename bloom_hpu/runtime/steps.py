@@ -6,7 +6,7 @@ object always touches the same memory. ``StepRunner`` keeps one cache per (batch
 one step module per (kind, cache, window), so repeated calls reuse both and never re-capture.
 
 Steps: ``prefill`` (prompts -> logits of each row's last token), ``decode`` (one token per row),
-``mixed`` (a decode with a chunk of one row's prompt in it: the server),
+``mixed`` (a decode with segments of joining prompts in it: the server),
 and for scoring prompts (log-probs, evaluation) ``hidden`` (final hidden states at every position)
 and ``head`` (logits of a slice of them). Every one goes through the backend, which records its
 shape signature and, on a Gaudi, captures it and ends it with ``mark_step``.
@@ -81,8 +81,8 @@ class DecodeStep(nn.Module):
 
 
 class MixedStep(DecodeStep):
-    """A decode step that carries a prompt chunk (``StaticBloom.mixed``): the server's prefill in
-    chunks. Its shape is (rows, cache length, window, chunk length). Always the model's own ops:
+    """A decode step that carries prompt segments (``StaticBloom.mixed``): the server's prefill in
+    pieces. Its shape is (rows, cache length, window, segments, segment length). Always the model's own ops:
     the CPU's one-call decode kernel (bound to ``model.decode``) has no chunk."""
 
     def forward(self, tokens, positions, chunk, chunk_row, chunk_start, chunk_len) -> torch.Tensor:
@@ -157,7 +157,7 @@ class StepRunner:
     @torch.no_grad()
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, chunk: torch.Tensor, chunk_row: torch.Tensor,
               chunk_start: torch.Tensor, chunk_len: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
-        """A decode of [B, 1] tokens with a prompt chunk [1, C] of one row in it: logits [B + 1, V]."""
+        """A decode of [B, 1] tokens with S prompt segments [S, C] in it: logits [B + S, V]."""
         return self.backend.run("mixed", self._step("mixed", cache, window), tokens, positions, chunk, chunk_row,
                                 chunk_start, chunk_len)
 

@@ -14,9 +14,10 @@ own shard, with the collectives inside the steps pairing up.
   step, P their length bucket, right-padded; each prompt's first P slots are then copied into its
   rows of the decode cache (``place``). The running rows' cache is never touched by a prefill. The
   engine uses this when no row is running (a burst onto an idle server).
-* ``mixed``: while rows run, a prompt is fed in chunks inside the decode steps, straight into its
-  row of ``caches[b]`` (``StaticBloom.mixed``): up to ``prefill_chunk`` tokens per step, padded to a
-  *chunk bucket* (8, 16, ... prefill_chunk), so the running rows never wait for a prefill.
+* ``mixed``: while rows run, prompts are fed inside the decode steps, straight into their rows of
+  ``caches[b]`` (``StaticBloom.mixed``): up to ``prefill_chunk`` tokens per step in *segments* of a
+  fixed length (``chunk_shape``), each segment a piece of one prompt, so several short prompts (or
+  several pieces of a long one) join in one step and the running rows never wait for a prefill.
 """
 
 from __future__ import annotations
@@ -37,15 +38,20 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sizes + [max_batch]
 
 
-def chunk_buckets(prefill_chunk: int) -> list[int]:
-    """The chunk lengths a mixed step pads to: powers of two from 8, then ``prefill_chunk``; the
-    largest HPU_MAX_GRAPHS of them, as one mixed step module (per cache and window) serves every
-    chunk length and a Gaudi keeps that many graphs per module."""
-    sizes = [c for c in batch_buckets(prefill_chunk) if c >= min(MIN_CHUNK, prefill_chunk)]
-    return sizes[-HPU_MAX_GRAPHS:]
+def chunk_shape(prefill_chunk: int) -> tuple[int, list[int]]:
+    """The prompt tokens a mixed step carries: (segment length, segment counts). Segments of
+    max(8, prefill_chunk / 4) tokens (a chunk under 16 is one segment of its own length), up to
+    prefill_chunk tokens in all; the number of segments is padded to 1, 2, 4 (or the most that
+    fit): at most HPU_MAX_GRAPHS counts, as one mixed step module (per cache and window) serves
+    every count and a Gaudi keeps that many graphs per module."""
+    if prefill_chunk < 2 * MIN_SEGMENT:
+        return prefill_chunk, [1]
+    length = max(MIN_SEGMENT, -(-prefill_chunk // MAX_SEGMENTS))
+    return length, batch_buckets(prefill_chunk // length)[-HPU_MAX_GRAPHS:]
 
 
-MIN_CHUNK = 8  # shorter chunks are padded to 8: a few more shapes would save little
+MIN_SEGMENT = 8  # a shorter piece of a prompt is padded to 8 tokens: more shapes would save little
+MAX_SEGMENTS = 4  # per step: each segment reads its row's keys and values once per layer
 
 
 def length_buckets(max_length: int, width: int) -> list[int]:
@@ -66,9 +72,9 @@ class DeviceRows:
         self.batch_sizes = batch_buckets(max_batch)
         self.prefill_sizes = batch_buckets(min(max_prefill, max_batch))
         self.lengths = length_buckets(max_length, bucket_width)
-        self.chunk_sizes = chunk_buckets(min(prefill_chunk, max_length))
+        self.segment_length, self.segment_counts = chunk_shape(min(prefill_chunk, max_length))
         model = self.runner.model
-        if self.lora is not None and max_batch + self.chunk_sizes[-1] > self.lora.rows.capacity:
+        if self.lora is not None and max_batch + self.chunk_tokens > self.lora.rows.capacity:
             raise ValueError(f"--max_batch plus --prefill_chunk exceeds the {self.lora.rows.capacity} rows "
                              "LoRA adapters are stacked for")
         self._check_memory(model)
@@ -90,7 +96,7 @@ class DeviceRows:
             # Each captured decode graph keeps its [b, V] logits (and, on HPU, each prefill graph
             # its own): one per (batch bucket, window) and (prefill bucket, length bucket).
             outputs = sum(self.batch_sizes) * len(self.lengths)
-            outputs += sum(b + 1 for b in self.batch_sizes) * len(self.lengths) * len(self.chunk_sizes)  # mixed
+            outputs += sum(b + s for b in self.batch_sizes for s in self.segment_counts) * len(self.lengths)  # mixed
             if backend.per_layer_cache:
                 outputs += sum(self.prefill_sizes) * len(self.lengths)
             graphs = outputs * model.config.vocab_size * 4
@@ -100,12 +106,17 @@ class DeviceRows:
     def length_bucket(self, needed: int) -> int:
         return next(n for n in self.lengths if n >= needed)
 
+    @property
+    def chunk_tokens(self) -> int:
+        """The most prompt tokens one mixed step carries."""
+        return self.segment_length * self.segment_counts[-1]
+
     # --- steps ----------------------------------------------------------------------------------
 
     @torch.no_grad()
     def warm_up(self) -> dict:
         """Run every step shape the engine uses: a prefill per (prefill bucket, length bucket), a
-        decode per (batch bucket, window), a mixed step per (batch bucket, chunk bucket, window).
+        decode per (batch bucket, window), a mixed step per (batch bucket, window, segment count).
         Returns what it ran and how long it took."""
         start = time.perf_counter()
         # Largest first: graphs captured into one memory pool can then reuse the larger ones' scratch.
@@ -115,14 +126,14 @@ class DeviceRows:
         for b in reversed(self.batch_sizes):
             for window in reversed(self.lengths):
                 self.decode(b, [self.pad] * b, [0] * b, window)
-                for c in reversed(self.chunk_sizes):  # pad tokens into row 0: overwritten before use
-                    self.mixed(b, [self.pad] * b, [0] * b, window, [self.pad] * c, 0, 0)
+                for count in reversed(self.segment_counts):  # pad tokens into row 0: overwritten before use
+                    self.mixed(b, [self.pad] * b, [0] * b, window, [(0, 0, [self.pad] * self.segment_length, 0)] * count)
         if self.runner.backend.compiles_eager_ops:
             self._warm_up_row_copies()
         self.generator.backend.synchronize()
         return {"prefill": len(self.prefill_sizes) * len(self.lengths),
                 "decode": len(self.batch_sizes) * len(self.lengths),
-                "mixed": len(self.batch_sizes) * len(self.lengths) * len(self.chunk_sizes),
+                "mixed": len(self.batch_sizes) * len(self.lengths) * len(self.segment_counts),
                 "seconds": time.perf_counter() - start}
 
     @torch.no_grad()
@@ -146,20 +157,30 @@ class DeviceRows:
         return self.runner.decode(tokens[:, None], positions, self.caches[bucket], window)
 
     @torch.no_grad()
-    def mixed(self, bucket: int, tokens: list[int], positions: list[int], window: int, chunk: list[int], row: int,
-              start: int, adapter: int = 0) -> torch.Tensor:
-        """A decode in ``caches[bucket]`` (as ``decode``) that also feeds ``chunk``, the prompt ids
-        that go to slots ``start``.. of row ``row``, with LoRA ``adapter``; padded to its chunk
-        bucket. Returns logits [b + 1, V]: the rows', then the chunk's last token's."""
-        c = next(n for n in self.chunk_sizes if n >= len(chunk))
+    def mixed(self, bucket: int, tokens: list[int], positions: list[int], window: int,
+              segments: list[tuple[int, int, list[int], int]]) -> torch.Tensor:
+        """A decode in ``caches[bucket]`` (as ``decode``) that also feeds prompt ``segments``, each
+        (row, start, ids, adapter): ``ids`` (at most ``segment_length``) go to slots ``start``.. of
+        row ``row``, with LoRA ``adapter``. Padded to a segment count by repeating the last segment.
+        Returns logits [b + len(segments), V]: the rows', then each segment's last token's."""
+        count = next(n for n in self.segment_counts if n >= len(segments))
+        padded = segments + segments[-1:] * (count - len(segments))
+        c = self.segment_length
         if self.lora is not None:
-            # The row decodes with its adapter from now on; the chunk's tokens are rows b.. of the step.
-            self.lora.rows.set_many([row] + list(range(bucket, bucket + c)), adapter)
+            # A joining row decodes with its adapter from now on; segment s's tokens are rows
+            # b + s*c .. of the step.
+            rows, adapters = [], []
+            for s, (row, _, _, adapter) in enumerate(padded):
+                rows += [row] + list(range(bucket + s * c, bucket + (s + 1) * c))
+                adapters += [adapter] * (1 + c)
+            self.lora.rows.set_each(rows, adapters)
             self.generator.backend.mark_step()
         # Each its own tensor, no view at an offset (steps.step_input: graphs are cached on that).
         tokens, positions, ids, rows, starts, lengths = self.upload(
-            tokens, positions, [chunk + [self.pad] * (c - len(chunk))], [row], [start], [len(chunk)])
-        return self.runner.mixed(tokens[:, None], positions, ids, rows, starts, lengths, self.caches[bucket], window)
+            tokens, positions, [ids + [self.pad] * (c - len(ids)) for _, _, ids, _ in padded],
+            [row for row, _, _, _ in padded], [start for _, start, _, _ in padded], [len(ids) for _, _, ids, _ in padded])
+        logits = self.runner.mixed(tokens[:, None], positions, ids, rows, starts, lengths, self.caches[bucket], window)
+        return logits[: bucket + len(segments)]
 
     def _warm_up_row_copies(self) -> None:
         """Every shape of row copy (prefill bucket into batch bucket, within and between batch

@@ -8,12 +8,14 @@
   so its cost follows the number of active rows, not ``max_batch``. Running rows are kept in the
   lowest slots (a finished row's place is taken by the highest one), and when the bucket changes
   their live slots move to the other bucket's cache.
-* **Prompts join in chunks inside the decode step.** While rows run, a waiting request takes its
-  slots at once, and its prompt is fed ``prefill_chunk`` tokens per step inside the running rows'
-  decode step (``DeviceRows.mixed``): one read of the weights serves both, and no running row stalls
-  for an arrival. A long prompt is spread over several steps; the row samples its first token after
-  its last chunk ran. One prompt is fed at a time, first come first served; a request's other rows
-  (sampled copies) take the prompt's slots from its first row when it is complete.
+* **Prompts join in segments inside the decode step.** While rows run, a waiting request takes its
+  slots at once, and its prompt is fed inside the running rows' decode step (``DeviceRows.mixed``),
+  up to ``prefill_chunk`` tokens per step in fixed-length segments: one read of the weights serves
+  both, and no running row stalls for an arrival. The joining prompts fill the segments first come
+  first served, so one step carries several short prompts or several pieces of a long one, and a
+  longer prompt is spread over several steps; a row samples its first token after its last segment
+  ran. A request's other rows (sampled copies) take the prompt's slots from its first row when it
+  is complete.
 * **Prefill when idle.** When no row is running, nobody waits: waiting requests are prefilled as
   before, up to ``max_prefill`` together as one [k, P] step (k a power of two, P the length bucket
   of the longest) while padding to the longest wastes little, and each prompt's slots are copied
@@ -21,10 +23,10 @@
 * **Decode.** Each step chooses every running row's next token (per-row options as tensors:
   ``row_options.py``), copies the [b] tokens to the host (the step's one sync: streaming, EOS,
   stop strings and budgets are decided there), then runs one [b, 1] decode in the bucket's cache
-  (with a prompt chunk in it when a prompt is joining) with each row at its own position and a
+  (with prompt segments in it when prompts are joining) with each row at its own position and a
   window that is the length bucket of the furthest slot.
 * **Warm-up** runs every (prefill bucket, length bucket), (batch bucket, window) and (batch bucket,
-  chunk bucket, window) once, so after it no load adds a step signature (``backend.signatures``).
+  window, segment count) once, so after it no load adds a step signature (``backend.signatures``).
 * **Scheduling.** One thread owns the model. Requests arrive through a thread-safe queue and join
   between steps, first come first served; events stream back through each request's sink.
 * **LoRA adapters** (``bloom_hpu/lora_rows.py``, when the generator serves some): requests
@@ -352,54 +354,67 @@ class Engine:
         self.metrics.tokens(len(live))
 
     def _decode(self) -> None:
-        """One [b, 1] decode of every running row, with the next chunk of a joining prompt in it if
-        any; its logits wait for the next step's choice."""
+        """One [b, 1] decode of every running row, with the next segments of joining prompts in it
+        if any; its logits wait for the next step's choice."""
         if not self.bucket:
             return
         rows = self.rows[: self.bucket]
         # The token chosen last sits at slot prompt_len + generated - 1; free rows write slot 0. A
-        # joining row writes a filler at the next slot of its prompt, which its next chunk (or, for
-        # a copy, its first row's slots) replaces before anything reads it.
+        # joining row writes a filler at the next slot of its prompt, which its next segment (or,
+        # for a copy, its first row's slots) replaces before anything reads it.
         positions = [(r.prompt_len + len(r.ids) - 1 if r.running else r.prompt_done) if r else 0 for r in rows]
         tokens = [r.ids[-1] if r and r.running else self.pad for r in rows]
-        lead = self._next_chunk()
-        if lead is None:
+        segments = self._next_segments()
+        if not segments:
             if not any(r is not None and r.running for r in rows):
                 return  # only copies waiting for their first row: nothing to decode
             out = self.device_rows.decode(self.bucket, tokens, positions, self._length_bucket(max(positions) + 1))
             self.logits[: self.bucket].copy_(out)
             self.generator.backend.mark_step()
             return
-        slot, row = lead
-        start = row.prompt_done
-        chunk = row.handle.prompt_ids[start : start + self.device_rows.chunk_sizes[-1]]
-        window = self._length_bucket(max(max(positions) + 1, start + len(chunk)))
+        window = self._length_bucket(max(max(positions) + 1, max(start + len(ids) for _, _, start, ids in segments)))
         try:
-            out = self.device_rows.mixed(self.bucket, tokens, positions, window, chunk, slot, start,
-                                         row.handle.params.adapter)
-        except Exception as error:  # this request fails alone; the running rows decode without it
-            self._unseat([row.handle])
-            row.handle.emit(Event("error", message=f"internal error: {error!r}"))
+            out = self.device_rows.mixed(self.bucket, tokens, positions, window,
+                                         [(slot, start, ids, row.handle.params.adapter)
+                                          for slot, row, start, ids in segments])
+        except Exception as error:  # these requests fail alone; the running rows decode without them
+            handles = list({id(row.handle): row.handle for _, row, _, _ in segments}.values())
+            self._unseat(handles)
+            for handle in handles:
+                handle.emit(Event("error", message=f"internal error: {error!r}"))
             self._compact()
             self._decode()
             return
         self.stats["mixed_steps"] += 1
         self.logits[: self.bucket].copy_(out[: self.bucket])
-        row.prompt_done += len(chunk)
-        if row.running:
-            self.stats["prompts_chunked"] += 1
-            self._begin(row, out[self.bucket :])
+        for s, (_, row, _, ids) in enumerate(segments):
+            row.prompt_done += len(ids)
+            if row.running:  # this segment ended its prompt: its logits are the first token's
+                self.stats["prompts_chunked"] += 1
+                self._begin(row, out[self.bucket + s : self.bucket + s + 1])
         self.generator.backend.mark_step()
 
-    def _next_chunk(self) -> tuple[int, _Row] | None:
-        """The slot and row of the first joining prompt (first come first served), if any."""
-        while self.joining:
-            row = self.joining[0]
-            slot = next((i for i, r in enumerate(self.rows) if r is row), None)
-            if slot is not None and not row.running:
-                return slot, row
+    def _next_segments(self) -> list[tuple[int, _Row, int, list[int]]]:
+        """The next pieces of the joining prompts (first come first served) that one mixed step
+        carries: (slot, row, start, ids) each, a prompt's pieces in order, as many as fit."""
+        while self.joining and self._seated_joining(self.joining[0]) is None:
             self.joining.popleft()  # cancelled, failed, or complete
-        return None
+        length, most = self.device_rows.segment_length, self.device_rows.segment_counts[-1]
+        segments = []
+        for row in list(self.joining):
+            slot = self._seated_joining(row)
+            if slot is None:
+                continue
+            for start in range(row.prompt_done, row.prompt_len, length):
+                if len(segments) == most:
+                    return segments
+                segments.append((slot, row, start, row.handle.prompt_ids[start : start + length]))
+        return segments
+
+    def _seated_joining(self, row: _Row) -> int | None:
+        """The slot of ``row`` if it still sits there with its prompt unfinished, else None."""
+        slot = next((i for i, r in enumerate(self.rows) if r is row), None)
+        return slot if slot is not None and not row.running else None
 
     def _length_bucket(self, needed: int) -> int:
         return next(n for n in self.lengths if n >= needed)
