@@ -182,7 +182,7 @@ def ours(generator, args):
     return port, lambda: (setattr(server, "should_exit", True), thread.join(10), engine.stop())
 
 
-def transformers_app(folder: Path, dtype: torch.dtype):
+def transformers_app(folder: Path, dtype: torch.dtype, device: str):
     """One request at a time through ``generate``, streamed one chunk per token."""
     import asyncio
 
@@ -192,7 +192,7 @@ def transformers_app(folder: Path, dtype: torch.dtype):
     from transformers.generation.streamers import BaseStreamer
 
     transformers.logging.set_verbosity_error()
-    model = transformers.BloomForCausalLM.from_pretrained(folder, torch_dtype=dtype).eval()
+    model = transformers.BloomForCausalLM.from_pretrained(folder, torch_dtype=dtype).to(device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     lock = threading.Lock()
     app = FastAPI()
@@ -215,7 +215,7 @@ def transformers_app(folder: Path, dtype: torch.dtype):
         body = json.loads(await request.body())
         loop, pieces = asyncio.get_running_loop(), asyncio.Queue()
         emit = lambda x: loop.call_soon_threadsafe(pieces.put_nowait, x)  # noqa: E731
-        ids = tokenizer(body["prompt"], return_tensors="pt").input_ids
+        ids = tokenizer(body["prompt"], return_tensors="pt").input_ids.to(device)
 
         def work():
             with lock, torch.no_grad():
@@ -237,9 +237,9 @@ def transformers_app(folder: Path, dtype: torch.dtype):
     return app
 
 
-def baseline(folder, dtype):
+def baseline(folder, dtype, device):
     port = free_port()
-    server, thread = start_uvicorn(transformers_app(folder, dtype), port)
+    server, thread = start_uvicorn(transformers_app(folder, dtype, device), port)
     return port, lambda: (setattr(server, "should_exit", True), thread.join(10))
 
 
@@ -273,6 +273,7 @@ def decode_ms(generator, args, rows: int, prompt_tokens: int) -> float:
     for i in range(20):
         start = time.perf_counter()
         device_rows.decode(bucket, [5] * bucket, [prompt_tokens + i % args.max_tokens] * bucket, window)
+        generator.backend.synchronize()  # a card runs the step asynchronously
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
 
@@ -322,11 +323,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny", help="tiny, a model shape of bench/generate_bench.py, or a checkpoint folder")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda: where every variant runs")
     p.add_argument("--max_length", type=int, default=128)
     p.add_argument("--max_batch", type=int, default=32)
     p.add_argument("--bucket_width", type=int, default=32)
     p.add_argument("--max_prefill", type=int, default=4, help="ours: prompts prefilled together (when idle)")
-    p.add_argument("--prefill_chunk", type=int, default=32, help="ours: prompt tokens per decode step")
+    p.add_argument("--prefill_chunk", type=int, default=128, help="ours: prompt tokens per decode step")
     p.add_argument("--clients", default="1,4,16,32", help="closed-loop client counts")
     p.add_argument("--rates", default="", help="open-loop Poisson rates, requests/s (e.g. 2,8)")
     p.add_argument("--requests", type=int, default=64, help="requests per load level")
@@ -348,7 +350,7 @@ def main(argv=None) -> int:
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     folder = checkpoint_folder(args.config, dtype)
-    generator = Generator.from_pretrained(folder, dtype=args.dtype, device="cpu")
+    generator = Generator.from_pretrained(folder, dtype=args.dtype, device=args.device)
     low, high = (int(x) for x in args.prompt_len.split(","))
     high = min(high, args.max_length - args.max_tokens)
     prompts = make_prompts(generator.tokenizer, args.requests, low, high, args.seed)
@@ -364,7 +366,7 @@ def main(argv=None) -> int:
         if variant == "ours":
             port, stop = ours(generator, args)
         elif variant == "transformers":
-            port, stop = baseline(folder, dtype)
+            port, stop = baseline(folder, dtype, args.device)
         else:
             raise SystemExit(f"error: unknown variant {variant!r}")
         try:

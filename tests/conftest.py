@@ -118,11 +118,19 @@ def hpu_stand_in(monkeypatch):
     clear_environment()  # what the test set; monkeypatch then restores the rest
 
 
-@pytest.fixture(params=["hpu", "cuda"])
+def _graph_runtimes() -> list[str]:
+    """The stand-in's two personalities, and the real CUDA card ("gpu") where there is one."""
+    import torch
+
+    return ["hpu", "cuda"] + (["gpu"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(params=_graph_runtimes())
 def graph_stand_in(request, hpu_stand_in, monkeypatch):
     """The graph stand-in (tests/graph_stand_in) installed with one personality, HPU (lazy mode)
-    or CUDA: ``make_backend`` then builds that backend over graphs that record and replay.
-    Returns its ``Runtime`` (captures, lazy graphs); ``.personality`` says which."""
+    or CUDA: ``make_backend`` then builds that backend over graphs that record and replay; on a
+    machine with a CUDA card, also "gpu": the real card, its captures counted. Returns the
+    ``Runtime`` (captures, lazy graphs); ``.personality`` says which, ``.device`` what to ask for."""
     from graph_stand_in import install
 
     runtime = install(request.param, monkeypatch.setattr)

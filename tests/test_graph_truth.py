@@ -44,8 +44,8 @@ def eager(checkpoint):
 
 
 def on_card(runtime, checkpoint, **kwargs) -> Generator:
-    generator = Generator.from_pretrained(checkpoint, device=runtime.personality, **kwargs)
-    assert type(generator.backend).__name__ == {"hpu": "HpuBackend", "cuda": "CudaBackend"}[runtime.personality]
+    generator = Generator.from_pretrained(checkpoint, device=runtime.device, **kwargs)
+    assert type(generator.backend).__name__ == {"hpu": "HpuBackend", "cuda": "CudaBackend"}[runtime.device]
     return generator
 
 
@@ -158,7 +158,7 @@ def test_request_file_and_eval_through_the_cli(graph_stand_in, checkpoint, tmp_p
         records = [json.loads(line) for line in results.read_text().splitlines()]
         return [r["response"]["choices"] if "response" in r else r for r in records], json.loads(numbers.read_text())
 
-    card, card_eval = run(graph_stand_in.personality, "card")
+    card, card_eval = run(graph_stand_in.device, "card")
     cpu, cpu_eval = run("cpu", "cpu")
     assert_same(card, cpu)
     assert card_eval["accuracy"] == cpu_eval["accuracy"]

@@ -16,6 +16,9 @@ from pathlib import Path
 
 BRIDGE = Path(__file__).resolve().parent / "bridge"
 PERSONALITIES = ("hpu", "cuda")
+# Not a stand-in: the real CUDA card, where the machine has one. The same tests then run the real
+# CudaBackend on real CUDA graphs; nothing is patched but a count of the graphs it captures.
+REAL_CARD = "gpu"
 
 
 def install(personality: str, patch, cuda_index: int = 0):
@@ -25,6 +28,8 @@ def install(personality: str, patch, cuda_index: int = 0):
     from bloom_hpu.runtime import backends, launch
     import generation.generator as generator_module
 
+    if personality == REAL_CARD:
+        return _count_real_captures(patch)
     if personality not in PERSONALITIES:
         raise ValueError(personality)
     if personality == "cuda":
@@ -53,11 +58,36 @@ def install(personality: str, patch, cuda_index: int = 0):
     return Runtime(personality)
 
 
+def _count_real_captures(patch):
+    """The real card: every backend ``make_backend`` builds is kept, to sum the graphs they capture."""
+    import torch
+
+    from bloom_hpu.runtime import backends
+    import generation.generator as generator_module
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the real-card personality needs a CUDA device")
+    original = backends.make_backend
+    runtime = Runtime(REAL_CARD)
+
+    def make_backend(*args, **kwargs):
+        backend = original(*args, **kwargs)
+        runtime.real_backends.append(backend)
+        return backend
+
+    patch(backends, "make_backend", make_backend)
+    patch(generator_module, "make_backend", make_backend)
+    return runtime
+
+
 class Runtime:
-    """What the stand-in counted in this process, for either personality."""
+    """What the stand-in counted in this process, for each personality."""
 
     def __init__(self, personality: str):
         self.personality = personality
+        # The device the tests ask for: the real card is a 'cuda' device like the CUDA stand-in.
+        self.device = "cuda" if personality == REAL_CARD else personality
+        self.real_backends = []  # REAL_CARD: the backends built, whose captures are counted
 
     def graph_caches(self):
         if self.personality != "hpu":
@@ -70,6 +100,8 @@ class Runtime:
     def captures(self) -> int:
         if self.personality == "hpu":
             return sum(c.captures for c in self.graph_caches())
+        if self.personality == REAL_CARD:
+            return sum(getattr(b, "captured", 0) for b in self.real_backends)
         from . import cuda
 
         return len(cuda.STATE.graphs)
