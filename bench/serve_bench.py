@@ -11,7 +11,8 @@ the same requests as one offline ``--requests`` job, side by side on the same we
 
 Load: closed loop (``--clients``: each client sends its next request when the last one ended) and
 open loop (``--rates``: Poisson arrivals at these requests/s), prompts of mixed lengths, greedy,
-``--max_tokens`` each. Every request streams; time to first token is from sending to the first
+``--max_tokens`` each, sent by clients in a process of their own (``bench/load_client.py``). Every
+request streams; time to first token is from sending to the first
 chunk with text, inter-token latency the gaps between chunks, tokens the server's usage count.
 For ours it also prints the step shapes the load added after warm-up (should be 0), and times the
 yardsticks of the latency targets in the same run: the engine's plain decode step of one row, and of
@@ -25,7 +26,6 @@ the batch bucket each closed-loop level runs (min(clients, max_batch) rows).
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import random
 import socket
@@ -34,7 +34,6 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -43,17 +42,10 @@ import torch  # noqa: E402
 from fastapi import Request  # noqa: E402  (module level: the baseline's handler annotates with it)
 
 from bench.generate_bench import checkpoint_folder  # noqa: E402
+from bench.load_client import Timing, measure, stream_request  # noqa: E402
 
 WORDS = ("the of and a to in is was it for on with as his that by at from her he said they an be this which "
          "or had not but what all were when we there can more if no out so up into time only new some").split()
-
-
-@dataclass
-class Timing:
-    sent: float
-    chunks: list[float] = field(default_factory=list)  # arrival of each chunk with text
-    tokens: int = 0
-    done: float = 0.0
 
 
 def free_port() -> int:
@@ -71,70 +63,6 @@ def make_prompts(tokenizer, count: int, low: int, high: int, seed: int) -> list[
         ids = tokenizer.encode(" ".join(rng.choice(WORDS) for _ in range(want * 2)))[:want]
         prompts.append(tokenizer.decode(ids))
     return prompts
-
-
-def stream_request(port: int, body: dict) -> Timing:
-    timing = Timing(time.perf_counter())
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True,
-                                                              "stream_options": {"include_usage": True}}))
-    response = conn.getresponse()
-    if response.status != 200:
-        raise RuntimeError(f"status {response.status}: {response.read()[:200]!r}")
-    for line in response:
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:].strip()
-        if data == b"[DONE]":
-            break
-        chunk = json.loads(data)
-        if chunk.get("usage"):
-            timing.tokens = chunk["usage"]["completion_tokens"]
-        if any(c.get("text") for c in chunk.get("choices", [])):
-            timing.chunks.append(time.perf_counter())
-    timing.done = time.perf_counter()
-    conn.close()
-    return timing
-
-
-def closed_loop(port: int, bodies: list[dict], clients: int) -> tuple[list[Timing], float]:
-    todo, lock, timings = list(bodies), threading.Lock(), []
-
-    def client():
-        while True:
-            with lock:
-                if not todo:
-                    return
-                body = todo.pop(0)
-            t = stream_request(port, body)
-            with lock:
-                timings.append(t)
-
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return timings, time.perf_counter() - start
-
-
-def open_loop(port: int, bodies: list[dict], rate: float, seed: int) -> tuple[list[Timing], float]:
-    rng, timings, lock, threads = random.Random(seed), [], threading.Lock(), []
-
-    def one(body):
-        t = stream_request(port, body)
-        with lock:
-            timings.append(t)
-
-    start = time.perf_counter()
-    for body in bodies:
-        threads.append(threading.Thread(target=one, args=(body,)))
-        threads[-1].start()
-        time.sleep(rng.expovariate(rate))
-    for t in threads:
-        t.join()
-    return timings, time.perf_counter() - start
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -373,12 +301,8 @@ def main(argv=None) -> int:
             stream_request(port, bodies[0])  # one untimed request: connections, allocator
             for kind, level in loads:
                 shapes_before = generator.backend.graph_count()
-                if kind == "closed":
-                    timings, wall = closed_loop(port, bodies, level)
-                    name = f"{level} clients"
-                else:
-                    timings, wall = open_loop(port, bodies, level, args.seed)
-                    name = f"{level:g} req/s"
+                timings, wall = measure(port, bodies, kind, level, args.seed)
+                name = f"{level} clients" if kind == "closed" else f"{level:g} req/s"
                 new = generator.backend.graph_count() - shapes_before if variant == "ours" else ""
                 rows.append(summarize(variant, name, timings, wall, new))
                 print(table(rows[-1:]).splitlines()[2], flush=True)

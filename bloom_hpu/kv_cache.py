@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from .alibi import alibi_bias
+from .runtime.transfer import host_to_device
 
 
 @dataclass
@@ -165,8 +166,8 @@ class KVCache:
         # caches alone, a few shapes in all, which lazy mode compiles once each.
         extent = self.length
         device = self.slots.device
-        take = source._flat_slots(torch.tensor(src_rows, dtype=torch.long).to(device), extent)
-        put = self._flat_slots(torch.tensor(dst_rows, dtype=torch.long).to(device), extent)
+        take = source._flat_slots(host_to_device(torch.tensor(src_rows, dtype=torch.long), device), extent)
+        put = self._flat_slots(host_to_device(torch.tensor(dst_rows, dtype=torch.long), device), extent)
         for mine, theirs in zip(self.flat_keys + self.flat_values, source.flat_keys + source.flat_values):
             mine.index_copy_(0, put, theirs.index_select(0, take))
 

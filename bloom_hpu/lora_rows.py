@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from .lora import LoraAdapter
+from .runtime.transfer import host_to_device
 from .model import Linear, StaticBloom
 from .tp import RowParallelLinear, shard_slices
 
@@ -55,7 +56,7 @@ class AdapterRows:
         # when nothing changed (``index[row].fill_(adapter)`` is a view at a new offset and a new
         # scalar each time, and a write made only sometimes changes the sequence of ops: lazy mode
         # on a Gaudi would compile each variant anew).
-        self.index.copy_(torch.tensor(self.host, dtype=torch.long))
+        self.index.copy_(host_to_device(torch.tensor(self.host, dtype=torch.long), self.index.device))
 
     def set_many(self, rows: list[int], adapter: int) -> None:
         """``set`` for several rows, in one write."""
@@ -65,7 +66,7 @@ class AdapterRows:
         """Row ``rows[i]`` reads ``adapters[i]``, for every i, in one write."""
         for row, adapter in zip(rows, adapters):
             self.host[row] = adapter
-        self.index.copy_(torch.tensor(self.host, dtype=torch.long))
+        self.index.copy_(host_to_device(torch.tensor(self.host, dtype=torch.long), self.index.device))
 
     def move(self, src: int, dst: int) -> None:
         """The row in ``src`` now lives in ``dst`` (the engine compacting its rows)."""
@@ -79,7 +80,7 @@ class AdapterRows:
         try:
             yield
         finally:
-            self.index.copy_(torch.tensor(self.host, dtype=torch.long))
+            self.index.copy_(host_to_device(torch.tensor(self.host, dtype=torch.long), self.index.device))
 
 
 @dataclass

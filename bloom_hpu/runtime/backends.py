@@ -60,6 +60,9 @@ class Backend:
     # Eager ops between steps are compiled, per sequence of ops and shapes (lazy mode on a Gaudi):
     # callers then prefer one fixed sequence of ops to skipping the ones a batch does not need.
     compiles_eager_ops = False
+    # A step returns once it is queued, before the device has run it (a card): host work placed
+    # after the launch runs while the device computes. On the CPU a step is done when it returns.
+    asynchronous_steps = False
 
     def __init__(self, device: str = "cpu", use_graphs: bool = True, compile_steps: bool = False,
                  cpu: CpuOptions = CpuOptions()):
@@ -150,6 +153,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
     graphs_every_shape = True
+    asynchronous_steps = True
 
     def __init__(self, device: str = "cuda", use_graphs: bool = True, compile_steps: bool = False, cpu=None):
         if not torch.cuda.is_available():
@@ -246,6 +250,7 @@ class HpuBackend(Backend):
     trim_prefill = False
     graphs_every_shape = True
     compiles_eager_ops = True
+    asynchronous_steps = True
 
     def __init__(self, device: str = "hpu", use_graphs: bool = True, compile_steps: bool = False, cpu=None,
                  graph_prefill: bool | None = None):

@@ -9,8 +9,8 @@ A client that goes away cancels its requests, and the engine frees their rows at
 from __future__ import annotations
 
 import asyncio
-import json
 import time
+import weakref
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -21,27 +21,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..logprobs import TokenText
 from .engine import EngineError, QueueFull
+from .loop_handoff import Mailbox, drain
 from .metrics import PrometheusMetrics
 from .openai_format import (OPENAI_FINISH, ApiError, Completion, bad_request, chat_choice, chat_logprobs,
                             completion_logprobs, envelope, new_id, parse_chat, parse_completion, sse)
 from .schema import ChatBody, CompletionBody, as_sent
 
 POLL_S = 0.25  # how often a waiting non-streamed request looks whether its client is still there
-DRAIN_S = 0.02  # the most a decode step waits for the event loop to send the last step's tokens
-
-
-def drain(loop: asyncio.AbstractEventLoop) -> None:
-    """Wait (from the engine's thread, at most DRAIN_S) until ``loop`` has run what was queued so
-    far and the tasks that woke: the tokens of a step are on their way to the clients before the
-    next decode starts. On a small CPU, the loop's work beside a decode step slows the step's
-    threads by more than the work itself takes."""
-    import threading
-
-    done = threading.Event()
-    loop.call_soon_threadsafe(lambda: loop.call_soon(done.set))
-    done.wait(DRAIN_S)
-
-
 _ERROR_BODY = {"type": "object", "properties": {"error": {"type": "object", "properties": {
     "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
     "code": {"type": ["string", "null"]}}}}}
@@ -74,7 +60,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 class Answer:
     """One HTTP request's prompts in the engine, and the events coming back for them."""
 
-    def __init__(self, engine, completion: Completion, loop: asyncio.AbstractEventLoop):
+    def __init__(self, engine, completion: Completion, loop: asyncio.AbstractEventLoop, mailbox: Mailbox):
         self.engine, self.completion = engine, completion
         self.events: asyncio.Queue = asyncio.Queue()
         self.handles = []
@@ -87,10 +73,10 @@ class Answer:
         self.prompt_ids = completion.prompt_ids or tokenizer.encode_batch(request.prompts)
 
         def sink(prompt: int):
-            return lambda event: loop.call_soon_threadsafe(self.events.put_nowait, (prompt, event))
+            return lambda event: mailbox.post(self.events, (prompt, event))
 
-        if engine.before_decode is None:
-            engine.before_decode = lambda: drain(loop)
+        if engine.flush_events is None:
+            engine.flush_events = lambda: drain(loop)
 
         # The LoRA adapter the request's model names (0: the base model).
         lora = getattr(engine, "lora", None)
@@ -133,11 +119,37 @@ class Answer:
             handle.cancel()
 
 
+class KeyAndJsonBody:
+    """ASGI middleware: the API key of /v1/ paths, and a POST body read as JSON whatever its
+    Content-Type says (``curl -d`` sends form encoding, some clients none; FastAPI parses a typed
+    body only under a JSON content type). Plain ASGI, not Starlette's ``BaseHTTPMiddleware``, which
+    would pass every chunk of every stream through a memory stream and a task of its own."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = f"Bearer {api_key}" if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.expected is not None and scope["path"].startswith("/v1/"):
+            sent = next((v for k, v in scope["headers"] if k == b"authorization"), b"").decode("latin-1")
+            if sent != self.expected:
+                response = JSONResponse(ApiError(401, "invalid API key", "invalid_request_error", None,
+                                                 "invalid_api_key").body(), status_code=401)
+                return await response(scope, receive, send)
+        if scope["method"] == "POST":
+            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = dict(scope, headers=headers + [(b"content-type", b"application/json")])
+        await self.app(scope, receive, send)
+
+
 def make_app(engine, model_name: str, api_key: str | None = None, metrics: PrometheusMetrics | None = None) -> FastAPI:
     app = FastAPI(title="bloom-hpu", docs_url=None, redoc_url=None)
     # The base model, then the LoRA adapters served beside it (a request's "model" picks one).
     lora = getattr(engine, "lora", None)  # ServedAdapters, or None
     names = [model_name, *(lora.names if lora is not None else ())]
+    mailboxes = weakref.WeakKeyDictionary()  # event loop -> Mailbox (one loop serves the app)
     text_of = TokenText(engine.tokenizer)
     n_of = lambda c: c.request.n  # noqa: E731
 
@@ -165,18 +177,7 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
         return JSONResponse(ApiError(500, f"internal error: {type(error).__name__}", "server_error").body(),
                             status_code=500)
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return JSONResponse(ApiError(401, "invalid API key", "invalid_request_error", None,
-                                             "invalid_api_key").body(), status_code=401)
-        if request.method == "POST":
-            # A body is JSON whatever its Content-Type says (``curl -d`` sends form encoding, some
-            # clients none): FastAPI parses a typed body only under a JSON content type.
-            headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
-            request.scope["headers"] = headers + [(b"content-type", b"application/json")]
-        return await call_next(request)
+    app.add_middleware(KeyAndJsonBody, api_key=api_key)
 
     @app.get("/health")
     async def health():
@@ -216,7 +217,10 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
     async def respond(request: Request, completion: Completion):
         if not engine.ready.is_set():
             raise ApiError(503, "the server is warming up", "server_error")
-        answer = await run_in_threadpool(Answer, engine, completion, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        if loop not in mailboxes:
+            mailboxes[loop] = Mailbox(loop)
+        answer = await run_in_threadpool(Answer, engine, completion, loop, mailboxes[loop])
         if metrics is not None:
             metrics.requests.labels(request.url.path, "200").inc()
         if completion.stream:

@@ -28,6 +28,7 @@ import time
 import torch
 
 from bloom_hpu.runtime.backends import HPU_MAX_GRAPHS
+from bloom_hpu.runtime.transfer import host_to_device
 
 from ..batch import round_up
 
@@ -248,10 +249,5 @@ class DeviceRows:
         """The server is stopping (other ranks stop following under tensor parallelism)."""
 
     def upload(self, *columns) -> list[torch.Tensor]:
-        """Host ints -> device long tensors without a host sync: a plain ``torch.tensor(...,
-        device=)`` waits for the device's queue, an asynchronous copy from pinned memory does not
-        (PyTorch's pinned-memory allocator keeps the buffer until the copy has read it)."""
-        tensors = [torch.tensor(c, dtype=torch.long) for c in columns]
-        if self.device.type == "cpu":
-            return tensors
-        return [t.pin_memory().to(self.device, non_blocking=True) for t in tensors]
+        """Host ints -> device long tensors, without a host sync (``runtime/transfer.py``)."""
+        return [host_to_device(torch.tensor(c, dtype=torch.long), self.device) for c in columns]

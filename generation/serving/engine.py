@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bloom_hpu.runtime.transfer import host_to_device
+
 from ..logprobs import TokenText
 from ..results import make_sequence
 from ..search.sampling import resolve_seed, row_keys
@@ -202,9 +204,11 @@ class Engine:
         # (decodes with a prompt chunk) and the prompts that joined that way.
         self.stats = {"peak_rows": 0, "row_moves": 0, "bucket_changes": 0, "prefills": 0, "prompts_prefilled": 0,
                       "mixed_steps": 0, "prompts_chunked": 0}
-        # Called between handing out a step's events and the next decode (the app: wait, briefly,
-        # until its event loop has sent them), so that the two do not compete for the cores.
-        self.before_decode = None
+        # Called once a step, after its events are handed out (the app: wait, briefly, until its
+        # event loop has sent them). On the CPU before the decode, so that the loop and the decode's
+        # threads do not compete for the cores; on a card after the decode is launched, so that the
+        # loop sends while the card computes.
+        self.flush_events = None
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -311,9 +315,12 @@ class Engine:
         if live:
             self._choose(live)
         self._compact()
-        if self.before_decode is not None:
-            self.before_decode()
+        overlap = self.generator.backend.asynchronous_steps
+        if self.flush_events is not None and not overlap:
+            self.flush_events()
         self._decode()
+        if self.flush_events is not None and overlap:
+            self.flush_events()
         return True
 
     def _choose(self, live: list[int]) -> None:
@@ -509,7 +516,7 @@ class Engine:
         extent = self._length_bucket(max(len(h.prompt_ids) for h in group))
         for row, (handle, slots) in enumerate(zip(group, seats)):
             self.device_rows.place(len(group), row, self.bucket, slots, extent, handle.params.adapter)
-            self._seat(handle, slots, logits.index_select(0, torch.tensor([row]).to(self.device)))
+            self._seat(handle, slots, logits.index_select(0, host_to_device(torch.tensor([row]), self.device)))
         self.generator.backend.mark_step()
 
     def _seat(self, handle: RequestHandle, slots: list[int], logits: torch.Tensor) -> None:
@@ -537,7 +544,7 @@ class Engine:
             keys = [0] * len(slots)
         for slot in slots:
             copy = self.rows[slot].indices[0]
-            self.logits.index_copy_(0, torch.tensor([slot]).to(self.device), logits.to(self.logits.dtype))
+            self.logits.index_copy_(0, host_to_device(torch.tensor([slot]), self.device), logits.to(self.logits.dtype))
             self.opts.set_row(slot, params, keys[copy] if params.sampling else 0, ids)
 
     def _seat_joining(self, handle: RequestHandle) -> None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from bloom_hpu.runtime.transfer import host_to_device
+
 from ..search.processors import repetition_penalty, temperature, top_k, top_p
 from ..search.sampling import draw
 
@@ -50,23 +52,24 @@ class RowOptions:
         one shape, whatever the slot and the values (a scalar written at ``t[slot]`` is a view at
         a new offset and a new constant, which lazy mode on a Gaudi would compile anew)."""
         device = self.temperature.device
-        at = torch.tensor([slot]).to(device)
-        floats = torch.tensor([[params.temperature, params.top_p, 1.0 - params.top_p, params.repetition_penalty,
-                                params.presence_penalty, params.frequency_penalty]], dtype=torch.float32).to(device)
+        at = host_to_device(torch.tensor([slot]), device)
+        floats = host_to_device(torch.tensor([[params.temperature, params.top_p, 1.0 - params.top_p,
+                                               params.repetition_penalty, params.presence_penalty,
+                                               params.frequency_penalty]], dtype=torch.float32), device)
         for column, t in enumerate((self.temperature, self.top_p, self.top_p_tail, self.repetition, self.presence,
                                     self.frequency)):
             t.index_copy_(0, at, floats[:, column])
-        longs = torch.tensor([params.top_k, key]).to(device)
+        longs = host_to_device(torch.tensor([params.top_k, key]), device)
         self.top_k.index_copy_(0, at, longs[:1])
         self.keys.index_copy_(0, at, longs[1:])
         row = prompt + [self.pad_token_id] * (self.sequence.shape[1] - len(prompt))
-        self.sequence.index_copy_(0, at, torch.tensor([row]).to(device))
+        self.sequence.index_copy_(0, at, host_to_device(torch.tensor([row]), device))
         self.counts.index_fill_(0, at, 0.0)
 
     def move_row(self, src: int, dst: int) -> None:
         """Row ``dst`` takes what row ``src`` held (compaction of the slots)."""
         device = self.temperature.device
-        src_at, dst_at = torch.tensor([src]).to(device), torch.tensor([dst]).to(device)
+        src_at, dst_at = host_to_device(torch.tensor([src]), device), host_to_device(torch.tensor([dst]), device)
         for t in self._tensors:
             t.index_copy_(0, dst_at, t.index_select(0, src_at))
 
