@@ -83,21 +83,29 @@ def dequantized(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
     return (q.float() * scales[:, None]).to(dtype)
 
 
-# Which CPU product serves how many rows (measured on a [16384, 1024] weight, 2 Zen 4 cores): our
-# kernel reads the int8 weight at memory speed for 1-2 rows, but widens it again for every further
-# row; torch._weight_int8pack_mm is faster from 3 rows on; past 64 rows (a long prefill, a scoring
-# pass) dequantizing the weight once and multiplying through oneDNN wins.
+# Which CPU product serves how many rows (measured on bloom-560m's weights, 2 Zen 4 cores): our
+# kernel reads the int8 weight at memory speed for 1-2 rows; with fp32/fp16 inputs, or on the AVX2
+# build, it widens the weight again for every further pair of rows, and torch._weight_int8pack_mm
+# is faster from 3 rows on; with bf16 inputs on the AVX-512 build it widens each weight once into
+# VDPBF16PS products and stays the fastest up to 64 rows (INT8_KERNEL_ROWS_BF16; fewer where AMX
+# gives oneDNN's bf16 products of many rows the edge, as for bf16 weights). Past 64 rows (a long
+# prefill, a scoring pass) dequantizing the weight once and multiplying through oneDNN wins.
 INT8_KERNEL_ROWS = 2
+INT8_KERNEL_ROWS_BF16 = 64
 INT8_MM_ROWS = 64
 
 
 def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, int8_mm: bool = True) -> torch.Tensor:
     """x [..., K] @ (q [N, K] * scales [N]).T in x's dtype; ``int8_mm``: through
-    ``torch._weight_int8pack_mm`` (the CPU's) for a few rows, else dequantized in the product."""
+    ``torch._weight_int8pack_mm`` (the CPU's) for a few rows, else dequantized in the product.
+
+    Dequantized, the scales multiply the product's columns rather than the weight, as the kernels
+    do (``(x @ q.T) * scales``, the same sum): the int8 weight is widened to x's dtype (every int8
+    value is exact there) and nothing else of the weight's size is written or read again."""
     if int8_mm and x.numel() <= INT8_MM_ROWS * x.shape[-1]:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         return torch._weight_int8pack_mm(flat, q, scales.to(x.dtype)).view(*x.shape[:-1], q.shape[0])
-    return F.linear(x, q.to(x.dtype) * scales.to(x.dtype)[:, None])
+    return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
 
 
 class _QuantProduct:
@@ -106,9 +114,10 @@ class _QuantProduct:
     quantized = True
     int8_mm = True  # False: dequantize in the product (set by the runtime, see dequantize_in_products)
     int8_kernel = None  # the CPU runtime's own int8 product of a few rows, when it has one
+    int8_kernel_rows = INT8_KERNEL_ROWS  # the most rows it serves (set with it)
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.int8_kernel is not None and x.numel() <= INT8_KERNEL_ROWS * x.shape[-1]:
+        if self.int8_kernel is not None and x.numel() <= self.int8_kernel_rows * x.shape[-1]:
             return self.int8_kernel(x, self.qweight, self.scales, bias)
         out = int8_product(x, self.qweight, self.scales, self.int8_mm)
         return out if bias is None else out + bias
@@ -144,10 +153,11 @@ class QuantTiedHead(TiedHead):
     quantized = True
     int8_mm = True
     int8_kernel = None
+    int8_kernel_rows = INT8_KERNEL_ROWS
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         q, scales = self.embeddings.qweight, self.embeddings.scales
-        if self.int8_kernel is not None and x.numel() <= INT8_KERNEL_ROWS * x.shape[-1]:
+        if self.int8_kernel is not None and x.numel() <= self.int8_kernel_rows * x.shape[-1]:
             return self.int8_kernel(x, q, scales, None)
         return int8_product(x, q, scales, self.int8_mm)
 

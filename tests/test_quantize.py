@@ -262,7 +262,7 @@ def test_the_int8_kernel_is_the_dequantized_product(isa, dtype):
 
     kernel = load(isa).int8_rows_linear
     g = torch.Generator().manual_seed(1)
-    for m, n, k in ((1, 1030, 1024), (3, 7, 64), (5, 64, 4096)):
+    for m, n, k in ((1, 1030, 1024), (3, 7, 64), (5, 64, 4096), (2, 9, 48), (12, 33, 96), (64, 20, 128)):
         x = torch.randn(m, k, generator=g).to(dtype)
         q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         scales = torch.rand(n, generator=g) / 100

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from ...model import Attention, StaticBloom
+from ...quantize import INT8_KERNEL_ROWS, INT8_KERNEL_ROWS_BF16
 from . import capability
 from .kernels import Kernels, KernelsUnavailable, load
 from .layers import (CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, OneCallPromptAttention, kernel_suits, swap, unswap)
@@ -136,6 +137,14 @@ def choose_kernels(path: str, cap: capability.Capability) -> tuple[Kernels | Non
         return None, f"no kernels: {error}"
 
 
+def int8_kernel_rows(isa: str, dtype: torch.dtype, amx: bool) -> int:
+    """The most rows the int8 kernel serves (``quantize.py``: the VDPBF16PS path of bf16 inputs
+    on the AVX-512 build goes far; the widening path 1-2 rows)."""
+    if isa == "avx512_bf16" and dtype == torch.bfloat16:
+        return FEW_ROWS_AMX if amx else INT8_KERNEL_ROWS_BF16
+    return INT8_KERNEL_ROWS
+
+
 def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_steps: bool = False) -> CpuPlan:
     """Apply the CPU fast path to ``model`` (on the CPU, its weights loaded); see the module doc.
     With ``compile_steps`` torch.compile builds the decode step (and packs the weights) itself."""
@@ -158,10 +167,12 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
                  few_rows_limit=few_rows * model.word_embeddings.weight.shape[1])
         used.append(f"few-rows products (up to {few_rows} rows)")
         int8 = [m for m in model.modules() if getattr(m, "quantized", False) and hasattr(m, "int8_kernel")]
+        int8_rows = int8_kernel_rows(kernels.isa, dtype, cap.amx)
         for module in int8:
             q = module.embeddings.qweight if hasattr(module, "embeddings") else module.qweight
             if q.shape[1] % 16 == 0:
                 module.int8_kernel = kernels.int8_rows_linear
+                module.int8_kernel_rows = int8_rows if q.shape[1] % 32 == 0 else INT8_KERNEL_ROWS
         if int8:
             used.append("int8 few-rows products")
     onednn = options.path != "plain" and not compile_steps and dtype == torch.bfloat16
@@ -183,10 +194,9 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
             all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
         if not compile_steps and model.parallel.world_size == 1 and all_kernel:
             plan.decode = OneCallDecode(model, kernels.decode_step, kernels.decode_step_int8 if quantized else None)
-            if quantized:  # the int8 kernel widens the weights again for every further row: 1-2 rows only
-                from ...quantize import INT8_KERNEL_ROWS
-
-                plan.decode_rows = min(plan.decode_rows, INT8_KERNEL_ROWS)
+            if quantized:  # as many rows as the int8 kernel serves
+                plan.decode_rows = min([plan.decode_rows] + [m.int8_kernel_rows for m in quantized
+                                                             if hasattr(m, "int8_kernel_rows")])
             used.append("one-call decode step" + (" (int8)" if quantized else ""))
         for block in model.h:
             swap(block.self_attention, OneCallPromptAttention, op=kernels.prompt_attention)
