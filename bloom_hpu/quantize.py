@@ -83,15 +83,16 @@ def dequantized(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
     return (q.float() * scales[:, None]).to(dtype)
 
 
-# Which CPU product serves how many rows (measured on bloom-560m's weights, 2 Zen 4 cores): our
-# kernel reads the int8 weight at memory speed for 1-2 rows; with fp32/fp16 inputs, or on the AVX2
-# build, it widens the weight again for every further pair of rows, and torch._weight_int8pack_mm
-# is faster from 3 rows on; with bf16 inputs on the AVX-512 build it widens each weight once into
-# VDPBF16PS products and stays the fastest up to 64 rows (INT8_KERNEL_ROWS_BF16; fewer where AMX
-# gives oneDNN's bf16 products of many rows the edge, as for bf16 weights). Past 64 rows (a long
-# prefill, a scoring pass) dequantizing the weight once and multiplying through oneDNN wins.
+# Which CPU product serves how many rows (measured on bloom-560m's weights, 2 Zen 4 cores; the
+# runtime picks, runtime/cpu/accelerate.int8_kernel_rows): our kernel reads the int8 weight at
+# memory speed for 1-2 rows. With bf16 inputs on the AVX-512 build it widens each weight once into
+# VDPBF16PS products, and on the AVX2 build its sums fit the registers: both stay faster than
+# torch._weight_int8pack_mm up to 64 rows (INT8_KERNEL_MANY_ROWS; fewer where AMX gives oneDNN's
+# bf16 products of many rows the edge, as for bf16 weights). With fp32/fp16 inputs on the AVX-512
+# build it serves 1-2 rows and torch._weight_int8pack_mm the next ones. Past 64 rows (a long
+# prefill, a scoring pass) dequantizing the weight in the product and multiplying through oneDNN wins.
 INT8_KERNEL_ROWS = 2
-INT8_KERNEL_ROWS_BF16 = 64
+INT8_KERNEL_MANY_ROWS = 64
 INT8_MM_ROWS = 64
 
 

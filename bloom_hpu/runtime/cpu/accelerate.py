@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ...model import Attention, StaticBloom
-from ...quantize import INT8_KERNEL_ROWS, INT8_KERNEL_ROWS_BF16
+from ...quantize import INT8_KERNEL_MANY_ROWS, INT8_KERNEL_ROWS
 from . import capability
 from .kernels import Kernels, KernelsUnavailable, load
 from .layers import (CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, OneCallPromptAttention, kernel_suits, swap, unswap)
@@ -138,11 +138,11 @@ def choose_kernels(path: str, cap: capability.Capability) -> tuple[Kernels | Non
 
 
 def int8_kernel_rows(isa: str, dtype: torch.dtype, amx: bool) -> int:
-    """The most rows the int8 kernel serves (``quantize.py``: the VDPBF16PS path of bf16 inputs
-    on the AVX-512 build goes far; the widening path 1-2 rows)."""
+    """The most rows the int8 kernel serves (see ``quantize.py``): many with bf16 inputs on the
+    AVX-512 build and on the AVX2 build, 1-2 with fp32/fp16 inputs on the AVX-512 build."""
     if isa == "avx512_bf16" and dtype == torch.bfloat16:
-        return FEW_ROWS_AMX if amx else INT8_KERNEL_ROWS_BF16
-    return INT8_KERNEL_ROWS
+        return FEW_ROWS_AMX if amx else INT8_KERNEL_MANY_ROWS
+    return INT8_KERNEL_MANY_ROWS if isa == "avx2" else INT8_KERNEL_ROWS
 
 
 def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_steps: bool = False) -> CpuPlan:

@@ -11,11 +11,13 @@
 // intra-op threads by blocks of rows. K must be a multiple of 16.
 //
 // Widening costs two instructions per 16 weights, and that path widens a block again for every
-// pair of input rows: from 3 rows on it loses to bf16 weights. With bf16 inputs on the AVX-512
-// build (K % 32 == 0) another path runs: each 32 weights are widened once to 32 bf16 (exact: every
-// int8 value is a bf16) and multiplied into up to 8 input rows by one VDPBF16PS each, as the bf16
-// weights of few_rows.h are. It reads int8 at memory speed for one row as the fp32 path does, and
-// from 2 to 64 rows it beats bf16 weights (measured on 2 Zen 4 cores).
+// pair of input rows: with more rows the FMAs and the widening, not memory, set the pace. On the
+// AVX2 build that still matches bf16 weights at 8 rows (its sums are kept one register per pair
+// of rows, so nothing spills). With bf16 inputs on the AVX-512 build (K % 32 == 0) another path
+// runs: each 32 weights are widened once to 32 bf16 (exact: every int8 value is a bf16) and
+// multiplied into up to 8 input rows by one VDPBF16PS each, as the bf16 weights of few_rows.h are.
+// It reads int8 at memory speed for one row as the fp32 path does, and from 2 to 64 rows it beats
+// bf16 weights (measured on 2 Zen 4 cores).
 
 #pragma once
 
@@ -51,6 +53,27 @@ constexpr int kInt8Rows = 4;                 // weight rows per block
 constexpr int64_t kInt8PrefetchBytes = 4096;  // weight bytes ahead of the loads
 
 // sums[m * R + r] = dot(q row r, x row m) for R weight rows and MB fp32 input rows.
+#if defined(BLOOM_ISA_AVX2)
+// AVX2 holds a Vec16 in two registers: both halves of a product go into one register of 8 sums,
+// so the 4 x 2 sums, the inputs and a weight fit the 16 registers without spilling.
+template <int R, int MB>
+inline void int8_block(const int8_t* q, const float* x, int64_t K, float* sums) {
+  __m256 acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(q + r * K + k + kInt8PrefetchBytes), _MM_HINT_T0);
+    Vec16 xv[MB];
+    for (int m = 0; m < MB; ++m) xv[m] = load16(x + m * K + k);
+    for (int r = 0; r < R; ++r) {
+      const Vec16 w = load16_int8(q + r * K + k);
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(w.hi, xv[m].hi, _mm256_fmadd_ps(w.lo, xv[m].lo, acc[r][m]));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) sums[m * R + r] = reduce_add8(acc[r][m]);
+}
+#else
 template <int R, int MB>
 inline void int8_block(const int8_t* q, const float* x, int64_t K, float* sums) {
   Vec16 acc[R][MB];
@@ -68,6 +91,7 @@ inline void int8_block(const int8_t* q, const float* x, int64_t K, float* sums) 
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) sums[m * R + r] = reduce_add(acc[r][m]);
 }
+#endif
 
 template <int R, int MB>
 inline void int8_rows(int64_t mb, const int8_t* q, const float* x, int64_t K, float* sums) {
