@@ -52,73 +52,51 @@ constexpr int kInt8XRows = 2;  // AVX2's 16 registers: 8 sums (two halves each) 
 constexpr int kInt8Rows = 4;                 // weight rows per block
 constexpr int64_t kInt8PrefetchBytes = 4096;  // weight bytes ahead of the loads
 
-// sums[m * R + r] = dot(q row r, x row m) for R weight rows and MB fp32 input rows.
-#if defined(BLOOM_ISA_AVX2)
+// The fp32 sums of the widening path, one per (weight row, input row). AVX-512: a Vec16 of sums.
 // AVX2 holds a Vec16 in two registers: both halves of a product go into one register of 8 sums,
 // so the 4 x 2 sums, the inputs and a weight fit the 16 registers without spilling.
-template <int R, int MB>
-inline void int8_block(const int8_t* q, const float* x, int64_t K, float* sums) {
-  __m256 acc[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(q + r * K + k + kInt8PrefetchBytes), _MM_HINT_T0);
-    Vec16 xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = load16(x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      const Vec16 w = load16_int8(q + r * K + k);
-      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_fmadd_ps(w.hi, xv[m].hi, _mm256_fmadd_ps(w.lo, xv[m].lo, acc[r][m]));
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) sums[m * R + r] = reduce_add8(acc[r][m]);
-}
+#if defined(BLOOM_ISA_AVX512)
+using Int8Sums = Vec16;
+inline Int8Sums sums_zero() { return zero16(); }
+inline Int8Sums sums_add(Int8Sums acc, Vec16 w, Vec16 x) { return fmadd(w, x, acc); }
+inline float sums_total(Int8Sums acc) { return reduce_add(acc); }
 #else
-template <int R, int MB>
-inline void int8_block(const int8_t* q, const float* x, int64_t K, float* sums) {
-  Vec16 acc[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = zero16();
-  for (int64_t k = 0; k < K; k += 16) {
-    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(q + r * K + k + kInt8PrefetchBytes), _MM_HINT_T0);
-    Vec16 xv[MB];
-    for (int m = 0; m < MB; ++m) xv[m] = load16(x + m * K + k);
-    for (int r = 0; r < R; ++r) {
-      const Vec16 w = load16_int8(q + r * K + k);
-      for (int m = 0; m < MB; ++m) acc[r][m] = fmadd(w, xv[m], acc[r][m]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) sums[m * R + r] = reduce_add(acc[r][m]);
+using Int8Sums = __m256;
+inline Int8Sums sums_zero() { return _mm256_setzero_ps(); }
+inline Int8Sums sums_add(Int8Sums acc, Vec16 w, Vec16 x) {
+  return _mm256_fmadd_ps(w.hi, x.hi, _mm256_fmadd_ps(w.lo, x.lo, acc));
 }
+inline float sums_total(Int8Sums acc) { return reduce_add8(acc); }
 #endif
 
-template <int R, int MB>
-inline void int8_rows(int64_t mb, const int8_t* q, const float* x, int64_t K, float* sums) {
-  if constexpr (MB > 1) {
-    if (mb < MB) return int8_rows<R, MB - 1>(mb, q, x, K, sums);
-  }
-  int8_block<R, MB>(q, x, K, sums);
-}
+// A block kind: Block<R, MB>::run(q, x, K, sums) sets sums[m * R + r] = dot(q row r, x row m) for
+// R weight rows and MB input rows of type Block<R, MB>::X.
 
-template <typename T, int R>
-inline void int8_outputs(const int8_t* q, const float* scales, const float* x, const T* bias, T* out, int64_t n,
-                         int64_t M, int64_t N, int64_t K) {
-  float sums[R * kInt8XRows];
-  for (int64_t m0 = 0; m0 < M; m0 += kInt8XRows) {
-    const int64_t mb = std::min<int64_t>(kInt8XRows, M - m0);
-    int8_rows<R, kInt8XRows>(mb, q, x + m0 * K, K, sums);
-    for (int64_t m = 0; m < mb; ++m)
+// The widening path: fp32 inputs, 16 weights widened to fp32 per step.
+template <int R, int MB>
+struct WidenedBlock {
+  using X = float;
+  static void run(const int8_t* q, const float* x, int64_t K, float* sums) {
+    Int8Sums acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = sums_zero();
+    for (int64_t k = 0; k < K; k += 16) {
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(q + r * K + k + kInt8PrefetchBytes), _MM_HINT_T0);
+      Vec16 xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = load16(x + m * K + k);
       for (int r = 0; r < R; ++r) {
-        const float value = sums[m * R + r] * scales[n + r] + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
-        out[(m0 + m) * N + n + r] = T(value);
+        const Vec16 w = load16_int8(q + r * K + k);
+        for (int m = 0; m < MB; ++m) acc[r][m] = sums_add(acc[r][m], w, xv[m]);
       }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) sums[m * R + r] = sums_total(acc[r][m]);
   }
-}
+};
 
 #if defined(BLOOM_ISA_AVX512)
-constexpr int kInt8Bf16Rows = 2;      // weight rows per block there
-constexpr int kInt8Bf16XRows = 8;     // input rows per pass: 16 sums, 2 weight registers, 1 input
+constexpr int kInt8Bf16Rows = 2;   // weight rows per block of the VDPBF16PS path
+constexpr int kInt8Bf16XRows = 8;  // input rows per pass: 16 sums, 2 weight registers, 1 input
 
 // 32 int8 weights as 32 bf16 in k order (exact).
 inline __m512bh load32_int8_as_bf16(const int8_t* p) {
@@ -127,80 +105,82 @@ inline __m512bh load32_int8_as_bf16(const int8_t* p) {
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-// sums[m * R + r] = dot(q row r, x row m) for R weight rows and MB bf16 input rows; K % 32 == 0.
+// The VDPBF16PS path: bf16 inputs, 32 weights widened to bf16 per step; K % 32 == 0.
 template <int R, int MB>
-inline void int8_block_bf16(const int8_t* q, const at::BFloat16* x, int64_t K, float* sums) {
-  __m512 acc[R][MB];
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 32) {
-    __m512bh w[R];
-    for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(q + r * K + k + kInt8PrefetchBytes), _MM_HINT_T0);
-      w[r] = load32_int8_as_bf16(q + r * K + k);
+struct Bf16DotBlock {
+  using X = at::BFloat16;
+  static void run(const int8_t* q, const at::BFloat16* x, int64_t K, float* sums) {
+    __m512 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      __m512bh w[R];
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(q + r * K + k + kInt8PrefetchBytes), _MM_HINT_T0);
+        w[r] = load32_int8_as_bf16(q + r * K + k);
+      }
+      for (int m = 0; m < MB; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+        for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w[r], xv);
+      }
     }
-    for (int m = 0; m < MB; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w[r], xv);
-    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) sums[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < MB; ++m) sums[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
-}
+};
+#endif
 
-template <int R, int MB>
-inline void int8_rows_bf16(int64_t mb, const int8_t* q, const at::BFloat16* x, int64_t K, float* sums) {
+// Block<R, MB'> for the mb (<= MB) input rows left: MB' = mb, chosen at compile time.
+template <template <int, int> class Block, int R, int MB, typename X>
+inline void int8_rows(int64_t mb, const int8_t* q, const X* x, int64_t K, float* sums) {
   if constexpr (MB > 1) {
-    if (mb < MB) return int8_rows_bf16<R, MB - 1>(mb, q, x, K, sums);
+    if (mb < MB) return int8_rows<Block, R, MB - 1>(mb, q, x, K, sums);
   }
-  int8_block_bf16<R, MB>(q, x, K, sums);
+  Block<R, MB>::run(q, x, K, sums);
 }
 
-template <int R>
-inline void int8_outputs_bf16(const int8_t* q, const float* scales, const at::BFloat16* x, const at::BFloat16* bias,
-                              at::BFloat16* out, int64_t n, int64_t M, int64_t N, int64_t K) {
-  float sums[R * kInt8Bf16XRows];
-  for (int64_t m0 = 0; m0 < M; m0 += kInt8Bf16XRows) {
-    const int64_t mb = std::min<int64_t>(kInt8Bf16XRows, M - m0);
-    int8_rows_bf16<R, kInt8Bf16XRows>(mb, q, x + m0 * K, K, sums);
+// Outputs n..n+R-1 of every input row, XRows input rows per pass over the R weight rows.
+template <template <int, int> class Block, int R, int XRows, typename X, typename T>
+inline void int8_outputs(const int8_t* q, const float* scales, const X* x, const T* bias, T* out, int64_t n,
+                         int64_t M, int64_t N, int64_t K) {
+  float sums[R * XRows];
+  for (int64_t m0 = 0; m0 < M; m0 += XRows) {
+    const int64_t mb = std::min<int64_t>(XRows, M - m0);
+    int8_rows<Block, R, XRows>(mb, q, x + m0 * K, K, sums);
     for (int64_t m = 0; m < mb; ++m)
       for (int r = 0; r < R; ++r) {
         const float value = sums[m * R + r] * scales[n + r] + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
-        out[(m0 + m) * N + n + r] = at::BFloat16(value);
+        out[(m0 + m) * N + n + r] = T(value);
       }
   }
 }
 
-inline void int8_linear_bf16(const at::BFloat16* x, int64_t M, const int8_t* q, const float* scales, int64_t N,
-                             int64_t K, const at::BFloat16* bias, at::BFloat16* out) {
-  const int64_t blocks = N / kInt8Bf16Rows;
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kInt8Bf16Rows * K));
+// out [M, N] by blocks of Rows weight rows split over the threads; the last N % Rows rows alone.
+template <template <int, int> class Block, int Rows, int XRows, typename X, typename T>
+inline void int8_products(const X* x, int64_t M, const int8_t* q, const float* scales, int64_t N, int64_t K,
+                          const T* bias, T* out) {
+  const int64_t blocks = N / Rows;
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (Rows * K));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      int8_outputs_bf16<kInt8Bf16Rows>(q + b * kInt8Bf16Rows * K, scales, x, bias, out, b * kInt8Bf16Rows, M, N, K);
+      int8_outputs<Block, Rows, XRows>(q + b * Rows * K, scales, x, bias, out, b * Rows, M, N, K);
   });
-  for (int64_t n = blocks * kInt8Bf16Rows; n < N; ++n) int8_outputs_bf16<1>(q + n * K, scales, x, bias, out, n, M, N, K);
+  for (int64_t n = blocks * Rows; n < N; ++n) int8_outputs<Block, 1, XRows>(q + n * K, scales, x, bias, out, n, M, N, K);
 }
-#endif
 
-// out [M, N] = (x [M, K] @ q [N, K]^T) * scales [N] (+ bias [N]), x widened to fp32 once (a few rows).
+// out [M, N] = (x [M, K] @ q [N, K]^T) * scales [N] (+ bias [N]): bf16 inputs on the AVX-512 build
+// as they are, others widened to fp32 once (a few rows).
 template <typename T>
 void int8_linear(const T* x_in, int64_t M, const int8_t* q, const float* scales, int64_t N, int64_t K, const T* bias,
                  T* out) {
 #if defined(BLOOM_ISA_AVX512)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (K % 32 == 0) return int8_linear_bf16(x_in, M, q, scales, N, K, bias, out);
+    if (K % 32 == 0) return int8_products<Bf16DotBlock, kInt8Bf16Rows, kInt8Bf16XRows>(x_in, M, q, scales, N, K, bias, out);
   }
 #endif
   std::vector<float> x(M * K);
   for (int64_t i = 0; i < M * K; ++i) x[i] = static_cast<float>(x_in[i]);
-  const int64_t blocks = N / kInt8Rows;
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kInt8Rows * K));
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      int8_outputs<T, kInt8Rows>(q + b * kInt8Rows * K, scales, x.data(), bias, out, b * kInt8Rows, M, N, K);
-  });
-  for (int64_t n = blocks * kInt8Rows; n < N; ++n) int8_outputs<T, 1>(q + n * K, scales, x.data(), bias, out, n, M, N, K);
+  int8_products<WidenedBlock, kInt8Rows, kInt8XRows>(x.data(), M, q, scales, N, K, bias, out);
 }
 
 BLOOM_CPU_END
