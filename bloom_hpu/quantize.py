@@ -109,6 +109,16 @@ def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, int8_mm
     return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
 
 
+def routed_int8_product(module, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """The product of a quantized ``module`` (a linear, or the tied head) as its runtime routes it:
+    the CPU runtime's int8 kernel for the rows it serves, else ``int8_product``."""
+    if module.int8_kernel is not None and x.numel() <= module.int8_kernel_rows * x.shape[-1]:
+        return module.int8_kernel(x, q, scales, bias)
+    out = int8_product(x, q, scales, module.int8_mm)
+    return out if bias is None else out + bias
+
+
 class _QuantProduct:
     """``product`` of the model's linears over the int8 weight (``qweight`` [N, K], ``scales`` [N])."""
 
@@ -118,10 +128,7 @@ class _QuantProduct:
     int8_kernel_rows = INT8_KERNEL_ROWS  # the most rows it serves (set with it)
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.int8_kernel is not None and x.numel() <= self.int8_kernel_rows * x.shape[-1]:
-            return self.int8_kernel(x, self.qweight, self.scales, bias)
-        out = int8_product(x, self.qweight, self.scales, self.int8_mm)
-        return out if bias is None else out + bias
+        return routed_int8_product(self, x, self.qweight, self.scales, bias)
 
 
 class QuantLinear(_QuantProduct, Linear):
@@ -157,10 +164,7 @@ class QuantTiedHead(TiedHead):
     int8_kernel_rows = INT8_KERNEL_ROWS
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        q, scales = self.embeddings.qweight, self.embeddings.scales
-        if self.int8_kernel is not None and x.numel() <= self.int8_kernel_rows * x.shape[-1]:
-            return self.int8_kernel(x, q, scales, None)
-        return int8_product(x, q, scales, self.int8_mm)
+        return routed_int8_product(self, x, self.embeddings.qweight, self.embeddings.scales, None)
 
 
 _CLASSES = {Linear: QuantLinear, RowParallelLinear: QuantRowParallelLinear}
