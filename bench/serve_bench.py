@@ -12,8 +12,8 @@ the same requests as one offline ``--requests`` job, side by side on the same we
 Load: closed loop (``--clients``: each client sends its next request when the last one ended) and
 open loop (``--rates``: Poisson arrivals at these requests/s), prompts of mixed lengths, greedy,
 ``--max_tokens`` each, sent by clients in a process of their own (``bench/load_client.py``). Every
-request streams; time to first token is from sending to the first
-chunk with text, inter-token latency the gaps between chunks, tokens the server's usage count.
+request streams; time to first token is from sending to the first chunk with text, inter-token
+latency the gaps between chunks, tokens the server's usage count.
 For ours it also prints the step shapes the load added after warm-up (should be 0), and times the
 yardsticks of the latency targets in the same run: the engine's plain decode step of one row, and of
 the batch bucket each closed-loop level runs (min(clients, max_batch) rows).

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from .lora import LoraAdapter
-from .runtime.transfer import host_to_device
 from .model import Linear, StaticBloom
+from .runtime.transfer import host_to_device
 from .tp import RowParallelLinear, shard_slices
 
 DEFAULT_CAPACITY = 1024  # rows a step may have (the server's batch; an offline search's beams)
@@ -51,12 +51,7 @@ class AdapterRows:
         return len(self.host)
 
     def set(self, row: int, adapter: int) -> None:
-        self.host[row] = adapter
-        # The whole index from the host mirror: one op of one shape whatever the row, written even
-        # when nothing changed (``index[row].fill_(adapter)`` is a view at a new offset and a new
-        # scalar each time, and a write made only sometimes changes the sequence of ops: lazy mode
-        # on a Gaudi would compile each variant anew).
-        self.index.copy_(host_to_device(torch.tensor(self.host, dtype=torch.long), self.index.device))
+        self.set_each([row], [adapter])
 
     def set_many(self, rows: list[int], adapter: int) -> None:
         """``set`` for several rows, in one write."""
@@ -66,6 +61,13 @@ class AdapterRows:
         """Row ``rows[i]`` reads ``adapters[i]``, for every i, in one write."""
         for row, adapter in zip(rows, adapters):
             self.host[row] = adapter
+        self._write_index()
+
+    def _write_index(self) -> None:
+        """The whole index from the host mirror: one op of one shape whatever the rows, written even
+        when nothing changed (``index[row].fill_(adapter)`` is a view at a new offset and a new
+        scalar each time, and a write made only sometimes changes the sequence of ops: lazy mode on
+        a Gaudi would compile each variant anew)."""
         self.index.copy_(host_to_device(torch.tensor(self.host, dtype=torch.long), self.index.device))
 
     def move(self, src: int, dst: int) -> None:
@@ -80,7 +82,7 @@ class AdapterRows:
         try:
             yield
         finally:
-            self.index.copy_(host_to_device(torch.tensor(self.host, dtype=torch.long), self.index.device))
+            self._write_index()
 
 
 @dataclass

@@ -60,7 +60,7 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
 class Answer:
     """One HTTP request's prompts in the engine, and the events coming back for them."""
 
-    def __init__(self, engine, completion: Completion, loop: asyncio.AbstractEventLoop, mailbox: Mailbox):
+    def __init__(self, engine, completion: Completion, mailbox: Mailbox):
         self.engine, self.completion = engine, completion
         self.events: asyncio.Queue = asyncio.Queue()
         self.handles = []
@@ -76,7 +76,7 @@ class Answer:
             return lambda event: mailbox.post(self.events, (prompt, event))
 
         if engine.flush_events is None:
-            engine.flush_events = lambda: drain(loop)
+            engine.flush_events = lambda: drain(mailbox.loop)
 
         # The LoRA adapter the request's model names (0: the base model).
         lora = getattr(engine, "lora", None)
@@ -220,7 +220,7 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
         loop = asyncio.get_running_loop()
         if loop not in mailboxes:
             mailboxes[loop] = Mailbox(loop)
-        answer = await run_in_threadpool(Answer, engine, completion, loop, mailboxes[loop])
+        answer = await run_in_threadpool(Answer, engine, completion, mailboxes[loop])
         if metrics is not None:
             metrics.requests.labels(request.url.path, "200").inc()
         if completion.stream:
