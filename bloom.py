@@ -72,9 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore_eos", type=flag_bool, help="t: generate to max_length (default); f: stop each row at EOS")
     p.add_argument("--use_graphs", type=flag_bool, help="capture steps as HPU/CUDA graphs (default t)")
     p.add_argument("--static_shapes", type=flag_bool, help="static-shape recipe (default t)")
-    p.add_argument("--quantize", choices=["int8"],
-                   help="keep the weights as int8, one scale per output row (activations and cache stay in "
-                        "--dtype): about half of bf16's bytes; see docs/performance.md")
+    p.add_argument("--quantize", choices=["int8", "int4"],
+                   help="keep the weights quantized (activations and cache stay in --dtype): int8, one scale per "
+                        "output row, about half of bf16's bytes; int4, one scale per --group_size weights of a row, "
+                        "about a quarter; see docs/performance.md")
+    p.add_argument("--group_size", type=int, metavar="G",
+                   help="with --quantize int4: weights per scale, 32, 64 (default), 128 or 256; a smaller group "
+                        "keeps more quality, a larger one fewer bytes")
     p.add_argument("--limit_hpu_graphs", type=flag_bool,
                    help="hpu: run the prefill without a graph, so its scores are not kept (default: t under "
                         "tensor parallelism, f on one card)")
@@ -182,6 +186,8 @@ def check_flags(args) -> None:
         raise UsageError("--errors goes with --requests")
     if args.quantize and args.mode == "vanilla":
         raise UsageError("--quantize runs in --mode optimized only (vanilla is transformers' own model)")
+    if args.group_size is not None and args.quantize != "int4":
+        raise UsageError("--group_size goes with --quantize int4")
     if args.api_key is not None and not args.api_key.strip():
         raise UsageError("--api_key is empty; give a key, or leave the flag out to serve without one")
     if args.lora and not args.serve:
@@ -250,7 +256,7 @@ def make_generator(args, opts):
         weights, args.model, dtype=args.dtype, device=args.device, use_graphs=opts.use_graphs,
         compile_steps=args.compile, parallel=PARALLEL, cpu=CpuOptions(path=args.cpu_path),
         peft_weights=args.peft_weights, lora=lora_adapters(args) or None, limit_hpu_graphs=args.limit_hpu_graphs,
-        quantize=args.quantize,
+        quantize=args.quantize, group_size=args.group_size,
     )
     if generator.adapter is not None:
         log(f"{generator.adapter.describe()}, merged")

@@ -18,7 +18,7 @@ from .checkpoint import CheckpointReader
 from .config import BloomConfig
 from .lora import LoraAdapter
 from .model import StaticBloom
-from .quantize import QuantizeError, check_stored_quantization, is_quantized_weight, prepare_int8, stored_names
+from .quantize import QuantizeError, is_quantized_weight, prepare_quantized, stored_names, stored_quantization
 from .tp import SINGLE, Parallel, check_splittable, shard_slices
 
 
@@ -58,23 +58,23 @@ def load_model(
     folder = Path(folder)
     config = BloomConfig.from_json(folder / "config.json")
     check_splittable(config, parallel.world_size)
-    check_stored_quantization(config)
-    quantized = config.quantization_config is not None
+    stored = stored_quantization(config)
+    quantized = stored is not None
     if quantized and adapter is not None:
-        raise QuantizeError("--peft_weights merges an adapter into float weights; this checkpoint is stored int8 "
-                            "(merge into the float checkpoint, then quantize it)")
+        raise QuantizeError(f"--peft_weights merges an adapter into float weights; this checkpoint is stored "
+                            f"{stored[0]} (merge into the float checkpoint, then quantize it)")
     with torch.device("meta"):
         model = StaticBloom(config, parallel)
     if quantized:
-        prepare_int8(model, dtype)
+        prepare_quantized(model, dtype, group_size=stored[1])
     state = {}
     checkpoint_bytes = 0
     with CheckpointReader(folder) as reader:
         if quantized:
-            checkpoint_bytes += _load_int8(model, reader, device)
+            checkpoint_bytes += _load_quantized(model, reader, device)
         for name, param in model.named_parameters():
             if quantized and is_quantized_weight(name):
-                continue  # read as int8 above
+                continue  # read quantized above
             rows, cols = shard_slices(name, model)
             if adapter is not None and name in adapter:
                 tensor = adapter.merge(name, reader.get(name, dtype=torch.float32, rows=rows, cols=cols),
@@ -102,9 +102,10 @@ def load_model(
     return model, report
 
 
-def _load_int8(model: StaticBloom, reader: CheckpointReader, device) -> int:
-    """Read a quantized checkpoint's int8 weights and scales into the model's quantized modules,
-    this rank's slice of each (a row-parallel slice keeps every scale: they are the whole rows').
+def _load_quantized(model: StaticBloom, reader: CheckpointReader, device) -> int:
+    """Read a quantized checkpoint's weights and scales into the model's quantized modules, this
+    rank's slice of each: int8 keeps every scale of a row-parallel slice (they are the whole rows');
+    int4 packs two weights a byte and keeps a scale per group, so its columns slice by 2 and by G.
     Returns the bytes a single process would read."""
     total = 0
     for module_name, module in model.named_modules():
@@ -113,18 +114,34 @@ def _load_int8(model: StaticBloom, reader: CheckpointReader, device) -> int:
         weight = f"{module_name}.weight"
         rows, cols = shard_slices(weight, model)
         qname, sname = stored_names(weight)
-        q = reader.get(qname, rows=rows, cols=cols)
-        scales = reader.get(sname, dtype=torch.float32, rows=rows)
-        want = tuple(module.qweight.shape)
-        if weight == "word_embeddings.weight" and q.shape[0] < want[0]:  # the last rank's pad rows
-            q = torch.cat([q, q.new_zeros(want[0] - q.shape[0], q.shape[1])])
-            scales = torch.cat([scales, scales.new_ones(want[0] - scales.shape[0])])
-        if tuple(q.shape) != want or q.dtype != torch.int8:
-            raise ValueError(f"checkpoint tensor {qname} is {q.dtype} {tuple(q.shape)}, the model expects int8 {want}")
+        want_q, want_scales = module.qweight, module.scales
+        int4 = want_q.dtype == torch.uint8
+        if int4:
+            full = module.weight.shape[1] * (model.parallel.world_size if cols is not None else 1)
+            group = full // reader.shape(sname)[1]
+            q = reader.get(qname, rows=rows, cols=_divided(cols, 2))
+            scales = reader.get(sname, dtype=torch.float32, rows=rows, cols=_divided(cols, group))
+        else:
+            q = reader.get(qname, rows=rows, cols=cols)
+            scales = reader.get(sname, dtype=torch.float32, rows=rows)
+        if weight == "word_embeddings.weight" and q.shape[0] < want_q.shape[0]:  # the last rank's pad rows
+            pad = want_q.shape[0] - q.shape[0]
+            q = torch.cat([q, q.new_full((pad, q.shape[1]), 0x88 if int4 else 0)])  # q = 0 either way
+            scales = torch.cat([scales, scales.new_ones(pad, *scales.shape[1:])])
+        if tuple(q.shape) != tuple(want_q.shape) or q.dtype != want_q.dtype \
+                or tuple(scales.shape) != tuple(want_scales.shape):
+            raise ValueError(f"checkpoint tensors {qname}, {sname} are {q.dtype} {tuple(q.shape)} and "
+                             f"{tuple(scales.shape)}, the model expects {want_q.dtype} {tuple(want_q.shape)} and "
+                             f"{tuple(want_scales.shape)}")
         module.register_buffer("qweight", q.to(device), persistent=False)
         module.register_buffer("scales", scales.to(device), persistent=False)
-        total += _numel(reader.shape(qname)) + 4 * _numel(reader.shape(sname))
+        total += _numel(reader.shape(qname)) * q.element_size() + 4 * _numel(reader.shape(sname))
     return total
+
+
+def _divided(cols: slice | None, by: int) -> slice | None:
+    """A slice of a weight's columns as a slice of a tensor holding one entry per ``by`` of them."""
+    return None if cols is None else slice(cols.start // by, cols.stop // by)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

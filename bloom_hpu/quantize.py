@@ -1,19 +1,25 @@
-"""Weight-only int8 quantization, applied to a finished model (as gpt-fast's ``quantize.py``).
+"""Weight-only quantization (int8, int4), applied to a finished model (as gpt-fast's ``quantize.py``).
 
-Every linear layer, the word embeddings and the tied LM head keep their weight as int8 with one
-scale per output row (symmetric: ``w ~= q * scale``, ``q`` in [-127, 127], ``scale = max|w| / 127``
-over the whole row). Activations, the KV cache and the sums stay in the model's dtype. The model
-file stays BLOOM: ``quantize_int8(model)`` swaps the classes of its modules in place, each keeping
-its name, for ``QuantLinear`` / ``QuantRowParallelLinear`` / ``QuantEmbedding`` / ``QuantTiedHead``,
-whose product multiplies by the int8 weight: ``torch._weight_int8pack_mm`` on the CPU (a public
-ATen op made for this, reading int8 bytes), or, where the runtime says so (``dequantize_in_products``:
-the HPU and CUDA backends), the weight dequantized inside the product with public ops only (no host
-sync, no new shape, so HPU and CUDA graphs capture it).
+Every linear layer, the word embeddings and the tied LM head keep their weight quantized:
+
+* int8: one scale per output row (symmetric: ``w ~= q * scale``, ``q`` in [-127, 127],
+  ``scale = max|w| / 127`` over the whole row);
+* int4: one scale per group of G weights of a row, packed two to a byte (``int4.py``).
+
+Activations, the KV cache and the sums stay in the model's dtype. The model file stays BLOOM:
+``quantize(model, mode)`` swaps the classes of its modules in place, each keeping its name, for
+``QuantLinear`` / ``QuantRowParallelLinear`` / ``QuantEmbedding`` / ``QuantTiedHead``, which hold
+``qweight`` and ``scales`` and multiply by them: through the CPU runtime's kernels where it set
+them (``runtime/cpu/accelerate.py``), else int8 through ``torch._weight_int8pack_mm`` on the CPU (a
+public ATen op made for this, reading int8 bytes) and int4 dequantized inside the product; where
+the runtime says so (``dequantize_in_products``: the HPU and CUDA backends) both dequantize with
+public ops only (no host sync, no new shape, so HPU and CUDA graphs capture them).
 
 Tensor parallelism: each rank holds a slice of every weight. A column-parallel slice holds whole
 rows, so its scales are the rows' own; a row-parallel slice (attention dense, dense_4h_to_h) holds a
-part of each row, so its row maxima are all-reduced (MAX) first: every rank then uses the scale of
-the whole row, and two ranks give the tokens of one process.
+part of each row, so for int8 its row maxima are all-reduced (MAX) first: every rank then uses the
+scale of the whole row. int4's groups lie within a rank's part (the group size must divide it).
+Either way two ranks give the tokens of one process.
 """
 
 from __future__ import annotations
@@ -22,19 +28,37 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import int4
+from .int4 import DEFAULT_GROUP_SIZE, GroupSizeError, check_group_size, dequantized_int4, int4_product
 from .model import Linear, StaticBloom, TiedHead
 from .tp import RowParallelLinear, VocabParallelEmbedding
 
-MODES = ("int8",)
+MODES = ("int8", "int4")
 QMAX = 127
-# ``quantization_config`` of a checkpoint saved quantized (utils/quantize_checkpoint.py): weight W of
-# a linear layer or the embeddings is stored as ``W's module.qweight`` (int8) and ``.scales`` (fp32).
-QUANTIZATION_CONFIG = {"quant_method": "bloom_hpu", "bits": 8, "scales": "per_output_row", "symmetric": True}
 _QUANTIZED_MODULES = ("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")
 
 
 class QuantizeError(ValueError):
     """A quantization the model or the device cannot run (one line for the user)."""
+
+
+def quantization_config(mode: str, group_size: int | None = None) -> dict:
+    """``quantization_config`` of a checkpoint saved quantized (utils/quantize_checkpoint.py): weight
+    W of a linear layer or the embeddings is stored as ``W's module.qweight`` (int8 [N, K], or int4
+    packed in uint8 [N, K / 2]) and ``.scales`` (fp32 [N], or [N, K / group_size])."""
+    if mode == "int8":
+        return {"quant_method": "bloom_hpu", "bits": 8, "scales": "per_output_row", "symmetric": True}
+    return {"quant_method": "bloom_hpu", "bits": 4, "group_size": group_size, "scales": "per_group",
+            "symmetric": True, "packing": "two per byte, weights j and j+16 of each block of 32"}
+
+
+def resolve_group_size(mode: str | None, group_size: int | None) -> int | None:
+    """int4's group size (the default where none is given); None for int8 (which has no groups)."""
+    if mode == "int4":
+        return DEFAULT_GROUP_SIZE if group_size is None else group_size
+    if group_size is not None:
+        raise QuantizeError("a group size goes with int4 quantization (--quantize int4)")
+    return None
 
 
 def is_quantized_weight(name: str) -> bool:
@@ -51,16 +75,24 @@ def stored_names(name: str) -> list[str]:
     return [f"{module}.qweight", f"{module}.scales"]
 
 
-def check_stored_quantization(config) -> None:
-    """A checkpoint quantized in a format of ours, or none; anything else is one clear error."""
+def stored_quantization(config) -> tuple[str, int | None] | None:
+    """(mode, group size) of a checkpoint quantized in a format of ours, None for float weights;
+    anything else is one clear error."""
     stored = config.quantization_config
     if stored is None:
-        return
-    if not isinstance(stored, dict) or stored.get("quant_method") != QUANTIZATION_CONFIG["quant_method"] \
-            or stored.get("bits") != QUANTIZATION_CONFIG["bits"]:
-        method = stored.get("quant_method") if isinstance(stored, dict) else stored
+        return None
+    method = stored.get("quant_method") if isinstance(stored, dict) else stored
+    if method != "bloom_hpu" or stored.get("bits") not in (8, 4):
         raise QuantizeError(f"the checkpoint is quantized as {method!r}, which this program does not read; "
-                            "give it the float weights (utils/quantize_checkpoint.py makes int8 ones it reads)")
+                            "give it the float weights (utils/quantize_checkpoint.py makes int8 and int4 ones "
+                            "it reads)")
+    if stored["bits"] == 8:
+        return "int8", None
+    group_size = stored.get("group_size")
+    if group_size not in int4.GROUP_SIZES:
+        raise QuantizeError(f"the checkpoint's int4 group size {group_size!r} is not one of "
+                            f"{', '.join(map(str, int4.GROUP_SIZES))}")
+    return "int4", group_size
 
 
 def row_scales(weight: torch.Tensor, parallel=None, split_rows: bool = False) -> torch.Tensor:
@@ -84,7 +116,7 @@ def dequantized(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
 
 
 # Which CPU product serves how many rows (measured on bloom-560m's weights, 2 Zen 4 cores; the
-# runtime picks, runtime/cpu/accelerate.int8_kernel_rows): our kernel reads the int8 weight at
+# runtime picks, runtime/cpu/accelerate.quantized_kernel_rows): our kernel reads the int8 weight at
 # memory speed for 1-2 rows. With bf16 inputs on the AVX-512 build it widens each weight once into
 # VDPBF16PS products, and on the AVX2 build its sums fit the registers: both stay faster than
 # torch._weight_int8pack_mm up to 64 rows (INT8_KERNEL_MANY_ROWS; fewer where AMX gives oneDNN's
@@ -109,26 +141,31 @@ def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, int8_mm
     return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)
 
 
-def routed_int8_product(module, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
-                        bias: torch.Tensor | None) -> torch.Tensor:
+def routed_product(module, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
     """The product of a quantized ``module`` (a linear, or the tied head) as its runtime routes it:
-    the CPU runtime's int8 kernel for the rows it serves, else ``int8_product``."""
-    if module.int8_kernel is not None and x.numel() <= module.int8_kernel_rows * x.shape[-1]:
-        return module.int8_kernel(x, q, scales, bias)
-    out = int8_product(x, q, scales, module.int8_mm)
+    the CPU runtime's kernel for the rows it serves, else ``int8_product`` / ``int4_product``."""
+    if module.kernel is not None and x.numel() <= module.kernel_rows * x.shape[-1]:
+        return module.kernel(x, q, scales, bias)
+    if q.dtype == torch.uint8:  # int4, packed
+        out = int4_product(x, q, scales, module.int4_dequantize)
+    else:
+        out = int8_product(x, q, scales, module.int8_mm)
     return out if bias is None else out + bias
 
 
 class _QuantProduct:
-    """``product`` of the model's linears over the int8 weight (``qweight`` [N, K], ``scales`` [N])."""
+    """``product`` of the model's linears over the quantized weight: int8 ``qweight`` [N, K] with
+    ``scales`` [N], or int4 ``qweight`` uint8 [N, K / 2] with ``scales`` [N, K / G]."""
 
     quantized = True
-    int8_mm = True  # False: dequantize in the product (set by the runtime, see dequantize_in_products)
-    int8_kernel = None  # the CPU runtime's own int8 product of a few rows, when it has one
-    int8_kernel_rows = INT8_KERNEL_ROWS  # the most rows it serves (set with it)
+    int8_mm = True  # int8: False dequantizes in the product (set by the runtime, see dequantize_in_products)
+    int4_dequantize = None  # int4: the CPU runtime's dequantization into its scratch memory, when it has one
+    kernel = None  # the CPU runtime's own product of a few rows, when it has one
+    kernel_rows = INT8_KERNEL_ROWS  # the most rows it serves (set with it)
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return routed_int8_product(self, x, self.qweight, self.scales, bias)
+        return routed_product(self, x, self.qweight, self.scales, bias)
 
 
 class QuantLinear(_QuantProduct, Linear):
@@ -140,11 +177,15 @@ class QuantRowParallelLinear(_QuantProduct, RowParallelLinear):
 
 
 class QuantEmbedding(VocabParallelEmbedding):
-    """Rows of the int8 embeddings, scaled back into the model's dtype."""
+    """Rows of the quantized embeddings, dequantized into the model's dtype."""
 
     quantized = True
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight.dtype == torch.uint8:  # int4: the rows' packed bytes and group scales
+            flat = ids.reshape(-1)
+            rows = dequantized_int4(F.embedding(flat, self.qweight), self.scales[flat], self.dtype)
+            return rows.view(*ids.shape, rows.shape[-1])
         return (F.embedding(ids, self.qweight).to(self.scales.dtype) * self.scales[ids][..., None]).to(self.dtype)
 
     def forward(self, ids):
@@ -155,24 +196,41 @@ class QuantEmbedding(VocabParallelEmbedding):
         return self.parallel.all_reduce(self._lookup(local).masked_fill(outside[..., None], 0.0))
 
 
-class QuantTiedHead(TiedHead):
-    """The LM head over the embeddings' int8 rows (its ``weight`` argument is not read)."""
-
-    quantized = True
-    int8_mm = True
-    int8_kernel = None
-    int8_kernel_rows = INT8_KERNEL_ROWS
+class QuantTiedHead(_QuantProduct, TiedHead):
+    """The LM head over the embeddings' quantized rows (its ``weight`` argument is not read)."""
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return routed_int8_product(self, x, self.embeddings.qweight, self.embeddings.scales, None)
+        return routed_product(self, x, self.embeddings.qweight, self.embeddings.scales, None)
 
 
 _CLASSES = {Linear: QuantLinear, RowParallelLinear: QuantRowParallelLinear}
 
 
-def _swap(module: nn.Module, cls: type, split_rows: bool, parallel) -> None:
-    scales = row_scales(module.weight, parallel, split_rows)
-    module.register_buffer("qweight", quantize_rows(module.weight, scales), persistent=False)
+def _quantized_modules(model: StaticBloom) -> list[tuple[nn.Module, type]]:
+    """Every module whose weight is quantized, with the class it becomes."""
+    pairs = [(m, _CLASSES[type(m)]) for m in model.modules() if type(m) in _CLASSES]
+    return pairs + [(model.word_embeddings, QuantEmbedding)]
+
+
+def _check_groups(model: StaticBloom, group_size: int) -> None:
+    rows = {name: module.weight.shape[1] for name, module in model.named_modules()
+            if type(module) in _CLASSES or module is model.word_embeddings}
+    try:
+        check_group_size(group_size, rows)
+    except GroupSizeError as error:
+        world = model.parallel.world_size
+        raise QuantizeError(f"{error}{f' (each of {world} ranks holds a part of a row)' if world > 1 else ''}") \
+            from None
+
+
+def _swap(module: nn.Module, cls: type, split_rows: bool, parallel, group_size: int | None) -> None:
+    if group_size is None:
+        scales = row_scales(module.weight, parallel, split_rows)
+        qweight = quantize_rows(module.weight, scales)
+    else:  # a group lies within this rank's part of a row: its scale is the whole model's
+        scales = int4.group_scales(module.weight, group_size)
+        qweight = int4.quantize_groups(module.weight, scales)
+    module.register_buffer("qweight", qweight, persistent=False)
     module.register_buffer("scales", scales, persistent=False)
     module.dtype = module.weight.dtype
     # The float weight goes (a meta tensor keeps its shape and dtype for whoever asks).
@@ -180,50 +238,68 @@ def _swap(module: nn.Module, cls: type, split_rows: bool, parallel) -> None:
     module.__class__ = cls
 
 
-def prepare_int8(model: StaticBloom, dtype: torch.dtype) -> None:
-    """Give a model built on the meta device the int8 layout, for a quantized checkpoint's tensors
-    to be loaded into (``loading.py``): every quantized module gets empty ``qweight`` / ``scales``
-    buffers of its weight's (this rank's) shape."""
-    for module in list(model.modules()):
-        cls = _CLASSES.get(type(module))
-        if cls is None and module is model.word_embeddings:
-            cls = QuantEmbedding
-        if cls is None:
-            continue
+def _tie_head(model: StaticBloom) -> None:
+    model.head.__class__ = QuantTiedHead
+    model.head.embeddings = model.word_embeddings
+
+
+def prepare_quantized(model: StaticBloom, dtype: torch.dtype, group_size: int | None = None) -> None:
+    """Give a model built on the meta device the quantized layout (int8, or int4 with
+    ``group_size``), for a quantized checkpoint's tensors to be loaded into (``loading.py``): every
+    quantized module gets empty ``qweight`` / ``scales`` buffers of its weight's (this rank's) shape."""
+    if group_size is not None:
+        _check_groups(model, group_size)
+    for module, cls in _quantized_modules(model):
         rows, cols = module.weight.shape
-        module.register_buffer("qweight", torch.empty(rows, cols, dtype=torch.int8, device="meta"), persistent=False)
-        module.register_buffer("scales", torch.empty(rows, dtype=torch.float32, device="meta"), persistent=False)
+        if group_size is None:
+            q, scales = torch.empty(rows, cols, dtype=torch.int8), torch.empty(rows)
+        else:
+            q, scales = torch.empty(rows, cols // 2, dtype=torch.uint8), torch.empty(rows, cols // group_size)
+        module.register_buffer("qweight", q.to("meta"), persistent=False)
+        module.register_buffer("scales", scales.to("meta"), persistent=False)
         module.dtype = dtype
         module.__class__ = cls
-    model.head.__class__ = QuantTiedHead
-    model.head.embeddings = model.word_embeddings
+    _tie_head(model)
 
 
-def quantize_int8(model: StaticBloom) -> StaticBloom:
-    """Quantize ``model``'s weights to int8 in place (see the module doc); returns it."""
+def quantize(model: StaticBloom, mode: str = "int8", group_size: int | None = None) -> StaticBloom:
+    """Quantize ``model``'s weights in place (see the module doc): ``mode`` "int8", or "int4" with
+    ``group_size`` weights per scale (default ``int4.DEFAULT_GROUP_SIZE``); returns the model."""
+    if mode not in MODES:
+        raise QuantizeError(f"unknown quantization {mode!r}: choose {', '.join(MODES)}")
+    group_size = resolve_group_size(mode, group_size)
     if any(getattr(m, "quantized", False) for m in model.modules()):
         raise QuantizeError("the model is quantized already")
-    parallel = model.parallel
-    for module in list(model.modules()):
-        cls = _CLASSES.get(type(module))
-        if cls is not None:
-            _swap(module, cls, split_rows=isinstance(module, RowParallelLinear), parallel=parallel)
-    _swap(model.word_embeddings, QuantEmbedding, split_rows=False, parallel=parallel)
-    model.head.__class__ = QuantTiedHead
-    model.head.embeddings = model.word_embeddings
+    if group_size is not None:
+        _check_groups(model, group_size)
+    for module, cls in _quantized_modules(model):
+        _swap(module, cls, split_rows=isinstance(module, RowParallelLinear), parallel=model.parallel,
+              group_size=group_size)
+    _tie_head(model)
     return model
 
 
 def dequantize_in_products(model: nn.Module) -> None:
     """The runtime's choice for a card (HPU, CUDA): quantized products dequantize their weight with
-    public ops instead of calling the CPU's int8 kernel."""
+    public ops instead of calling the CPU's int8 op (int4 does so already)."""
     for module in model.modules():
         if getattr(module, "quantized", False) and hasattr(module, "int8_mm"):
             module.int8_mm = False
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the weights the model holds in memory (int8 weights and their scales as such)."""
+    """Bytes of the weights the model holds in memory (quantized weights and their scales as such)."""
     tensors = list(model.parameters()) + [b for name, b in model.named_buffers()
                                           if name.endswith((".qweight", ".scales"))]
     return sum(t.numel() * t.element_size() for t in tensors if t.device.type != "meta")
+
+
+def quantized_products(model: nn.Module) -> list[nn.Module]:
+    """The modules whose product multiplies by a quantized weight (the linears and the LM head)."""
+    return [m for m in model.modules() if isinstance(m, _QuantProduct)]
+
+
+def quantized_mode(model: StaticBloom) -> str | None:
+    """"int8" or "int4" where ``model``'s weights are quantized, else None."""
+    q = getattr(model.word_embeddings, "qweight", None)
+    return None if q is None else "int4" if q.dtype == torch.uint8 else "int8"

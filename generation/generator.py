@@ -18,7 +18,8 @@ from bloom_hpu.config import BloomConfig
 from bloom_hpu.loading import LoadReport, load_model
 from bloom_hpu.lora import read_adapter
 from bloom_hpu.lora_rows import ServedAdapters, stack
-from bloom_hpu.quantize import MODES as QUANTIZE_MODES, QuantizeError, quantize_int8
+from bloom_hpu.quantize import MODES as QUANTIZE_MODES, QuantizeError, resolve_group_size, stored_quantization
+from bloom_hpu.quantize import quantize as quantize_weights
 from bloom_hpu.tp import Parallel, SINGLE
 from bloom_hpu.runtime.steps import StepRunner
 
@@ -76,6 +77,7 @@ class Generator:
         lora: dict[str, str | Path] | None = None,
         limit_hpu_graphs: bool | None = None,
         quantize: str | None = None,
+        group_size: int | None = None,
     ) -> "Generator":
         """``cpu``: the CPU fast path (``CpuOptions``: which kernels, one-call steps, packing);
         by default the fastest this CPU can run. ``peft_weights``: a PEFT LoRA adapter folder,
@@ -84,15 +86,23 @@ class Generator:
         (``bloom_hpu/lora_rows.py``; ``self.lora`` then holds them, for the server's engine).
         ``limit_hpu_graphs``: on a Gaudi, run the prefill without a graph (Habana's
         ``--limit_hpu_graphs``; None: only under tensor parallelism). ``quantize``: "int8", the
-        weights kept as int8 with a scale per output row (``bloom_hpu/quantize.py``; activations
-        and the cache stay in ``dtype``)."""
+        weights kept as int8 with a scale per output row, or "int4", packed with a scale per
+        ``group_size`` weights of a row (default 64; ``bloom_hpu/quantize.py``; activations and the
+        cache stay in ``dtype``). A checkpoint saved quantized loads as it is stored."""
         if quantize is not None and quantize not in QUANTIZE_MODES:
             raise QuantizeError(f"unknown quantization {quantize!r}: choose {', '.join(QUANTIZE_MODES)}")
+        group_size = resolve_group_size(quantize, group_size)
         if weights is not None and not isinstance(weights, (str, Path)):
             raise TypeError(f"weights must be a folder path, got {type(weights).__name__}")
         torch_dtype = parse_dtype(dtype)
         folder = resolve_checkpoint(str(weights) if weights is not None else None, model)
         check_checkpoint(folder)  # a broken config.json is named before any tensor is read
+        stored = stored_quantization(BloomConfig.from_json(folder / "config.json"))
+        if quantize is not None and stored is not None and (quantize, group_size) != stored:
+            saved = stored[0] + (f" with groups of {stored[1]}" if stored[1] else "")
+            raise QuantizeError(f"the checkpoint is stored {saved}; it cannot be quantized again as {quantize}"
+                                f"{f' with groups of {group_size}' if group_size else ''} (leave out --quantize, "
+                                "or give the float checkpoint)")
         adapter, served = None, {}
         if peft_weights is not None or lora:  # checked against the config before the model is read
             config = BloomConfig.from_json(folder / "config.json")
@@ -103,8 +113,8 @@ class Generator:
         if parallel.world_size > 1 and backend.device.type != "cpu" and backend.device.index is None:
             backend.device = torch.device(backend.device.type, parallel.local_rank)
         bloom, report = load_model(folder, torch_dtype, backend.device, parallel, adapter)
-        if quantize == "int8" and bloom.config.quantization_config is None:
-            quantize_int8(bloom)  # before the runtime sees the model: the CPU fast path keeps int8 layers
+        if quantize is not None and stored is None:
+            quantize_weights(bloom, quantize, group_size)  # before the runtime sees the model: its fast path keeps them
         tokenizer = load_tokenizer(folder, bloom.config)
         generator = cls(bloom, tokenizer, StepRunner(bloom, backend), folder, report)
         generator.adapter = adapter

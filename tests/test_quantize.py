@@ -24,7 +24,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from bloom_hpu.loading import load_model
-from bloom_hpu.quantize import QuantizeError, dequantized, quantize_int8, weight_bytes
+from bloom_hpu.quantize import QuantizeError, dequantized, quantize, weight_bytes
 from generation.generator import Generator
 from utils.random_checkpoint import make_random_checkpoint
 
@@ -124,7 +124,7 @@ def test_weights_are_within_half_a_step_and_take_half_the_bytes(folder):
     originals = {name: m.weight.detach().float().clone() for name, m in model.named_modules()
                  if hasattr(m, "weight") and m.weight is not None and m.weight.dim() == 2}
     bf16 = weight_bytes(model)
-    quantize_int8(model)
+    quantize(model)
     for name, module in model.named_modules():
         if getattr(module, "qweight", None) is not None:
             error = (dequantized(module.qweight, module.scales) - originals[name]).abs()
@@ -132,7 +132,7 @@ def test_weights_are_within_half_a_step_and_take_half_the_bytes(folder):
     # Norms and biases stay in bf16; a tiny model's share of them is larger than bloom-560m's.
     assert weight_bytes(model) <= 0.6 * bf16
     with pytest.raises(QuantizeError, match="quantized already"):
-        quantize_int8(model)
+        quantize(model)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ...model import Attention, StaticBloom
-from ...quantize import INT8_KERNEL_MANY_ROWS, INT8_KERNEL_ROWS
+from ...quantize import INT8_KERNEL_MANY_ROWS, INT8_KERNEL_ROWS, quantized_mode, quantized_products
 from . import capability
 from .kernels import Kernels, KernelsUnavailable, load
 from .layers import (CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, OneCallPromptAttention, kernel_suits, swap, unswap)
@@ -85,13 +85,13 @@ class CpuPlan:
 class OneCallDecode:
     """The model's ``decode`` as one call of ``csrc/decode_step.cpp``: the same computation and
     roundings without ~120 Python-dispatched operations per step (for a small model, most of it).
-    With ``op_int8`` the step reads the model's int8 weights and their row scales
-    (``bloom_hpu/quantize.py``) through ``decode_step_int8``."""
+    With ``op_quantized`` the step reads the model's int8 or int4 weights and their scales
+    (``bloom_hpu/quantize.py``) through ``decode_step_quantized``."""
 
-    def __init__(self, model: StaticBloom, op: Callable, op_int8: Callable | None = None):
+    def __init__(self, model: StaticBloom, op: Callable, op_quantized: Callable | None = None):
         self.weights, scales = decode_weights(model)
-        self.scales = scales if op_int8 is not None else None
-        self.op = op if op_int8 is None else (lambda w, *rest: op_int8(w, self.scales, *rest))
+        self.scales = scales if op_quantized is not None else None
+        self.op = op if op_quantized is None else (lambda w, *rest: op_quantized(w, self.scales, *rest))
         self.eps = model.config.layer_norm_epsilon
         self.residual_from_ln = model.config.apply_residual_connection_post_layernorm
 
@@ -101,8 +101,8 @@ class OneCallDecode:
 
 
 def decode_weights(model: StaticBloom) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The weights in the order ``csrc/decode_step.cpp`` reads them, and beside each its int8 row
-    scales where it is quantized (an empty tensor elsewhere)."""
+    """The weights in the order ``csrc/decode_step.cpp`` reads them, and beside each its scales
+    where it is quantized (an empty tensor elsewhere)."""
     none = torch.empty(0)
     norm = lambda ln: [(ln.weight, none), (ln.bias, none)]  # noqa: E731
 
@@ -137,12 +137,40 @@ def choose_kernels(path: str, cap: capability.Capability) -> tuple[Kernels | Non
         return None, f"no kernels: {error}"
 
 
-def int8_kernel_rows(isa: str, dtype: torch.dtype, amx: bool) -> int:
-    """The most rows the int8 kernel serves (see ``quantize.py``): many with bf16 inputs on the
-    AVX-512 build and on the AVX2 build, 1-2 with fp32/fp16 inputs on the AVX-512 build."""
+def quantized_kernel_rows(isa: str, dtype: torch.dtype, amx: bool, int4: bool) -> int:
+    """The most rows the quantized kernel serves (see ``quantize.py``): int8, many with bf16 inputs on
+    the AVX-512 build and on the AVX2 build, 1-2 with fp32/fp16 inputs on the AVX-512 build; int4
+    (which has no int8 op to fall back on), as many as it beats the dequantized weight through oneDNN."""
+    if int4:
+        return INT4_KERNEL_ONEDNN_ROWS if isa == "avx512_bf16" and dtype == torch.bfloat16 else INT4_KERNEL_ANY_ROWS
     if isa == "avx512_bf16" and dtype == torch.bfloat16:
         return FEW_ROWS_AMX if amx else INT8_KERNEL_MANY_ROWS
     return INT8_KERNEL_MANY_ROWS if isa == "avx2" else INT8_KERNEL_ROWS
+
+
+# int4's kernel against the weight dequantized into scratch memory and multiplied by oneDNN (2 Zen 4
+# cores, bloom-560m's shapes): with bf16 on the AVX-512 build oneDNN's bf16 products win past 16
+# rows; elsewhere (fp32, fp16, the AVX2 build) the kernel stays faster at every size measured (128 rows).
+INT4_KERNEL_ONEDNN_ROWS = 16
+INT4_KERNEL_ANY_ROWS = 1 << 30
+
+
+class DequantizeScratch:
+    """int4 weights dequantized for a product of many rows go into one buffer, reused by every layer
+    in turn: a fresh [N, K] tensor per product would spend more time faulting in its pages than
+    dequantizing into them. Each product uses its weight before the next one is made."""
+
+    def __init__(self, dequantize: Callable):
+        self.dequantize = dequantize
+        self.buffer = torch.empty(0)
+
+    def __call__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows, cols = q.shape[0], 2 * q.shape[1]
+        if self.buffer.numel() < rows * cols or self.buffer.dtype != dtype:
+            self.buffer = torch.empty(rows * cols, dtype=dtype)
+        out = self.buffer[: rows * cols].view(rows, cols)
+        self.dequantize(q, scales, out)
+        return out
 
 
 def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_steps: bool = False) -> CpuPlan:
@@ -166,15 +194,20 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
             swap(model.head, CpuTiedHead, kernel=kernels.few_rows_linear,
                  few_rows_limit=few_rows * model.word_embeddings.weight.shape[1])
         used.append(f"few-rows products (up to {few_rows} rows)")
-        int8 = [m for m in model.modules() if getattr(m, "quantized", False) and hasattr(m, "int8_kernel")]
-        int8_rows = int8_kernel_rows(kernels.isa, dtype, cap.amx)
-        for module in int8:
+        quantized = quantized_products(model)
+        scratch = DequantizeScratch(kernels.int4_dequantize)
+        for module in quantized:
             q = module.embeddings.qweight if hasattr(module, "embeddings") else module.qweight
-            if q.shape[1] % 16 == 0:
-                module.int8_kernel = kernels.int8_rows_linear
-                module.int8_kernel_rows = int8_rows if q.shape[1] % 32 == 0 else INT8_KERNEL_ROWS
-        if int8:
-            used.append("int8 few-rows products")
+            if q.dtype == torch.uint8:  # int4: every row is whole groups of 32
+                module.kernel = kernels.int4_rows_linear
+                module.kernel_rows = quantized_kernel_rows(kernels.isa, dtype, cap.amx, int4=True)
+                module.int4_dequantize = None if compile_steps else scratch
+            elif q.shape[1] % 16 == 0:
+                module.kernel = kernels.int8_rows_linear
+                many = quantized_kernel_rows(kernels.isa, dtype, cap.amx, int4=False)
+                module.kernel_rows = many if q.shape[1] % 32 == 0 else INT8_KERNEL_ROWS
+        if quantized:
+            used.append(f"{quantized_mode(model)} few-rows products")
     onednn = options.path != "plain" and not compile_steps and dtype == torch.bfloat16
     if onednn and capability.onednn_fuses_gelu(dtype) and all(b.mlp.dense_h_to_4h in linears for b in model.h):
         for block in model.h:
@@ -187,17 +220,17 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         used.append("oneDNN packed weights")
     plan = CpuPlan("", kernels, decode_rows=few_rows)
     if kernels is not None and options.one_call_steps:
-        quantized = [m for m in model.modules() if getattr(m, "quantized", False)]
-        if quantized:  # every weight int8, each served by the int8 kernel: the int8 one-call step
-            all_kernel = all(m.int8_kernel is not None for m in quantized if hasattr(m, "int8_kernel"))
+        quantized = quantized_products(model)
+        if quantized:  # every weight quantized, each served by its kernel: the quantized one-call step
+            all_kernel = all(m.kernel is not None for m in quantized)
         else:
             all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
         if not compile_steps and model.parallel.world_size == 1 and all_kernel:
-            plan.decode = OneCallDecode(model, kernels.decode_step, kernels.decode_step_int8 if quantized else None)
-            if quantized:  # as many rows as the int8 kernel serves
-                plan.decode_rows = min([plan.decode_rows] + [m.int8_kernel_rows for m in quantized
-                                                             if hasattr(m, "int8_kernel_rows")])
-            used.append("one-call decode step" + (" (int8)" if quantized else ""))
+            plan.decode = OneCallDecode(model, kernels.decode_step,
+                                        kernels.decode_step_quantized if quantized else None)
+            if quantized:  # as many rows as the quantized kernel serves
+                plan.decode_rows = min([plan.decode_rows] + [m.kernel_rows for m in quantized])
+            used.append("one-call decode step" + (f" ({quantized_mode(model)})" if quantized else ""))
         for block in model.h:
             swap(block.self_attention, OneCallPromptAttention, op=kernels.prompt_attention)
             plan.prompt_attention.append(block.self_attention)

@@ -1,12 +1,15 @@
 """Our CPU kernels (``csrc/``), built once per instruction set and loaded as PyTorch operators.
 
-Three operators, the same sources compiled for each ISA into its own library and namespace
+The operators, the same sources compiled for each ISA into its own library and namespace
 (``torch.ops.bloom_avx512.*``, ``torch.ops.bloom_avx2.*``), so both can live in one process:
 
 * ``few_rows_linear(x [..., K], w [N, K], bias)``: products of a few rows with a large weight, at
   the speed at which the weight streams from memory (every decode product, the prefill's LM head);
 * ``decode_step(...)``: a whole decode step in one call (``csrc/decode_step.cpp``);
-* ``prompt_attention(...)``: a prefill's attention in one call (``csrc/prompt_attention.cpp``).
+* ``prompt_attention(...)``: a prefill's attention in one call (``csrc/prompt_attention.cpp``);
+* ``int8_rows_linear`` / ``int4_rows_linear``: products of a few rows with a quantized weight
+  (``bloom_hpu/quantize.py``), and ``int4_dequantize``, an int4 weight as floats for many rows;
+  ``decode_step_quantized``: the decode step over quantized weights.
 
 Each takes bf16, fp16 or fp32. A build is compiled on first use with ``torch.utils.cpp_extension``
 (g++ and ninja, 15-30 s, then cached by PyTorch), and checked by one probe call against
@@ -27,9 +30,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ...int4 import dequantized_int4
+
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("few_rows_linear.cpp", "decode_step.cpp", "prompt_attention.cpp",
-                                    "int8_rows_linear.cpp")]
+                                    "int8_rows_linear.cpp", "int4_rows_linear.cpp")]
 FLAGS = {
     "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-DBLOOM_ISA_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DBLOOM_ISA_AVX2"],
@@ -51,7 +56,9 @@ class Kernels:
     decode_step: Callable
     prompt_attention: Callable
     int8_rows_linear: Callable  # (x [..., K], q int8 [N, K], scales fp32 [N], bias): weight-only int8
-    decode_step_int8: Callable  # decode_step over int8 weights and their row scales
+    int4_rows_linear: Callable  # (x [..., K], q uint8 [N, K / 2], scales fp32 [N, K / G], bias): int4
+    int4_dequantize: Callable  # (q, scales, out [N, K]): the weight in out's dtype
+    decode_step_quantized: Callable  # decode_step over int8 or int4 weights and their scales
 
 
 _built: dict[str, Kernels | KernelsUnavailable] = {}
@@ -100,7 +107,7 @@ def _build_and_probe(isa: str) -> Kernels:
     ops = getattr(torch.ops, namespace)
     try:
         kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention, ops.int8_rows_linear,
-                          ops.decode_step_int8)
+                          ops.int4_rows_linear, ops.int4_dequantize, ops.decode_step_quantized)
     except AttributeError as error:  # a library built from other sources
         raise KernelsUnavailable(f"were built without their operators ({error})") from None
     _register_fake(namespace)
@@ -116,6 +123,10 @@ def _register_fake(namespace: str) -> None:
         return x.new_empty(*x.shape[:-1], w.shape[0])
 
     @torch.library.register_fake(f"{namespace}::int8_rows_linear")
+    def _(x, q, scales, bias):
+        return x.new_empty(*x.shape[:-1], q.shape[0])
+
+    @torch.library.register_fake(f"{namespace}::int4_rows_linear")
     def _(x, q, scales, bias):
         return x.new_empty(*x.shape[:-1], q.shape[0])
 
@@ -142,3 +153,14 @@ def _probe(kernels: Kernels) -> None:
             raise KernelsUnavailable(f"the int8 probe call failed ({str(error).splitlines()[0]})") from None
         if not torch.allclose(got, F.linear(x.float(), q.float() * scales[:, None]), rtol=2e-2, atol=0.1):
             raise KernelsUnavailable(f"the int8 probe call gave wrong {dtype} products")
+        packed = torch.randint(0, 256, (21, 32), generator=g, dtype=torch.uint8)
+        group_scales = torch.rand(21, 2, generator=g) / 8
+        try:
+            got = kernels.int4_rows_linear(x, packed, group_scales, None).float()
+            weight = torch.empty(21, 64)
+            kernels.int4_dequantize(packed, group_scales, weight)
+        except RuntimeError as error:
+            raise KernelsUnavailable(f"the int4 probe call failed ({str(error).splitlines()[0]})") from None
+        if not torch.equal(weight, dequantized_int4(packed, group_scales)) or \
+                not torch.allclose(got, F.linear(x.float(), weight), rtol=2e-2, atol=0.1):
+            raise KernelsUnavailable(f"the int4 probe call gave wrong {dtype} products")

@@ -25,6 +25,7 @@
 #include "attention.h"
 #include "dtypes.h"
 #include "few_rows.h"
+#include "int4_rows.h"
 #include "int8_rows.h"
 
 namespace {
@@ -106,18 +107,24 @@ void attend(const T* qkv, const int64_t* positions, T* keys, T* values, const T*
   });
 }
 
-// The products of one step: the weights' own dtype (few_rows.h), or, with `scales`, int8 weights
-// whose rows those scales multiply (int8_rows.h; weight-only int8).
+// The products of one step: the weights' own dtype (few_rows.h), or, with `scales`, quantized
+// weights: int8 whose rows those scales multiply (int8_rows.h), or packed int4 whose groups they
+// multiply (uint8 [N, K / 2], scales [N, K / G]; int4_rows.h).
 template <typename T>
 struct Products {
   const std::vector<at::Tensor>& weights;
   const std::vector<at::Tensor>* scales;  // nullptr: float weights
 
   void operator()(size_t i, const T* x, int64_t M, int64_t N, int64_t K, const T* bias, T* out) const {
-    if (scales == nullptr)
+    if (scales == nullptr) {
       linear_rows<T>(x, M, weights[i].data_ptr<T>(), N, K, bias, out);
-    else
+    } else if (weights[i].scalar_type() == at::kByte) {
+      const at::Tensor& s = (*scales)[i];
+      bloom_cpu::int4_linear<T>(x, M, weights[i].data_ptr<uint8_t>(), s.data_ptr<float>(), N, K, K / s.size(1), bias,
+                                out);
+    } else {
       bloom_cpu::int8_linear<T>(x, M, weights[i].data_ptr<int8_t>(), (*scales)[i].data_ptr<float>(), N, K, bias, out);
+    }
   }
 
   // Row `id` of the word embeddings into `out` [E].
@@ -125,6 +132,18 @@ struct Products {
     if (scales == nullptr) {
       const T* row = weights[0].data_ptr<T>() + id * E;
       std::copy(row, row + E, out);
+      return;
+    }
+    if (weights[0].scalar_type() == at::kByte) {  // int4: the row's blocks, as int4_dequantize reads them
+      const at::Tensor& s = (*scales)[0];
+      const int64_t groups = s.size(1), G = E / groups;
+      const uint8_t* row = weights[0].data_ptr<uint8_t>() + id * (E / 2);
+      const float* scale = s.data_ptr<float>() + id * groups;
+      for (int64_t e = 0; e < E; ++e) {
+        const uint8_t byte = row[e / 32 * 16 + e % 16];
+        const int v = e % 32 < 16 ? byte & 0x0F : byte >> 4;
+        out[e] = T(float(v - 8) * scale[e / G]);
+      }
       return;
     }
     const int8_t* row = weights[0].data_ptr<int8_t>() + id * E;
@@ -139,7 +158,7 @@ void decode(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor
             bool residual_from_ln, T* logits) {
   auto ptr = [&](size_t i) { return weights[i].data_ptr<T>(); };
   const Products<T> product{weights, scales};
-  const int64_t B = s.batch, V = weights[0].size(0), E = weights[0].size(1);
+  const int64_t B = s.batch, V = weights[0].size(0), E = weights[kGlobalWeights].size(0);  // a layer norm's width
   const int64_t layers = (int64_t(weights.size()) - kGlobalWeights) / kBlockWeights;
   const int64_t F = weights[kGlobalWeights + 8].size(0);  // the MLP's width (4 E)
   std::vector<T> h(B * E), x(B * E), attn(B * E), context(B * E), qkv(B * 3 * E), wide(B * F);
@@ -166,8 +185,8 @@ void decode(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor
   product(0, x.data(), B, V, E, nullptr, logits);
 }
 
-// The quantized entries of a decode step's weight list (int8 with scales): the embeddings and the
-// four linear weights of every block.
+// The quantized entries of a decode step's weight list (int8 or int4, with scales): the embeddings
+// and the four linear weights of every block.
 bool quantizable(size_t i) {
   if (i == 0) return true;
   if (i < size_t(kGlobalWeights)) return false;
@@ -185,18 +204,24 @@ at::Tensor run_decode(const std::vector<at::Tensor>& weights, const std::vector<
   TORCH_CHECK(tokens.scalar_type() == at::kLong && positions.scalar_type() == at::kLong, "decode_step: int64 ids");
   const auto dtype = weights[1].scalar_type();  // a layer norm's: the activations' dtype
   for (size_t i = 0; i < weights.size(); ++i) {
-    const bool int8 = scales != nullptr && quantizable(i);
-    TORCH_CHECK(weights[i].scalar_type() == (int8 ? at::kChar : dtype) && weights[i].is_contiguous(),
-                "decode_step: contiguous weights of one dtype (int8 where quantized)");
-    if (int8)
-      TORCH_CHECK((*scales)[i].scalar_type() == at::kFloat && (*scales)[i].numel() == weights[i].size(0) &&
-                      (*scales)[i].is_contiguous(),
-                  "decode_step: fp32 scales, one per row of each int8 weight");
+    const bool quantized = scales != nullptr && quantizable(i);
+    const at::Tensor& w = weights[i];
+    const bool int4 = quantized && w.scalar_type() == at::kByte;
+    TORCH_CHECK((quantized ? (int4 || w.scalar_type() == at::kChar) : w.scalar_type() == dtype) && w.is_contiguous(),
+                "decode_step: contiguous weights of one dtype (int8 or packed int4 where quantized)");
+    if (!quantized) continue;
+    const at::Tensor& s = (*scales)[i];
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.size(0) == w.size(0) &&
+                    (int4 ? s.dim() == 2 && (2 * w.size(1)) % s.size(1) == 0 &&
+                                (2 * w.size(1) / s.size(1)) % bloom_cpu::kInt4Block == 0
+                          : s.dim() == 1),
+                "decode_step: fp32 scales, one per row of each int8 weight, one per group of 32k weights of each int4 "
+                "weight");
   }
   TORCH_CHECK(keys.scalar_type() == dtype && values.scalar_type() == dtype && alibi.scalar_type() == dtype,
               "decode_step: cache and alibi in the weights' dtype");
   const Shapes s{keys.size(1), keys.size(2), keys.size(4), keys.size(3), window};
-  const int64_t E = weights[0].size(1), F = weights[kGlobalWeights + 8].size(0);
+  const int64_t E = weights[kGlobalWeights].size(0), F = weights[kGlobalWeights + 8].size(0);
   const int64_t step = scales != nullptr ? 16 : bloom_cpu::kStepBytes / int64_t(c10::elementSize(dtype));
   TORCH_CHECK(E % step == 0 && F % step == 0,
               "decode_step: the hidden size and the MLP's width must be multiples of 64 bytes (few_rows.h), "
@@ -225,12 +250,12 @@ at::Tensor decode_step(const std::vector<at::Tensor>& weights, const at::Tensor&
   return run_decode(weights, nullptr, tokens, positions, keys, values, alibi, window, eps, residual_from_ln);
 }
 
-// The same step over int8 weights: `scales[i]` holds the row scales of `weights[i]` where that is
-// int8 (the embeddings and the blocks' linear weights), and is ignored elsewhere.
-at::Tensor decode_step_int8(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
+// The same step over quantized weights: `scales[i]` holds the scales of `weights[i]` where that is
+// int8 or int4 (the embeddings and the blocks' linear weights), and is ignored elsewhere.
+at::Tensor decode_step_quantized(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
                             const at::Tensor& tokens, const at::Tensor& positions, at::Tensor keys, at::Tensor values,
                             const at::Tensor& alibi, int64_t window, double eps, bool residual_from_ln) {
-  TORCH_CHECK(scales.size() == weights.size(), "decode_step_int8: one scales entry per weight");
+  TORCH_CHECK(scales.size() == weights.size(), "decode_step_quantized: one scales entry per weight");
   return run_decode(weights, &scales, tokens, positions, keys, values, alibi, window, eps, residual_from_ln);
 }
 
@@ -239,11 +264,11 @@ at::Tensor decode_step_int8(const std::vector<at::Tensor>& weights, const std::v
 BLOOM_LIBRARY_FRAGMENT(BLOOM_OPS, m) {
   m.def("decode_step(Tensor[] weights, Tensor tokens, Tensor positions, Tensor(a!) keys, Tensor(b!) values, "
         "Tensor alibi, int window, float eps, bool residual_from_ln) -> Tensor");
-  m.def("decode_step_int8(Tensor[] weights, Tensor[] scales, Tensor tokens, Tensor positions, Tensor(a!) keys, "
+  m.def("decode_step_quantized(Tensor[] weights, Tensor[] scales, Tensor tokens, Tensor positions, Tensor(a!) keys, "
         "Tensor(b!) values, Tensor alibi, int window, float eps, bool residual_from_ln) -> Tensor");
 }
 
 BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {
   m.impl("decode_step", &decode_step);
-  m.impl("decode_step_int8", &decode_step_int8);
+  m.impl("decode_step_quantized", &decode_step_quantized);
 }
