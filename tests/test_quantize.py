@@ -1,11 +1,13 @@
-"""Weight-only int8 (bloom_hpu/quantize.py) against transformers running our dequantized weights.
+"""Weight-only int8 and int4 (bloom_hpu/quantize.py, bloom_hpu/int4.py) against transformers running
+our dequantized weights.
 
-The arithmetic contract: our int8 model gives the greedy and beam tokens, and the log-probs (to
-1e-4), of transformers' BloomForCausalLM whose weights were replaced once by ``q * scale`` (fp32),
-on a peaky random checkpoint; seeded samples equal those of our unquantized model on the same
-dequantized weights; two ranks give one process's tokens. Then the quantization itself: weights
-within half a step of the originals, about half the bytes of bf16, and the embedded default's
-held-out perplexity within 1% of fp32's.
+The arithmetic contract, for each mode: our quantized model gives the greedy and beam tokens, and
+the log-probs (to 1e-4), of transformers' BloomForCausalLM whose weights were replaced once by
+``q * scale`` (fp32), on a peaky random checkpoint; seeded samples equal those of our unquantized
+model on the same dequantized weights; two ranks give one process's tokens. Then the quantization
+itself: weights within half a step of the originals, about half (int8) or a quarter and a bit
+(int4) of the bytes of bf16, and the embedded default's held-out perplexity within 1% (int8) or
+5% (int4) of fp32's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from bloom_hpu.int4 import dequantized_int4
 from bloom_hpu.loading import load_model
 from bloom_hpu.quantize import QuantizeError, dequantized, quantize, weight_bytes
 from generation.generator import Generator
@@ -53,9 +56,30 @@ def folder(tmp_path_factory):
     return make_random_checkpoint(tmp_path_factory.mktemp("int8"), hidden_size=64, n_layer=3, n_head=4, seed=7)
 
 
+MODES = ["int8", "int4"]
+# int4's group size in these tests: the default 64 is a whole row of the test model's narrow layers;
+# 32 gives two groups there, and divides each of 2 ranks' halves of a row.
+GROUP = 32
+
+
+def quantize_args(mode: str) -> dict:
+    return dict(quantize=mode, group_size=GROUP if mode == "int4" else None)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def mode(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def int8(folder):
-    return Generator.from_pretrained(folder, quantize="int8")
+def quantized(folder, mode):
+    return Generator.from_pretrained(folder, **quantize_args(mode))
+
+
+def dequantized_weight(module) -> torch.Tensor:
+    if module.qweight.dtype == torch.uint8:
+        return dequantized_int4(module.qweight, module.scales)
+    return dequantized(module.qweight, module.scales)
 
 
 def dequantized_state(model) -> dict[str, torch.Tensor]:
@@ -63,19 +87,19 @@ def dequantized_state(model) -> dict[str, torch.Tensor]:
     state = {}
     for name, module in model.named_modules():
         if getattr(module, "qweight", None) is not None:
-            state[f"{name}.weight"] = dequantized(module.qweight, module.scales)
+            state[f"{name}.weight"] = dequantized_weight(module)
     return state
 
 
 @pytest.fixture(scope="module")
-def dequantized_folder(folder, int8, tmp_path_factory):
+def dequantized_folder(folder, quantized, tmp_path_factory):
     """The checkpoint with every quantized weight replaced by its dequantized value."""
     out = tmp_path_factory.mktemp("dequantized")
     for item in folder.iterdir():
         if item.name != "model.safetensors":
             (out / item.name).write_bytes(item.read_bytes())
     weights = load_file(folder / "model.safetensors")
-    replaced = dequantized_state(int8.model)
+    replaced = dequantized_state(quantized.model)
     assert set(replaced) <= set(weights) and "word_embeddings.weight" in replaced
     weights.update(replaced)
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
@@ -95,67 +119,72 @@ def hf_greedy(model, ids: list[int], new: int) -> tuple[list[int], list[float]]:
     return tokens, logprobs
 
 
-def test_greedy_tokens_and_logprobs_are_transformers_on_the_dequantized_weights(int8, reference):
+def test_greedy_tokens_and_logprobs_are_transformers_on_the_dequantized_weights(quantized, reference):
     for prompt in PROMPTS:
-        ids = int8.tokenizer.encode(prompt)
-        result = int8.generate(prompt, max_length=len(ids) + 12, ignore_eos=True, logprobs=True)[0]
+        ids = quantized.tokenizer.encode(prompt)
+        result = quantized.generate(prompt, max_length=len(ids) + 12, ignore_eos=True, logprobs=True)[0]
         tokens, logprobs = hf_greedy(reference, ids, 12)
         assert result.token_ids == tokens
         assert result.sequences[0].token_logprobs == pytest.approx(logprobs, abs=1e-4)
 
 
-def test_beams_are_transformers_on_the_dequantized_weights(int8, reference):
-    ids = int8.tokenizer.encode(PROMPTS[0])
-    ours = int8.generate(PROMPTS[0], max_length=len(ids) + 8, num_beams=3, num_return_sequences=2, ignore_eos=True)
+def test_beams_are_transformers_on_the_dequantized_weights(quantized, reference):
+    ids = quantized.tokenizer.encode(PROMPTS[0])
+    ours = quantized.generate(PROMPTS[0], max_length=len(ids) + 8, num_beams=3, num_return_sequences=2, ignore_eos=True)
     theirs = reference.generate(torch.tensor([ids]), max_new_tokens=8, num_beams=3, num_return_sequences=2,
                                 do_sample=False, pad_token_id=3)
     assert [s.token_ids for s in ours[0].sequences] == [row[len(ids):].tolist() for row in theirs]
 
 
-def test_seeded_samples_are_those_of_the_dequantized_weights(int8, dequantized_folder):
+def test_seeded_samples_are_those_of_the_dequantized_weights(quantized, dequantized_folder):
     plain = Generator.from_pretrained(dequantized_folder)
     options = dict(max_length=24, do_sample=True, seed=3, top_k=20, num_return_sequences=2)
-    assert [[s.token_ids for s in r.sequences] for r in int8.generate(PROMPTS, **options)] == \
+    assert [[s.token_ids for s in r.sequences] for r in quantized.generate(PROMPTS, **options)] == \
         [[s.token_ids for s in r.sequences] for r in plain.generate(PROMPTS, **options)]
 
 
-def test_weights_are_within_half_a_step_and_take_half_the_bytes(folder):
+@pytest.mark.parametrize("mode, share", [("int8", 0.6), ("int4", 0.4)])
+def test_weights_are_within_half_a_step_and_take_fewer_bytes(folder, mode, share):
     model, _ = load_model(folder, torch.bfloat16)
     originals = {name: m.weight.detach().float().clone() for name, m in model.named_modules()
                  if hasattr(m, "weight") and m.weight is not None and m.weight.dim() == 2}
     bf16 = weight_bytes(model)
-    quantize(model)
+    quantize(model, mode, GROUP if mode == "int4" else None)
     for name, module in model.named_modules():
         if getattr(module, "qweight", None) is not None:
-            error = (dequantized(module.qweight, module.scales) - originals[name]).abs()
-            assert (error <= module.scales[:, None] / 2 + 1e-6).all(), name
+            error = (dequantized_weight(module) - originals[name]).abs()
+            steps = module.scales[:, None] if mode == "int8" else module.scales.repeat_interleave(GROUP, dim=1)
+            assert (error <= steps / 2 + 1e-6).all(), name
     # Norms and biases stay in bf16; a tiny model's share of them is larger than bloom-560m's.
-    assert weight_bytes(model) <= 0.6 * bf16
+    assert weight_bytes(model) <= share * bf16
     with pytest.raises(QuantizeError, match="quantized already"):
         quantize(model)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_every_cpu_path_runs_a_quantized_model(folder, dtype):
-    """The CPU's own int8 kernel and one-call int8 decode step (auto), torch._weight_int8pack_mm op by
-    op (plain): in fp32 the same tokens; in bf16 each rounds its own way, so both only run."""
+def test_every_cpu_path_runs_a_quantized_model(folder, dtype, mode):
+    """The CPU's own kernels and one-call quantized decode step (auto), PyTorch's operations op by op
+    (plain: torch._weight_int8pack_mm, int4 dequantized in the product): in fp32 the same tokens; in
+    bf16 each rounds its own way, so both only run."""
     from bloom_hpu.runtime.cpu import CpuOptions
     from bloom_hpu.runtime.cpu.capability import detect
 
     results = {}
     for path in ("auto", "plain"):
-        generator = Generator.from_pretrained(folder, dtype=dtype, quantize="int8", cpu=CpuOptions(path=path))
+        generator = Generator.from_pretrained(folder, dtype=dtype, cpu=CpuOptions(path=path), **quantize_args(mode))
         if path == "auto" and detect().kernel_isa is not None:
-            assert "int8 few-rows products" in generator.backend.fast_path
-            assert "one-call decode step (int8)" in generator.backend.fast_path
+            assert f"{mode} few-rows products" in generator.backend.fast_path
+            assert f"one-call decode step ({mode})" in generator.backend.fast_path
         results[path] = [r.token_ids for r in generator.generate(PROMPTS, max_length=32)]
     if dtype == "fp32":
         assert results["auto"] == results["plain"]
 
 
-def test_held_out_perplexity_of_the_default_stays_within_one_percent(tiny_checkpoint):
-    """The embedded KJV model, int8 against fp32, on its held-out chapters (when the corpus can be
-    fetched), else on its own README's text."""
+@pytest.mark.parametrize("mode, group_size, within", [("int8", None, 0.01), ("int4", None, 0.05)])
+def test_held_out_perplexity_of_the_default_stays_close_to_fp32(tiny_checkpoint, mode, group_size, within):
+    """The embedded KJV model quantized (int4 at its default group size) against fp32, on its held-out
+    chapters (when the corpus can be fetched), else on its own README's text."""
     from utils import kjv_corpus
 
     try:
@@ -164,10 +193,10 @@ def test_held_out_perplexity_of_the_default_stays_within_one_percent(tiny_checkp
         texts = [(tiny_checkpoint / "README.md").read_text()]
     tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_checkpoint)
     fp32 = transformers.BloomForCausalLM.from_pretrained(tiny_checkpoint).eval()
-    quantized = transformers.BloomForCausalLM.from_pretrained(tiny_checkpoint).eval()
-    ours = Generator.from_pretrained(tiny_checkpoint, quantize="int8")
+    reference = transformers.BloomForCausalLM.from_pretrained(tiny_checkpoint).eval()
+    ours = Generator.from_pretrained(tiny_checkpoint, quantize=mode, group_size=group_size)
     state = {f"transformer.{k}": v for k, v in dequantized_state(ours.model).items()}
-    missing = quantized.load_state_dict(state, strict=False)
+    missing = reference.load_state_dict(state, strict=False)
     assert not missing.unexpected_keys
 
     def perplexity(model):
@@ -179,9 +208,9 @@ def test_held_out_perplexity_of_the_default_stays_within_one_percent(tiny_checkp
             count += ids.shape[1] - 1
         return math.exp(total / count)
 
-    base, int8 = perplexity(fp32), perplexity(quantized)
-    print(f"held-out perplexity: fp32 {base:.3f}, int8 {int8:.3f} ({int8 / base - 1:+.2%})")
-    assert abs(int8 / base - 1) <= 0.01
+    base, got = perplexity(fp32), perplexity(reference)
+    print(f"held-out perplexity: fp32 {base:.3f}, {mode} {got:.3f} ({got / base - 1:+.2%})")
+    assert abs(got / base - 1) <= within
 
 
 def test_bad_quantization_flags_are_one_line(folder, capsys):
@@ -189,52 +218,78 @@ def test_bad_quantization_flags_are_one_line(folder, capsys):
 
     assert bloom.main(["--weights", str(folder), "--quantize", "int8", "--mode", "vanilla", "Hi"]) == 1
     assert "--quantize" in capsys.readouterr().err
+    assert bloom.main(["--weights", str(folder), "--quantize", "int8", "--group_size", "32", "Hi"]) == 1
+    assert "--group_size goes with --quantize int4" in capsys.readouterr().err
+    for group, says in (("48", "not one of 32, 64, 128, 256"), ("128", "does not divide the rows")):
+        assert bloom.main(["--weights", str(folder), "--quantize", "int4", "--group_size", group, "Hi"]) == 1
+        err = capsys.readouterr().err
+        assert says in err and err.count("\n") <= 2 and "Traceback" not in err, err
     with pytest.raises(QuantizeError, match="unknown quantization"):
         Generator.from_pretrained(folder, quantize="int3")
 
 
-def test_two_ranks_with_int8_give_one_process_tokens(folder, tmp_path):
-    """Row-parallel layers take the whole row's scale (an all-reduce of the row maxima): the same
-    int8 weights on 2 ranks as in one process."""
-    got = two_rank_tokens(tmp_path, "--weights", str(folder), "--quantize", "int8")
-    one = Generator.from_pretrained(folder, quantize="int8")
+@pytest.mark.parametrize("mode", MODES)
+def test_two_ranks_quantized_give_one_process_tokens(folder, tmp_path, mode):
+    """int8: row-parallel layers take the whole row's scale (an all-reduce of the row maxima); int4:
+    groups lie within a rank's half of a row. Either way the same weights on 2 ranks as in one process."""
+    flags = ["--quantize", mode] + (["--group_size", str(GROUP)] if mode == "int4" else [])
+    got = two_rank_tokens(tmp_path, "--weights", str(folder), *flags)
+    one = Generator.from_pretrained(folder, **quantize_args(mode))
     want = [r.token_ids for r in one.generate(PROMPTS[1:], max_length=20)]
     assert got == want
 
 
-# --- a checkpoint saved int8 (utils/quantize_checkpoint.py) ------------------------------------------
+def test_an_int4_group_that_crosses_a_rank_boundary_is_one_line(folder, tmp_path):
+    """The test model's dense layer has rows of 64: 2 ranks hold 32 each, which groups of 64 would cross."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
+               str(ROOT / "bloom.py"), "--weights", str(folder), "--quantize", "int4", "--group_size", "64", "Hi"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode != 0
+    assert "does not divide the rows" in done.stderr and "each of 2 ranks holds a part of a row" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# --- a checkpoint saved quantized (utils/quantize_checkpoint.py) -------------------------------------
 
 
 @pytest.fixture(scope="module")
-def int8_folder(folder, tmp_path_factory):
-    out = tmp_path_factory.mktemp("saved") / "int8"
+def saved_folder(folder, mode, tmp_path_factory):
+    out = tmp_path_factory.mktemp("saved") / mode
+    flags = ["--quantize", mode] + (["--group_size", str(GROUP)] if mode == "int4" else [])
     done = subprocess.run([sys.executable, str(ROOT / "utils" / "quantize_checkpoint.py"), "--weights", str(folder),
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--out", str(out), *flags], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return out
 
 
-def test_a_saved_int8_checkpoint_loads_as_int8_and_gives_the_same_tokens(int8, int8_folder, folder):
-    config = json.loads((int8_folder / "config.json").read_text())
+def test_a_saved_checkpoint_loads_quantized_and_gives_the_same_tokens(quantized, saved_folder, mode):
+    config = json.loads((saved_folder / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "bloom_hpu"
-    index = json.loads((int8_folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert config["quantization_config"]["bits"] == (8 if mode == "int8" else 4)
+    index = json.loads((saved_folder / "model.safetensors.index.json").read_text())["weight_map"]
     assert "h.0.mlp.dense_h_to_4h.qweight" in index and "h.0.mlp.dense_h_to_4h.weight" not in index
-    loaded = Generator.from_pretrained(int8_folder)  # int8 without being asked: the checkpoint is
-    assert weight_bytes(loaded.model) == weight_bytes(int8.model)
+    loaded = Generator.from_pretrained(saved_folder)  # quantized without being asked: the checkpoint is
+    assert weight_bytes(loaded.model) == weight_bytes(quantized.model)
     options = dict(max_length=24, ignore_eos=True)
-    assert [r.token_ids for r in loaded.generate(PROMPTS, **options)] == \
-        [r.token_ids for r in int8.generate(PROMPTS, **options)]
-    again = Generator.from_pretrained(int8_folder, quantize="int8")  # asking for what it is: the same
-    assert [r.token_ids for r in again.generate(PROMPTS, **options)] == \
-        [r.token_ids for r in int8.generate(PROMPTS, **options)]
+    want = [r.token_ids for r in quantized.generate(PROMPTS, **options)]
+    assert [r.token_ids for r in loaded.generate(PROMPTS, **options)] == want
+    again = Generator.from_pretrained(saved_folder, **quantize_args(mode))  # asking for what it is: the same
+    assert [r.token_ids for r in again.generate(PROMPTS, **options)] == want
+    other = "int4" if mode == "int8" else "int8"
+    with pytest.raises(QuantizeError, match=f"stored {mode}"):
+        Generator.from_pretrained(saved_folder, **quantize_args(other))
 
 
-def test_two_ranks_read_their_slices_of_a_saved_int8_checkpoint(int8_folder, int8, tmp_path):
-    want = [r.token_ids for r in int8.generate(PROMPTS[1:], max_length=20)]
-    assert two_rank_tokens(tmp_path, "--weights", str(int8_folder)) == want
+def test_two_ranks_read_their_slices_of_a_saved_checkpoint(saved_folder, quantized, tmp_path):
+    want = [r.token_ids for r in quantized.generate(PROMPTS[1:], max_length=20)]
+    assert two_rank_tokens(tmp_path, "--weights", str(saved_folder)) == want
 
 
-def test_checkpoints_quantized_otherwise_or_twice_are_one_line(folder, int8_folder, tmp_path):
+def test_checkpoints_quantized_otherwise_or_twice_are_one_line(folder, saved_folder, tmp_path):
     other = tmp_path / "bnb"
     other.mkdir()
     for item in folder.iterdir():
@@ -246,11 +301,11 @@ def test_checkpoints_quantized_otherwise_or_twice_are_one_line(folder, int8_fold
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "quantized as 'bitsandbytes'" in done.stderr and "Traceback" not in done.stderr
     again = subprocess.run([sys.executable, str(ROOT / "utils" / "quantize_checkpoint.py"), "--weights",
-                            str(int8_folder), "--out", str(tmp_path / "twice")], capture_output=True, text=True)
+                            str(saved_folder), "--out", str(tmp_path / "twice")], capture_output=True, text=True)
     assert again.returncode == 1 and "quantized already" in again.stderr
 
 
-# --- the CPU's int8 kernel, on every build this CPU runs ---------------------------------------------
+# --- the CPU's quantized kernels, on every build this CPU runs ---------------------------------------
 
 from isas import KERNEL_ISAS  # noqa: E402
 
@@ -275,14 +330,46 @@ def test_the_int8_kernel_is_the_dequantized_product(isa, dtype):
 
 
 @pytest.mark.parametrize("isa", KERNEL_ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_int4_kernel_is_the_dequantized_product(isa, dtype):
+    """int4_rows_linear against F.linear over the weight dequantized by public ops, for group sizes
+    of one block to a whole row, 1 to 64 rows; and int4_dequantize, bit for bit."""
+    from bloom_hpu.int4 import group_scales, quantize_groups
+    from bloom_hpu.runtime.cpu.kernels import load
+
+    kernels = load(isa)
+    g = torch.Generator().manual_seed(2)
+    for m, n, k, group in ((1, 1030, 1024, 64), (3, 7, 64, 32), (5, 64, 4096, 128), (12, 33, 96, 32),
+                           (64, 20, 256, 256), (9, 24, 512, 64)):
+        packed_scales = group_scales(torch.randn(n, k, generator=g), group)
+        packed = quantize_groups(torch.randn(n, k, generator=g) * packed_scales.repeat_interleave(group, 1) * 7,
+                                 packed_scales)
+        x = torch.randn(m, k, generator=g).to(dtype)
+        bias = torch.randn(n, generator=g).to(dtype)
+        weight = dequantized_int4(packed, packed_scales)
+        want = torch.nn.functional.linear(x.float(), weight, bias.float())
+        got = kernels.int4_rows_linear(x, packed, packed_scales, bias)
+        assert got.dtype == dtype and got.shape == (m, n)
+        # fp32: sums in another order (and nibble values offset by 8 and corrected per group), so
+        # differences of a few fp32 steps of the largest output
+        scale = want.abs().max().item()
+        tolerance = dict(rtol=1e-5, atol=4e-6 * scale) if dtype == torch.float32 else dict(rtol=1e-2, atol=5e-3 * scale)
+        torch.testing.assert_close(got.float(), want, **tolerance)
+        out = torch.empty(n, k, dtype=dtype)
+        kernels.int4_dequantize(packed, packed_scales, out)
+        assert torch.equal(out, dequantized_int4(packed, packed_scales, dtype))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
 @pytest.mark.parametrize("dtype, rows", [("fp32", 2), ("bf16", 8)])
-def test_the_one_call_int8_step_is_the_int8_model_op_by_op(folder, isa, dtype, rows):
-    """decode_step_int8 against the same int8 model's decode op by op: in fp32 (2 rows) the same
-    logits; in bf16, 8 rows in one call (the products take the kernel's many-row path, which the
-    test above checks against F.linear) the same within bf16's rounding of the two orders of ops."""
+def test_the_one_call_quantized_step_is_the_quantized_model_op_by_op(folder, isa, dtype, rows, mode):
+    """decode_step_quantized against the same quantized model's decode op by op: in fp32 (2 rows) the
+    same logits; in bf16, 8 rows in one call (the products take the kernels' many-row paths, which
+    the tests above check against F.linear) the same within bf16's rounding of the two orders of ops."""
     from bloom_hpu.runtime.cpu import CpuOptions
 
-    generator = Generator.from_pretrained(folder, dtype=dtype, quantize="int8", cpu=CpuOptions(path=isa))
+    generator = Generator.from_pretrained(folder, dtype=dtype, cpu=CpuOptions(path=isa), **quantize_args(mode))
     plan = generator.backend.cpu_plan
     assert plan.decode is not None and plan.decode.scales is not None and plan.decode_rows >= rows
     model = generator.model
