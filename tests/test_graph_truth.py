@@ -95,15 +95,21 @@ def test_generate_equals_the_eager_run_and_a_second_run_compiles_nothing(graph_s
         assert len(generator.backend.signatures) == graph_stand_in.captures
 
 
-def test_int8_weights_on_the_card_equal_the_cpus(graph_stand_in, checkpoint):
-    """Quantized products dequantize on the card (public ops, captured in the graphs) and call the
-    int8 kernel on the CPU: the same tokens."""
-    card = on_card(graph_stand_in, checkpoint, quantize="int8")
-    cpu = Generator.from_pretrained(checkpoint, device="cpu", quantize="int8")
+@pytest.mark.parametrize("quantize", [dict(quantize="int8"), dict(quantize="int4", group_size=32)], ids=["int8", "int4"])
+def test_quantized_weights_on_the_card_equal_the_cpus(graph_stand_in, checkpoint, quantize):
+    """Quantized products dequantize on the card (public ops, captured in the graphs: int4's nibbles
+    unpacked by shifts and masks) and call the CPU's kernels on the CPU: the same tokens, and once
+    warm, a run captures and compiles nothing."""
+    card = on_card(graph_stand_in, checkpoint, **quantize)
+    cpu = Generator.from_pretrained(checkpoint, device="cpu", **quantize)
     options = dict(max_length=24, bucket_width=8, ignore_eos=False, **SEARCHES["sampling"])
     with graph_stand_in.off_card():
         want = sequences(cpu.generate(PROMPTS, **options))
+    assert sequences(card.generate(PROMPTS, **options)) == want  # (its first lazy graph also loads the weights)
     assert sequences(card.generate(PROMPTS, **options)) == want
+    counts = Counts(graph_stand_in)
+    assert sequences(card.generate(PROMPTS, **options)) == want
+    assert counts.unchanged()
 
 
 def test_more_tokens_add_no_lazy_graph(graph_stand_in, checkpoint, eager):

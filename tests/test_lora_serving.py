@@ -188,3 +188,25 @@ def test_per_row_steps_equal_each_adapter_merged(folders, dtype, cpu_path):
                 assert (g[k] - w[k]).abs().max() < 1.0 and g[k].argmax() == w[k].argmax()
     for k in range(len(names)):
         rows.set(k, 0)
+
+
+def test_adapters_served_on_int4_weights_are_peft_on_the_dequantized_weights(folders, tmp_path):
+    """An int4 base model serving LoRA rows: the base keeps its int4 products, each row's adapter term
+    stays in the model's dtype, so a row's tokens are PEFT's on the dequantized base weights."""
+    from dequantized import write_dequantized
+    from lora_adapters import peft_reference
+
+    base, adapters = folders
+    generator = Generator.from_pretrained(base, device="cpu", lora=adapters, quantize="int4", group_size=32)
+    dequantized = write_dequantized(base, generator.model, tmp_path / "dequantized")
+    engine = Engine(generator, EngineConfig(max_batch=4, max_length=MAX_LENGTH, bucket_width=WIDTH))
+    with app_in_thread(engine, make_app(engine, "base")) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        for name in ("all", "mlp"):
+            reference = peft_reference(dequantized, adapters[name])
+            for prompt in PROMPTS[:2]:
+                ids = generator.tokenizer.encode(prompt)
+                want = reference.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=3)
+                answer = client.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0)
+                text = generator.tokenizer.decode(want[0, len(ids):].tolist(), skip_special_tokens=True)
+                assert answer.choices[0].text == text, (name, prompt)

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 from bloom_hpu.int4 import dequantized_int4
 from bloom_hpu.loading import load_model
-from bloom_hpu.quantize import QuantizeError, dequantized, quantize, weight_bytes
+from bloom_hpu.quantize import QuantizeError, quantize, weight_bytes
+from dequantized import dequantized_state, dequantized_weight, write_dequantized
 from generation.generator import Generator
 from utils.random_checkpoint import make_random_checkpoint
 
@@ -76,34 +76,10 @@ def quantized(folder, mode):
     return Generator.from_pretrained(folder, **quantize_args(mode))
 
 
-def dequantized_weight(module) -> torch.Tensor:
-    if module.qweight.dtype == torch.uint8:
-        return dequantized_int4(module.qweight, module.scales)
-    return dequantized(module.qweight, module.scales)
-
-
-def dequantized_state(model) -> dict[str, torch.Tensor]:
-    """Our quantized model's weights as transformers names them, each ``q * scale`` in fp32."""
-    state = {}
-    for name, module in model.named_modules():
-        if getattr(module, "qweight", None) is not None:
-            state[f"{name}.weight"] = dequantized_weight(module)
-    return state
-
-
 @pytest.fixture(scope="module")
 def dequantized_folder(folder, quantized, tmp_path_factory):
     """The checkpoint with every quantized weight replaced by its dequantized value."""
-    out = tmp_path_factory.mktemp("dequantized")
-    for item in folder.iterdir():
-        if item.name != "model.safetensors":
-            (out / item.name).write_bytes(item.read_bytes())
-    weights = load_file(folder / "model.safetensors")
-    replaced = dequantized_state(quantized.model)
-    assert set(replaced) <= set(weights) and "word_embeddings.weight" in replaced
-    weights.update(replaced)
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    return write_dequantized(folder, quantized.model, tmp_path_factory.mktemp("dequantized"))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,39 @@
+"""A quantized model's weights written back as a float checkpoint: what transformers (and PEFT) run as
+the reference for our quantized arithmetic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from bloom_hpu.int4 import dequantized_int4
+from bloom_hpu.quantize import dequantized
+
+
+def dequantized_weight(module) -> torch.Tensor:
+    """``q * scale`` in fp32 of a quantized module (int8 rows, or int4 groups)."""
+    if module.qweight.dtype == torch.uint8:
+        return dequantized_int4(module.qweight, module.scales)
+    return dequantized(module.qweight, module.scales)
+
+
+def dequantized_state(model) -> dict[str, torch.Tensor]:
+    """Our quantized model's weights as the checkpoint names them, each ``q * scale`` in fp32."""
+    return {f"{name}.weight": dequantized_weight(module) for name, module in model.named_modules()
+            if getattr(module, "qweight", None) is not None}
+
+
+def write_dequantized(folder: Path, model, out: Path) -> Path:
+    """``folder``'s checkpoint with every quantized weight replaced by ``model``'s dequantized one."""
+    out.mkdir(parents=True, exist_ok=True)
+    for item in folder.iterdir():
+        if item.name != "model.safetensors":
+            (out / item.name).write_bytes(item.read_bytes())
+    weights = load_file(folder / "model.safetensors")
+    replaced = dequantized_state(model)
+    assert set(replaced) <= set(weights) and "word_embeddings.weight" in replaced
+    weights.update(replaced)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
