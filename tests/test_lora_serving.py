@@ -208,5 +208,7 @@ def test_adapters_served_on_int4_weights_are_peft_on_the_dequantized_weights(fol
                 ids = generator.tokenizer.encode(prompt)
                 want = reference.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, pad_token_id=3)
                 answer = client.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0)
-                text = generator.tokenizer.decode(want[0, len(ids):].tolist(), skip_special_tokens=True)
+                tokens = want[0, len(ids):].tolist()
+                eos = generator.tokenizer.eos_token_id
+                text = generator.tokenizer.decode(tokens[:tokens.index(eos)] if eos in tokens else tokens)
                 assert answer.choices[0].text == text, (name, prompt)
