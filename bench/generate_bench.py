@@ -7,6 +7,8 @@ length, new tokens, beams...) and prints one table:
 * ``ours``          the recipe: static shapes (or buckets with --bucket_width), graphs on
 * ``ours+int8``     the same with int8 weights (``--quantize int8``; its ``x floor`` is against its own
                     bytes)
+* ``ours+int4``     the same with int4 weights (``--quantize int4 --group_size`` this run's
+                    ``--group_size``; its ``x floor`` against its own bytes)
 * ``ours+compile``  the same with the decode step through ``torch.compile`` (--compile)
 * ``op by op``      CPU: the decode step and the prompt attention run op by op from Python, not
                     as one C++ call each
@@ -75,7 +77,7 @@ SHAPES = {"bloom-560m": (250880, 1024, 24, 16), "bloom-1b1": (250880, 1536, 24, 
           # The issue's GPU target (one H100, bf16, batch 1). Drawing it takes ~60 GB of host memory
           # once (fp32 draws, then the bf16 copy written); 14 GB on disk.
           "bloom-7b1": (250880, 4096, 30, 32)}
-VARIANTS = ("ours", "ours+int8", "ours+compile", "op by op", "static off", "graphs off", "transformers")
+VARIANTS = ("ours", "ours+int8", "ours+int4", "ours+compile", "op by op", "static off", "graphs off", "transformers")
 
 
 @dataclass
@@ -202,12 +204,15 @@ class Variant:
     name: str
     generate: Callable[[int], object]  # generate(max_new_tokens): one request
     describe: Callable[[Row], None] = lambda row: None  # fill what only the variant knows, free it
-    model: object = None  # its own model, when its weights differ from the base's (int8): its own floor
+    model: object = None  # its own model, when its weights differ from the base's (quantized): its own floor
 
 
 def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
-    if variant == "ours+int8":
-        gen = Generator.from_pretrained(base.folder, dtype=args.dtype, device=args.device, quantize="int8",
+    quantized = variant in ("ours+int8", "ours+int4")
+    if quantized:
+        mode = variant.removeprefix("ours+")
+        gen = Generator.from_pretrained(base.folder, dtype=args.dtype, device=args.device, quantize=mode,
+                                        group_size=args.group_size if mode == "int4" else None,
                                         cpu=CpuOptions(path=args.cpu_path))
         backend = gen.backend
     elif variant == "ours+compile":
@@ -235,7 +240,7 @@ def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
         with gen.backend.cpu_plan.op_by_op():  # the shared model without its one-call CPU steps
             return gen.generate(prompts, opts.updated(max_new_tokens=n))
 
-    return Variant(variant, generate, describe, gen.model if variant == "ours+int8" else None)
+    return Variant(variant, generate, describe, gen.model if quantized else None)
 
 
 def transformers_variant(folder: Path, args, prompts, device) -> Variant:
@@ -288,7 +293,7 @@ def measure(variants: list[Variant], args, device) -> tuple[list[Row], list[floa
 
 def decode_bytes(model, args, plan) -> int:
     """Bytes one decode step reads: every weight once, plus keys and values inside the window."""
-    weights = weight_bytes(model)  # int8 weights and their scales as such
+    weights = weight_bytes(model)  # quantized weights and their scales as such
     cfg = model.config
     element = model.ln_f.weight.element_size()
     windows = [plan.window(s) for s in range(max(args.new_tokens - 1, 1))]
@@ -341,6 +346,7 @@ def parse_args(argv=None):
     p.add_argument("--max_length", type=int, default=128, help="static shape: prompt + new tokens")
     p.add_argument("--bucket_width", type=int, default=0, help="pad and size in multiples of this (0: off)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--group_size", type=int, default=64, help="ours+int4: weights per scale")
     p.add_argument("--device", default="cpu")
     p.add_argument("--cpu_path", default="auto", choices=PATHS,
                    help="cpu: the fast path of our variants (auto: the fastest this CPU runs; avx2 on an "
@@ -388,7 +394,7 @@ def run(args) -> dict:
     for r, v in zip(rows, variants):
         if r.decode_ms_per_token is not None:
             own = decode_bytes(v.model, args, plan) / bandwidth if v.model is not None else floor_s
-            r.x_floor = r.decode_ms_per_token / (own * 1e3)  # against its own bytes (int8: fewer)
+            r.x_floor = r.decode_ms_per_token / (own * 1e3)  # against its own bytes (quantized: fewer)
 
     hf = next((r for r in rows if r.variant == "transformers" and r.ttft_ms), None)
     for r in rows:

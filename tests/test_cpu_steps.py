@@ -155,6 +155,12 @@ def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, monkeypatch
                               (torch.bfloat16, "avx2", 8 if amx else 16), (torch.float32, "avx2", 16)):
         int8 = quantize(random_model(dtype, hidden_size=64, n_layer=2, n_head=4))
         assert accelerate(int8, CpuOptions(path=path)).decode_rows == rows, (dtype, path)
+    # int4: its kernel serves at least the rows of the one-call step on every build and dtype.
+    for dtype, path in ((torch.bfloat16, "avx512_bf16"), (torch.float32, "avx512_bf16"), (torch.bfloat16, "avx2")):
+        int4 = quantize(random_model(dtype, hidden_size=64, n_layer=2, n_head=4), "int4", 32)
+        plan_int4 = accelerate(int4, CpuOptions(path=path))
+        assert plan_int4.decode_rows == (8 if amx and dtype == torch.bfloat16 else 16), (dtype, path)
+        assert "one-call decode step (int4)" in plan_int4.description
     calls = []
     one_call = plan.decode
     plan.decode = lambda *args: calls.append(args[0].shape[0]) or one_call(*args)

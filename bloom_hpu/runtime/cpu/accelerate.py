@@ -142,16 +142,20 @@ def quantized_kernel_rows(isa: str, dtype: torch.dtype, amx: bool, int4: bool) -
     the AVX-512 build and on the AVX2 build, 1-2 with fp32/fp16 inputs on the AVX-512 build; int4
     (which has no int8 op to fall back on), as many as it beats the dequantized weight through oneDNN."""
     if int4:
-        return INT4_KERNEL_ONEDNN_ROWS if isa == "avx512_bf16" and dtype == torch.bfloat16 else INT4_KERNEL_ANY_ROWS
+        if isa != "avx512_bf16":
+            return INT4_KERNEL_ANY_ROWS
+        return INT4_KERNEL_BF16_ROWS if dtype == torch.bfloat16 else INT4_KERNEL_FLOAT_ROWS
     if isa == "avx512_bf16" and dtype == torch.bfloat16:
         return FEW_ROWS_AMX if amx else INT8_KERNEL_MANY_ROWS
     return INT8_KERNEL_MANY_ROWS if isa == "avx2" else INT8_KERNEL_ROWS
 
 
 # int4's kernel against the weight dequantized into scratch memory and multiplied by oneDNN (2 Zen 4
-# cores, bloom-560m's shapes): with bf16 on the AVX-512 build oneDNN's bf16 products win past 16
-# rows; elsewhere (fp32, fp16, the AVX2 build) the kernel stays faster at every size measured (128 rows).
-INT4_KERNEL_ONEDNN_ROWS = 16
+# cores, bloom-560m's shapes): on the AVX-512 build oneDNN's products win past 16 rows in bf16 and
+# past 32 in fp32; on the AVX2 build (no bf16 products of its own for oneDNN) the kernel is faster
+# or level at every size measured (128 rows).
+INT4_KERNEL_BF16_ROWS = 16
+INT4_KERNEL_FLOAT_ROWS = 32
 INT4_KERNEL_ANY_ROWS = 1 << 30
 
 
