@@ -34,7 +34,7 @@ from ...int4 import dequantized_int4
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("few_rows_linear.cpp", "decode_step.cpp", "prompt_attention.cpp",
-                                    "int8_rows_linear.cpp", "int4_rows_linear.cpp")]
+                                    "quantized_linear.cpp")]
 FLAGS = {
     "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-DBLOOM_ISA_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DBLOOM_ISA_AVX2"],

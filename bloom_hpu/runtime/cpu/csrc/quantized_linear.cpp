@@ -1,0 +1,98 @@
+// The operators over quantized weights (torch.ops.<BLOOM_OPS>.*): int8_rows_linear and int4_rows_linear,
+// products of a few rows with an int8 or a packed int4 weight, and int4_dequantize, an int4 weight as
+// floats for products of many rows. The kernels, and why they are fast, are in int8_rows.h and
+// int4_rows.h (the int4 layout too).
+
+#include <torch/library.h>
+
+#include "dtypes.h"
+#include "int4_rows.h"
+#include "int8_rows.h"
+
+namespace {
+
+// The output [..., N] of a product of x [..., K] (bf16, fp16, fp32) with an N-row weight, its bias
+// checked: then body(T{}, x, M, bias or nullptr, out) for x's element type T.
+template <typename Body>
+at::Tensor rows_product(const char* op, const at::Tensor& input, int64_t N, int64_t K,
+                        const std::optional<at::Tensor>& bias, Body body) {
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == K, op, ": x [..., K] for a weight of K columns");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->scalar_type() == input.scalar_type() && bias->numel() == N && bias->is_contiguous(), op,
+                ": bias [N] of x's dtype");
+  }
+  const at::Tensor x = input.contiguous();
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() = N;
+  auto out = at::empty(sizes, input.options());
+  bloom_cpu::with_element_type(input.scalar_type(), op, [&](auto zero) {
+    using T = decltype(zero);
+    body(zero, x.data_ptr<T>(), x.numel() / K, has_bias ? bias->data_ptr<T>() : nullptr, out.data_ptr<T>());
+  });
+  return out;
+}
+
+// x [..., K] @ (q [N, K] int8 * scales [N])^T -> [..., N] in x's dtype.
+at::Tensor int8_rows_linear(const at::Tensor& input, const at::Tensor& q, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kChar && q.is_contiguous(), "int8_rows_linear: a contiguous int8 weight");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == q.size(0) && scales.is_contiguous(),
+              "int8_rows_linear: fp32 scales [N]");
+  const int64_t K = q.size(1), N = q.size(0);
+  TORCH_CHECK(K % 16 == 0, "int8_rows_linear: K must be a multiple of 16");
+  return rows_product("int8_rows_linear", input, N, K, bias, [&](auto zero, const auto* x, int64_t M, const auto* b, auto* out) {
+    using T = decltype(zero);
+    bloom_cpu::int8_linear<T>(x, M, q.data_ptr<int8_t>(), scales.data_ptr<float>(), N, K, b, out);
+  });
+}
+
+// The group size of a packed int4 weight q [N, K / 2] with scales [N, K / G], checked.
+int64_t checked_group(const at::Tensor& q, const at::Tensor& scales, const char* op) {
+  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == at::kByte && q.is_contiguous(), op, ": a contiguous uint8 weight [N, K / 2]");
+  TORCH_CHECK(scales.dim() == 2 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == q.size(0) && scales.size(1) > 0,
+              op, ": fp32 scales [N, groups]");
+  const int64_t K = 2 * q.size(1);
+  TORCH_CHECK(K % scales.size(1) == 0 && (K / scales.size(1)) % bloom_cpu::kInt4Block == 0, op,
+              ": groups of a multiple of 32 weights that divide the row");
+  return K / scales.size(1);
+}
+
+// x [..., K] @ dequantized(q [N, K / 2], scales [N, K / G])^T -> [..., N] in x's dtype.
+at::Tensor int4_rows_linear(const at::Tensor& input, const at::Tensor& q, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& bias) {
+  const int64_t G = checked_group(q, scales, "int4_rows_linear");
+  const int64_t K = 2 * q.size(1), N = q.size(0);
+  return rows_product("int4_rows_linear", input, N, K, bias, [&](auto zero, const auto* x, int64_t M, const auto* b, auto* out) {
+    using T = decltype(zero);
+    bloom_cpu::int4_linear<T>(x, M, q.data_ptr<uint8_t>(), scales.data_ptr<float>(), N, K, G, b, out);
+  });
+}
+
+// out [N, K] (bf16, fp16, fp32; given, so that a caller can reuse its memory): each weight
+// (v - 8) * its group's scale, rounded once.
+void int4_dequantize(const at::Tensor& q, const at::Tensor& scales, at::Tensor out) {
+  const int64_t G = checked_group(q, scales, "int4_dequantize");
+  const int64_t N = q.size(0), K = 2 * q.size(1);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == N && out.size(1) == K && out.is_contiguous(),
+              "int4_dequantize: a contiguous out [N, K]");
+  bloom_cpu::with_element_type(out.scalar_type(), "int4_dequantize", [&](auto zero) {
+    using T = decltype(zero);
+    bloom_cpu::int4_dequantize<T>(q.data_ptr<uint8_t>(), scales.data_ptr<float>(), N, K, G, out.data_ptr<T>());
+  });
+}
+
+}  // namespace
+
+BLOOM_LIBRARY_FRAGMENT(BLOOM_OPS, m) {
+  m.def("int8_rows_linear(Tensor x, Tensor q, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("int4_rows_linear(Tensor x, Tensor q, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("int4_dequantize(Tensor q, Tensor scales, Tensor(a!) out) -> ()");
+}
+
+BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {
+  m.impl("int8_rows_linear", &int8_rows_linear);
+  m.impl("int4_rows_linear", &int4_rows_linear);
+  m.impl("int4_dequantize", &int4_dequantize);
+}
