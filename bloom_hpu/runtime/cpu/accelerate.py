@@ -202,7 +202,11 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         scratch = DequantizeScratch(kernels.int4_dequantize)
         for module in quantized:
             q = module.embeddings.qweight if hasattr(module, "embeddings") else module.qweight
-            if q.dtype == torch.uint8:  # int4: every row is whole groups of 32
+            if q.dtype == torch.uint8 and hasattr(module, "embeddings"):
+                # The head, whatever the rows (a scoring pass): dequantized, it would hold a scratch
+                # copy of the vocabulary's weights (bloom's: 7 GB in bf16) for the rest of the run.
+                module.kernel, module.kernel_rows = kernels.int4_rows_linear, INT4_KERNEL_ANY_ROWS
+            elif q.dtype == torch.uint8:  # int4: every row is whole groups of 32
                 module.kernel = kernels.int4_rows_linear
                 module.kernel_rows = quantized_kernel_rows(kernels.isa, dtype, cap.amx, int4=True)
                 module.int4_dequantize = None if compile_steps else scratch
