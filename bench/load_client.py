@@ -27,16 +27,20 @@ ROOT = Path(__file__).resolve().parent.parent
 class Timing:
     sent: float
     chunks: list[float] = field(default_factory=list)  # arrival of each chunk with text
+    chunk_tokens: list[int] = field(default_factory=list)  # the tokens so far at each (where the server says)
     tokens: int = 0
     done: float = 0.0
 
 
 def stream_request(port: int, body: dict) -> Timing:
-    """One streamed completion; the server's usage count gives the tokens."""
+    """One streamed completion; the server's usage count gives the tokens, and (vLLM's
+    ``continuous_usage_stats``, where the server has it) the tokens each chunk brings: a token whose
+    text is held back (an incomplete UTF-8 character, a possible stop string) arrives with the next."""
     timing = Timing(time.perf_counter())
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     conn.request("POST", "/v1/completions", body=json.dumps({**body, "stream": True,
-                                                              "stream_options": {"include_usage": True}}))
+                                                              "stream_options": {"include_usage": True,
+                                                                                 "continuous_usage_stats": True}}))
     response = conn.getresponse()
     if response.status != 200:
         raise RuntimeError(f"status {response.status}: {response.read()[:200]!r}")
@@ -47,10 +51,13 @@ def stream_request(port: int, body: dict) -> Timing:
         if data == b"[DONE]":
             break
         chunk = json.loads(data)
-        if chunk.get("usage"):
-            timing.tokens = chunk["usage"]["completion_tokens"]
+        usage = chunk.get("usage")
+        if usage:
+            timing.tokens = usage["completion_tokens"]
         if any(c.get("text") for c in chunk.get("choices", [])):
             timing.chunks.append(time.perf_counter())
+            if usage:
+                timing.chunk_tokens.append(usage["completion_tokens"])
     timing.done = time.perf_counter()
     conn.close()
     return timing

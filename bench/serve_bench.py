@@ -12,8 +12,11 @@ the same requests as one offline ``--requests`` job, side by side on the same we
 Load: closed loop (``--clients``: each client sends its next request when the last one ended) and
 open loop (``--rates``: Poisson arrivals at these requests/s), prompts of mixed lengths, greedy,
 ``--max_tokens`` each, sent by clients in a process of their own (``bench/load_client.py``). Every
-request streams; time to first token is from sending to the first chunk with text, inter-token
-latency the gaps between chunks, tokens the server's usage count.
+request streams; time to first token is from sending to the first chunk with text, tokens the
+server's usage count. Inter-token latency is per token: a chunk that brings k tokens (its text held
+back for a step or more: an incomplete UTF-8 character, a possible stop string; the server's
+``continuous_usage_stats`` counts them) after a gap g counts as k gaps of g / k. The gaps between
+chunks as they are ("chunk gap") are printed too.
 For ours it also prints the step shapes the load added after warm-up (should be 0), and times the
 yardsticks of the latency targets in the same run: the engine's plain decode step of one row, and of
 the batch bucket each closed-loop level runs (min(clients, max_batch) rows).
@@ -75,11 +78,25 @@ def percentile(values: list[float], q: float) -> float:
 def summarize(variant: str, load: str, timings: list[Timing], wall: float, new_shapes="") -> dict:
     tokens = sum(t.tokens for t in timings)
     ttft = [(t.chunks[0] - t.sent) * 1e3 for t in timings if t.chunks]
-    itl = [(b - a) * 1e3 for t in timings for a, b in zip(t.chunks, t.chunks[1:])]
+    gaps = [(b - a) * 1e3 for t in timings for a, b in zip(t.chunks, t.chunks[1:])]
+    itl = [g for t in timings for g in per_token_gaps(t)]
     return {"variant": variant, "load": load, "requests": len(timings), "tokens": tokens,
             "tok_s": tokens / wall, "req_s": len(timings) / wall,
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
-            "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99), "new_shapes": new_shapes}
+            "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99), "gap_p99": percentile(gaps, 99),
+            "new_shapes": new_shapes}
+
+
+def per_token_gaps(timing: Timing) -> list[float]:
+    """ms between a request's tokens: each gap between two chunks with text, split evenly over the
+    tokens the later chunk brings (one each where the server does not count them)."""
+    counted = len(timing.chunk_tokens) == len(timing.chunks)
+    out = []
+    for i in range(1, len(timing.chunks)):
+        brought = timing.chunk_tokens[i] - timing.chunk_tokens[i - 1] if counted else 1
+        brought = max(brought, 1)
+        out += [(timing.chunks[i] - timing.chunks[i - 1]) * 1e3 / brought] * brought
+    return out
 
 
 # --- the servers ----------------------------------------------------------------------------------
@@ -238,12 +255,12 @@ def ratios(rows: list[dict], steps_ms: dict[int, float]) -> str:
 
 def table(rows: list[dict]) -> str:
     head = f"{'variant':<13} {'load':<11} {'req':>4} {'tokens':>6} {'tok/s':>8} {'req/s':>7} " \
-           f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'new shapes':>10}"
+           f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'gap p99':>8} {'new shapes':>10}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['variant']:<13} {r['load']:<11} {r['requests']:>4} {r['tokens']:>6} {r['tok_s']:>8.1f} "
                      f"{r['req_s']:>7.2f} {r['ttft_p50']:>9.1f} {r['ttft_p99']:>9.1f} {r['itl_p50']:>8.2f} "
-                     f"{r['itl_p99']:>8.2f} {str(r['new_shapes']):>10}")
+                     f"{r['itl_p99']:>8.2f} {r.get('gap_p99', float('nan')):>8.2f} {str(r['new_shapes']):>10}")
     return "\n".join(lines) + "\n(times in ms)"
 
 

@@ -23,3 +23,14 @@ def test_serve_bench_runs_every_variant(tmp_path, capsys):
         ("offline", "one job")]
     assert all(r["requests"] == 4 and r["tokens"] > 0 and r["tok_s"] > 0 for r in rows)
     assert all(r["new_shapes"] == 0 for r in rows if r["variant"] == "ours")  # nothing after warm-up
+
+
+def test_a_chunk_that_brings_several_tokens_counts_as_that_many_gaps():
+    """Text held back for two steps arrives with three tokens: 300 ms over 3 tokens, 100 ms each;
+    where the server does not count a chunk's tokens, each chunk is one token."""
+    from bench.load_client import Timing
+
+    counted = Timing(sent=0.0, chunks=[1.0, 1.1, 1.4], chunk_tokens=[1, 2, 5])
+    assert [round(g, 6) for g in serve_bench.per_token_gaps(counted)] == [100.0, 100.0, 100.0, 100.0]
+    uncounted = Timing(sent=0.0, chunks=[1.0, 1.1, 1.4])
+    assert [round(g, 6) for g in serve_bench.per_token_gaps(uncounted)] == [100.0, 300.0]
