@@ -7,20 +7,22 @@
 // (16 bytes), byte j holds weight j in its low nibble and weight j + 16 in its high one, each as
 // v = q + 8 (q in [-7, 7]); scales [N, K / G] fp32, one per group of G weights (G % 32 == 0).
 //
-// A decode step streams the weights, and int4 reads a quarter of bf16's bytes; what is left is
-// the work of widening them. Both paths below multiply by the nibble value v itself, not v - 8:
-// the 8 (times the group's sum of x) is taken off once per group and row at the end, from sums of
-// x per group computed once per call, instead of once per weight.
+// A decode step streams the weights, and int4 reads about a quarter of bf16's bytes; what is left
+// is the work of widening them:
 //
-// * bf16 inputs on the AVX-512 build: the 16 bytes of a block are loaded into both halves of a
-//   register, one half shifted by a nibble, masked and widened to 32 16-bit words in k order; an
-//   OR with 0x4300 makes each the bf16 number 128 + v (exact: 128..143 are bf16 integers). One
-//   VDPBF16PS per input row multiplies them into fp32 sums, so the offset taken off is 136.
-// * Otherwise (fp32 or fp16 inputs, and the AVX2 build) x is widened to fp32 once per call and
-//   each 16 nibbles are widened to fp32 values v, multiplied in by FMAs.
+// * bf16 inputs on the AVX-512 build: per group and weight row, the 16 weights a nibble can stand
+//   for, (v - 8) * scale, are computed in fp32 and rounded to bf16 once (exactly the weights of a
+//   bf16 model holding the dequantized checkpoint). The 16 bytes of a block are loaded into both
+//   halves of a register, one half shifted by a nibble, masked and widened to 32 16-bit indices in
+//   k order, and one VPERMW looks the 32 weights up; one VDPBF16PS per input row multiplies them
+//   into fp32 sums, as for bf16 weights (few_rows.h).
+// * Otherwise (fp32 or fp16 inputs, and the AVX2 build) x is widened to fp32 once per call and each
+//   16 nibbles are widened to the fp32 values v and multiplied in by FMAs, into sums per group that
+//   the group's scale multiplies. The 8 of v - 8 (times the scale and the group's sum of x) is taken
+//   off once per group and row at the end, from sums of x per group computed once per call,
+//   instead of once per weight.
 //
-// Each group's sums are multiplied by its scale and added into the row's sums in fp32. Weight
-// rows are taken a few at a time and prefetched ahead; work is split over PyTorch's intra-op
+// Weight rows are taken a few at a time and prefetched ahead; work is split over PyTorch's intra-op
 // threads by blocks of rows, as in int8_rows.h.
 
 #pragma once
@@ -69,8 +71,9 @@ inline Int8Sums sums_scaled_add(Int8Sums acc, Int8Sums part, float scale) {
 #endif
 
 // A block kind: Block<R, MB>::run(q, row_bytes, scales, groups, x, K, G, sums) sets sums[m * R + r]
-// to sum_g scales[r * groups + g] * sum_{k in g} x[m, k] * (Block::offset + v[r, k]) for R packed
-// weight rows (row_bytes apart) and MB input rows of type Block<R, MB>::X.
+// to the product of input row m with weight row r plus Block::offset * sum_g scales[r, g] *
+// (x row m's sum over group g), for R packed weight rows (row_bytes apart) and MB input rows of
+// type Block<R, MB>::X; int4_outputs takes the offset term off.
 
 // The widening path: fp32 inputs, 16 nibbles widened to fp32 per step; offset 8.
 template <int R, int MB>
