@@ -527,4 +527,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from bloom_hpu.runtime.launch import exit_process
+
+    exit_process(main())

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pexpect
 import pytest
 import torch
 import transformers
@@ -365,3 +366,39 @@ def test_the_one_call_quantized_step_is_the_quantized_model_op_by_op(folder, isa
         scale = op_by_op.abs().max().item()
         torch.testing.assert_close(one_call, op_by_op, rtol=0, atol=0.03 * scale)
         assert (one_call.argmax(-1) == op_by_op.argmax(-1)).float().mean() >= 0.75
+
+
+# --- the other entry points: a request-file job and the chat shell ---------------------------------
+
+
+def hf_text(model, tokenizer, prompt: str, new: int) -> str:
+    """transformers' greedy continuation's text, cut at EOS."""
+    ids = tokenizer.encode(prompt)
+    tokens = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, pad_token_id=3)[0, len(ids):]
+    tokens = tokens.tolist()
+    return tokenizer.decode(tokens[:tokens.index(2)] if 2 in tokens else tokens)
+
+
+def test_a_request_file_job_and_the_chat_shell_run_quantized(folder, mode, quantized, reference, dequantized_folder,
+                                                             tmp_path):
+    """``--requests`` and ``--chat`` with ``--quantize``: greedy text equal to transformers' on the
+    dequantized weights."""
+    import bloom
+    from test_chat import ask, reference_reply, spawn, STARTUP
+
+    flags = ["--quantize", mode] + (["--group_size", str(GROUP)] if mode == "int4" else [])
+    requests, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    requests.write_text("".join(json.dumps({"prompt": p, "max_tokens": 10, "temperature": 0}) + "\n" for p in PROMPTS))
+    assert bloom.main(["--weights", str(folder), *flags, "--requests", str(requests), "--results", str(results)]) == 0
+    lines = [json.loads(line) for line in results.read_text().splitlines()]  # in the order they finished
+    texts = {line["request"]["prompt"]: line["result"]["choices"][0]["text"] for line in lines}
+    assert texts == {p: hf_text(reference, quantized.tokenizer, p, 10) for p in PROMPTS}
+
+    shell = spawn("--chat", "--weights", str(folder), *flags, "--sample", "f", "--max-tokens", "12",
+                  "--max_length", "256", "--ignore_eos", "t")
+    shell.expect_exact(">>> ", timeout=STARTUP)
+    reply = ask(shell, "Hello, who are you?")
+    assert reply == reference_reply(dequantized_folder, "<human>: Hello, who are you?\n<bot>:", 12, eos=False) + "\n"
+    shell.sendeof()
+    shell.expect(pexpect.EOF)
+    assert shell.wait() == 0
