@@ -71,7 +71,7 @@ def load_model(
     checkpoint_bytes = 0
     with CheckpointReader(folder) as reader:
         if quantized:
-            checkpoint_bytes += _load_quantized(model, reader, device)
+            checkpoint_bytes += _load_quantized(model, reader, device, group_size=stored[1])
         for name, param in model.named_parameters():
             if quantized and is_quantized_weight(name):
                 continue  # read quantized above
@@ -102,7 +102,7 @@ def load_model(
     return model, report
 
 
-def _load_quantized(model: StaticBloom, reader: CheckpointReader, device) -> int:
+def _load_quantized(model: StaticBloom, reader: CheckpointReader, device, group_size: int | None) -> int:
     """Read a quantized checkpoint's weights and scales into the model's quantized modules, this
     rank's slice of each: int8 keeps every scale of a row-parallel slice (they are the whole rows');
     int4 packs two weights a byte and keeps a scale per group, so its columns slice by 2 and by G.
@@ -115,12 +115,10 @@ def _load_quantized(model: StaticBloom, reader: CheckpointReader, device) -> int
         rows, cols = shard_slices(weight, model)
         qname, sname = stored_names(weight)
         want_q, want_scales = module.qweight, module.scales
-        int4 = want_q.dtype == torch.uint8
+        int4 = group_size is not None
         if int4:
-            full = module.weight.shape[1] * (model.parallel.world_size if cols is not None else 1)
-            group = full // reader.shape(sname)[1]
             q = reader.get(qname, rows=rows, cols=_divided(cols, 2))
-            scales = reader.get(sname, dtype=torch.float32, rows=rows, cols=_divided(cols, group))
+            scales = reader.get(sname, dtype=torch.float32, rows=rows, cols=_divided(cols, group_size))
         else:
             q = reader.get(qname, rows=rows, cols=cols)
             scales = reader.get(sname, dtype=torch.float32, rows=rows)

@@ -223,13 +223,20 @@ def _check_groups(model: StaticBloom, group_size: int) -> None:
             from None
 
 
-def _swap(module: nn.Module, cls: type, split_rows: bool, parallel, group_size: int | None) -> None:
+def quantize_weight(weight: torch.Tensor, group_size: int | None = None, parallel=None,
+                    split_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qweight, scales) of a float weight [N, K]: int8 with a scale per row (``split_rows``: this
+    rank holds a part of each row, see ``row_scales``), or int4 with a scale per ``group_size``
+    weights (a group lies within this rank's part of a row: its scale is the whole model's)."""
     if group_size is None:
-        scales = row_scales(module.weight, parallel, split_rows)
-        qweight = quantize_rows(module.weight, scales)
-    else:  # a group lies within this rank's part of a row: its scale is the whole model's
-        scales = int4.group_scales(module.weight, group_size)
-        qweight = int4.quantize_groups(module.weight, scales)
+        scales = row_scales(weight, parallel, split_rows)
+        return quantize_rows(weight, scales), scales
+    scales = int4.group_scales(weight, group_size)
+    return int4.quantize_groups(weight, scales), scales
+
+
+def _swap(module: nn.Module, cls: type, split_rows: bool, parallel, group_size: int | None) -> None:
+    qweight, scales = quantize_weight(module.weight, group_size, parallel, split_rows)
     module.register_buffer("qweight", qweight, persistent=False)
     module.register_buffer("scales", scales, persistent=False)
     module.dtype = module.weight.dtype

@@ -97,7 +97,8 @@ class Generator:
         torch_dtype = parse_dtype(dtype)
         folder = resolve_checkpoint(str(weights) if weights is not None else None, model)
         check_checkpoint(folder)  # a broken config.json is named before any tensor is read
-        stored = stored_quantization(BloomConfig.from_json(folder / "config.json"))
+        config = BloomConfig.from_json(folder / "config.json")
+        stored = stored_quantization(config)
         if quantize is not None and stored is not None and (quantize, group_size) != stored:
             saved = stored[0] + (f" with groups of {stored[1]}" if stored[1] else "")
             raise QuantizeError(f"the checkpoint is stored {saved}; it cannot be quantized again as {quantize}"
@@ -105,7 +106,6 @@ class Generator:
                                 "or give the float checkpoint)")
         adapter, served = None, {}
         if peft_weights is not None or lora:  # checked against the config before the model is read
-            config = BloomConfig.from_json(folder / "config.json")
             adapter = read_adapter(peft_weights, config) if peft_weights is not None else None
             served = {name: read_adapter(path, config) for name, path in (lora or {}).items()}
         backend = make_backend(device, use_graphs=use_graphs, compile_steps=compile_steps, cpu=cpu,

@@ -29,7 +29,7 @@ from bloom_hpu.checkpoint import CheckpointError, CheckpointReader, resolve_chec
 from bloom_hpu.config import BloomConfig  # noqa: E402
 from bloom_hpu import int4  # noqa: E402
 from bloom_hpu.quantize import (MODES, QuantizeError, is_quantized_weight, quantization_config,  # noqa: E402
-                                quantize_rows, resolve_group_size, row_scales, stored_names)
+                                quantize_weight, resolve_group_size, stored_names)
 
 WEIGHT_FILES = re.compile(r"(model.*\.safetensors|pytorch_model.*\.bin|.*\.index\.json)$")
 
@@ -49,12 +49,9 @@ def quantize_checkpoint(source: Path, out: Path, mode: str = "int8", group_size:
     if config.quantization_config is not None:
         raise QuantizeError(f"{source} is quantized already ({config.quantization_config.get('quant_method')!r})")
     group_size = resolve_group_size(mode, group_size)
-    if group_size is not None:
-        rows = {"the embeddings and layers": config.hidden_size, "dense_4h_to_h": 4 * config.hidden_size}
-        try:
-            int4.check_group_size(group_size, rows)
-        except int4.GroupSizeError as error:
-            raise QuantizeError(str(error)) from None
+    if group_size is not None:  # a GroupSizeError is a ValueError: main prints it in one line
+        int4.check_group_size(group_size, {"the embeddings and layers": config.hidden_size,
+                                           "dense_4h_to_h": 4 * config.hidden_size})
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
         raise QuantizeError(f"{out} is not empty; give a new folder")
@@ -70,12 +67,7 @@ def quantize_checkpoint(source: Path, out: Path, mode: str = "int8", group_size:
                 tensor = reader.get(name)
                 if is_quantized_weight(name):
                     qname, sname = stored_names(name)
-                    if group_size is None:
-                        scales = row_scales(tensor)
-                        tensors[qname], tensors[sname] = quantize_rows(tensor, scales), scales
-                    else:
-                        scales = int4.group_scales(tensor, group_size)
-                        tensors[qname], tensors[sname] = int4.quantize_groups(tensor, scales), scales
+                    tensors[qname], tensors[sname] = quantize_weight(tensor, group_size)
                 else:
                     tensors[name] = tensor.contiguous()
             file = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"

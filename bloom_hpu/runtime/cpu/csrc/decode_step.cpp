@@ -134,16 +134,11 @@ struct Products {
       std::copy(row, row + E, out);
       return;
     }
-    if (weights[0].scalar_type() == at::kByte) {  // int4: the row's blocks, as int4_dequantize reads them
+    if (weights[0].scalar_type() == at::kByte) {  // int4
       const at::Tensor& s = (*scales)[0];
-      const int64_t groups = s.size(1), G = E / groups;
-      const uint8_t* row = weights[0].data_ptr<uint8_t>() + id * (E / 2);
-      const float* scale = s.data_ptr<float>() + id * groups;
-      for (int64_t e = 0; e < E; ++e) {
-        const uint8_t byte = row[e / 32 * 16 + e % 16];
-        const int v = e % 32 < 16 ? byte & 0x0F : byte >> 4;
-        out[e] = T(float(v - 8) * scale[e / G]);
-      }
+      const int64_t groups = s.size(1);
+      bloom_cpu::dequantize_row<T>(weights[0].data_ptr<uint8_t>() + id * (E / 2), s.data_ptr<float>() + id * groups,
+                                   E, E / groups, out);
       return;
     }
     const int8_t* row = weights[0].data_ptr<int8_t>() + id * E;

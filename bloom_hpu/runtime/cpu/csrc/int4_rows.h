@@ -166,16 +166,6 @@ constexpr int kInt4Bf16Rows = 4;   // weight rows per block of the VDPBF16PS pat
 constexpr int kInt4Bf16XRows = 4;  // input rows per pass: 16 sums in registers (2 x 8 measured alike)
 #endif
 
-// Block<R, MB'> for the mb (<= MB) input rows left: MB' = mb, chosen at compile time.
-template <template <int, int> class Block, int R, int MB, typename X>
-inline void int4_rows(int64_t mb, const uint8_t* q, int64_t row_bytes, const float* scales, int64_t groups,
-                      const X* x, int64_t K, int64_t G, float* sums) {
-  if constexpr (MB > 1) {
-    if (mb < MB) return int4_rows<Block, R, MB - 1>(mb, q, row_bytes, scales, groups, x, K, G, sums);
-  }
-  Block<R, MB>::run(q, row_bytes, scales, groups, x, K, G, sums);
-}
-
 // Outputs n..n+R-1 of every input row, XRows input rows per pass over the R weight rows.
 // x_groups [M, groups]: each input row's sums over each group (for the offset).
 template <template <int, int> class Block, int R, int XRows, typename X, typename T>
@@ -186,7 +176,7 @@ inline void int4_outputs(const uint8_t* q, const float* scales, const X* x, cons
   float sums[R * XRows];
   for (int64_t m0 = 0; m0 < M; m0 += XRows) {
     const int64_t mb = std::min<int64_t>(XRows, M - m0);
-    int4_rows<Block, R, XRows>(mb, q, K / 2, row_scales, groups, x + m0 * K, K, G, sums);
+    run_block<Block, R, XRows>(mb, q, K / 2, row_scales, groups, x + m0 * K, K, G, sums);
     for (int64_t m = 0; m < mb; ++m)
       for (int r = 0; r < R; ++r) {
         float value = sums[m * R + r];
@@ -237,21 +227,25 @@ void int4_linear(const T* x_in, int64_t M, const uint8_t* q, const float* scales
   int4_products<Int4WidenedBlock, kInt4Rows, kInt4XRows>(x.data(), M, q, scales, N, K, G, bias, out);
 }
 
-// w [N, K] = (v - 8) * scale of each group, computed in fp32 and rounded once to T (the weights a
-// float model would hold): for products of many rows, which go to oneDNN.
+// One packed row [K / 2] with its group scales [K / G] as K weights of type T: (v - 8) * scale,
+// computed in fp32 and rounded once to T (the weights a float model would hold).
+template <typename T>
+inline void dequantize_row(const uint8_t* q, const float* scales, int64_t K, int64_t G, T* w) {
+  const Vec16 eight = set16(8.0f);
+  for (int64_t k0 = 0; k0 < K; k0 += kInt4Block) {
+    const Vec16 scale = set16(scales[k0 / G]);
+    __m128i low, high;
+    unpack_block(q + k0 / 2, low, high);
+    store16(w + k0, (widen16(low) - eight) * scale);
+    store16(w + k0 + 16, (widen16(high) - eight) * scale);
+  }
+}
+
+// w [N, K], every row dequantized: for products of many rows, which go to oneDNN.
 template <typename T>
 void int4_dequantize(const uint8_t* q, const float* scales, int64_t N, int64_t K, int64_t G, T* w) {
-  const int64_t groups = K / G;
-  const Vec16 eight = set16(8.0f);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n)
-      for (int64_t k0 = 0; k0 < K; k0 += kInt4Block) {
-        const Vec16 scale = set16(scales[n * groups + k0 / G]);
-        __m128i low, high;
-        unpack_block(q + n * (K / 2) + k0 / 2, low, high);
-        store16(w + n * K + k0, (widen16(low) - eight) * scale);
-        store16(w + n * K + k0 + 16, (widen16(high) - eight) * scale);
-      }
+    for (int64_t n = begin; n < end; ++n) dequantize_row(q + n * (K / 2), scales + n * (K / G), K, G, w + n * K);
   });
 }
 

@@ -130,13 +130,14 @@ struct Bf16DotBlock {
 };
 #endif
 
-// Block<R, MB'> for the mb (<= MB) input rows left: MB' = mb, chosen at compile time.
-template <template <int, int> class Block, int R, int MB, typename X>
-inline void int8_rows(int64_t mb, const int8_t* q, const X* x, int64_t K, float* sums) {
+// Block<R, MB'>::run(args...) for the mb (<= MB) input rows left: MB' = mb, chosen at compile time
+// (the int8 and int4 kernels' blocks alike).
+template <template <int, int> class Block, int R, int MB, typename... Args>
+inline void run_block(int64_t mb, Args... args) {
   if constexpr (MB > 1) {
-    if (mb < MB) return int8_rows<Block, R, MB - 1>(mb, q, x, K, sums);
+    if (mb < MB) return run_block<Block, R, MB - 1>(mb, args...);
   }
-  Block<R, MB>::run(q, x, K, sums);
+  Block<R, MB>::run(args...);
 }
 
 // Outputs n..n+R-1 of every input row, XRows input rows per pass over the R weight rows.
@@ -146,7 +147,7 @@ inline void int8_outputs(const int8_t* q, const float* scales, const X* x, const
   float sums[R * XRows];
   for (int64_t m0 = 0; m0 < M; m0 += XRows) {
     const int64_t mb = std::min<int64_t>(XRows, M - m0);
-    int8_rows<Block, R, XRows>(mb, q, x + m0 * K, K, sums);
+    run_block<Block, R, XRows>(mb, q, x + m0 * K, K, sums);
     for (int64_t m = 0; m < mb; ++m)
       for (int r = 0; r < R; ++r) {
         const float value = sums[m * R + r] * scales[n + r] + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
