@@ -1,4 +1,5 @@
-"""Every entry point on the graph stand-in (tests/graph_stand_in), as HPU (lazy mode) and as CUDA.
+"""Every entry point on the graph stand-in (tests/graph_stand_in), as HPU (lazy mode) and as CUDA, with
+float weights and with int4 ones.
 
 The stand-in records each captured step and replays the recorded ops on the captured tensors, so a
 forgotten input copy, an output read after the next replay or a Python value frozen into a capture
@@ -31,6 +32,16 @@ SEARCHES = {
     "sampling": {"do_sample": True, "seed": 5, "top_k": 20, "top_p": 0.9, "num_return_sequences": 2},
     "penalties": {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2, "min_new_tokens": 4},
 }
+
+
+# The float weights, and int4 ones (dequantized on the card with public ops; the CPU's kernels off it):
+# every entry point runs both.
+WEIGHTS = pytest.mark.parametrize("weights", [{}, dict(quantize="int4", group_size=32)], ids=["float", "int4"])
+
+
+def flags(weights: dict) -> list[str]:
+    """``weights`` as command-line flags."""
+    return [f for key, value in weights.items() for f in (f"--{key}", str(value))]
 
 
 @pytest.fixture(scope="module")
@@ -95,14 +106,15 @@ def test_generate_equals_the_eager_run_and_a_second_run_compiles_nothing(graph_s
         assert len(generator.backend.signatures) == graph_stand_in.captures
 
 
+@pytest.mark.parametrize("search", ["sampling", "beams"])
 @pytest.mark.parametrize("quantize", [dict(quantize="int8"), dict(quantize="int4", group_size=32)], ids=["int8", "int4"])
-def test_quantized_weights_on_the_card_equal_the_cpus(graph_stand_in, checkpoint, quantize):
+def test_quantized_weights_on_the_card_equal_the_cpus(graph_stand_in, checkpoint, quantize, search):
     """Quantized products dequantize on the card (public ops, captured in the graphs: int4's nibbles
     unpacked by shifts and masks) and call the CPU's kernels on the CPU: the same tokens, and once
     warm, a run captures and compiles nothing."""
     card = on_card(graph_stand_in, checkpoint, **quantize)
     cpu = Generator.from_pretrained(checkpoint, device="cpu", **quantize)
-    options = dict(max_length=24, bucket_width=8, ignore_eos=False, **SEARCHES["sampling"])
+    options = dict(max_length=24, bucket_width=8, ignore_eos=False, **SEARCHES[search])
     with graph_stand_in.off_card():
         want = sequences(cpu.generate(PROMPTS, **options))
     assert sequences(card.generate(PROMPTS, **options)) == want  # (its first lazy graph also loads the weights)
@@ -140,7 +152,8 @@ def test_growing_windows_are_refused_on_a_graph_runtime(graph_stand_in, checkpoi
 # --- request files (echo log-probs, n, best_of) and --eval, through the CLI in this process ----------
 
 
-def test_request_file_and_eval_through_the_cli(graph_stand_in, checkpoint, tmp_path):
+@WEIGHTS
+def test_request_file_and_eval_through_the_cli(graph_stand_in, checkpoint, tmp_path, weights):
     import bloom
 
     lines = [
@@ -156,11 +169,11 @@ def test_request_file_and_eval_through_the_cli(graph_stand_in, checkpoint, tmp_p
 
     def run(device, name):
         results = tmp_path / f"{name}.jsonl"
-        assert bloom.main(["--weights", str(checkpoint), "--device", device, "--requests", str(requests),
-                           "--results", str(results), "--budget", "96"]) == 0
+        assert bloom.main(["--weights", str(checkpoint), "--device", device, *flags(weights), "--requests",
+                           str(requests), "--results", str(results), "--budget", "96"]) == 0
         numbers = tmp_path / f"{name}.json"
-        assert bloom.main(["--weights", str(checkpoint), "--device", device, "--eval", str(passages),
-                           "--results", str(numbers)]) == 0
+        assert bloom.main(["--weights", str(checkpoint), "--device", device, *flags(weights), "--eval",
+                           str(passages), "--results", str(numbers)]) == 0
         records = [json.loads(line) for line in results.read_text().splitlines()]
         return [r["response"]["choices"] if "response" in r else r for r in records], json.loads(numbers.read_text())
 
@@ -192,7 +205,8 @@ def assert_same(ours, theirs, path="") -> None:
 # --- the server's engine: mixed concurrent load, LoRA rows, cancellation ------------------------------
 
 
-def test_engine_mixed_load_lora_rows_and_cancellation(graph_stand_in, checkpoint, tmp_path):
+@WEIGHTS
+def test_engine_mixed_load_lora_rows_and_cancellation(graph_stand_in, checkpoint, tmp_path, weights):
     from lora_adapters import make_adapter
 
     from generation.jobs.requests import parse_request
@@ -238,12 +252,12 @@ def test_engine_mixed_load_lora_rows_and_cancellation(graph_stand_in, checkpoint
         return out, records
 
     lora = {"style": adapter}
-    cpu = serve(Generator.from_pretrained(checkpoint, device="cpu", lora=lora))
+    cpu = serve(Generator.from_pretrained(checkpoint, device="cpu", lora=lora, **weights))
     try:
         want = answers(cpu)
     finally:
         cpu.stop()
-    card_generator = on_card(graph_stand_in, checkpoint, lora=lora)
+    card_generator = on_card(graph_stand_in, checkpoint, lora=lora, **weights)
     card = serve(card_generator)  # concurrent arrivals, as a server sees them
     try:
         got = answers(card)
@@ -289,7 +303,8 @@ class Typed:
         return self.lines.pop(0) if self.lines else None
 
 
-def test_chat_shell_replies_equal_the_eager_run(graph_stand_in, checkpoint, eager):
+@WEIGHTS
+def test_chat_shell_replies_equal_the_eager_run(graph_stand_in, checkpoint, eager, weights):
     from generation.chat.settings import Settings, chat_options
     from generation.chat.shell import ChatShell
     from generation.chat.turns import Conversation, turn_format
@@ -303,7 +318,8 @@ def test_chat_shell_replies_equal_the_eager_run(graph_stand_in, checkpoint, eage
         assert shell.run() == 0
         return out.getvalue()
 
-    assert session(on_card(graph_stand_in, checkpoint)) == session(eager)
+    cpu = Generator.from_pretrained(checkpoint, device="cpu", **weights) if weights else eager
+    assert session(on_card(graph_stand_in, checkpoint, **weights)) == session(cpu)
 
 
 # --- processes: the CLI, and 2-rank tensor parallelism under the deepspeed launcher -------------------
@@ -315,8 +331,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@WEIGHTS
 @pytest.mark.parametrize("personality", ["hpu", "cuda"])
-def test_two_ranks_under_deepspeed_equal_one_eager_process(personality, checkpoint, eager, tmp_path):
+def test_two_ranks_under_deepspeed_equal_one_eager_process(personality, checkpoint, eager, tmp_path, weights):
     prompts = PROMPTS[:3]
     out = tmp_path / "out.json"
     report = tmp_path / "report"
@@ -325,10 +342,11 @@ def test_two_ranks_under_deepspeed_equal_one_eager_process(personality, checkpoi
     command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
                str(_free_port()), str(ROOT / "tests" / "graph_stand_in" / "run_bloom.py"), personality,
                "--weights", str(checkpoint), "--device", personality, "--max_length", "20", "--quiet",
-               "--options", "num_beams=2", "--output_file", str(out), *prompts]
+               *flags(weights), "--options", "num_beams=2", "--output_file", str(out), *prompts]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    want = [r.token_ids for r in eager.generate(prompts, max_length=20, num_beams=2)]
+    one = Generator.from_pretrained(checkpoint, device="cpu", **weights) if weights else eager
+    want = [r.token_ids for r in one.generate(prompts, max_length=20, num_beams=2)]
     assert [r["token_ids"] for r in json.loads(out.read_text())] == want
     counts = [json.loads(Path(f"{report}.{rank}").read_text()) for rank in (0, 1)]
     assert counts[0] == counts[1] and counts[0]["captures"] >= 1
