@@ -296,7 +296,7 @@ class StaticBloom(nn.Module):
         (same row, slots and ids): it writes the same values again."""
         b, c, heads = tokens.shape[0], chunk.shape[1], self.local_heads
         masked_alibi = self._decode_bias(positions, cache, window)
-        chunk_slots = (chunk_start[:, None] + cache.slots[None, :c]).clamp(max=cache.length - 1)  # [S, C]
+        chunk_slots, keep = segment_layout(b, chunk_start, chunk_len, c, cache)
         # Token i of segment s sees its row's slots <= chunk_start[s] + i (causal, earlier segments included).
         hidden = cache.slots[None, None, :window] > chunk_slots[:, :, None]  # [S, C, W]
         alibi = cache.alibi[:heads, :, :window]  # [H, 1, W]: the bias is the same for every row
@@ -306,6 +306,15 @@ class StaticBloom(nn.Module):
         for i, block in enumerate(self.h):
             h = block(h, lambda x, i=i, block=block: block.self_attention.mixed(
                 x, i, cache, positions, window, masked_alibi, chunk_rows, chunk_slots, chunk_bias))
-        segment_ends = b - 1 + chunk_len + c * cache.slots[: chunk.shape[0]]  # (slots: 0, 1, ..., no new tensor)
-        keep = torch.cat([cache.rows[:b], segment_ends])  # the B rows and each segment's last real token
         return self.lm_head(h[:, 0].index_select(0, keep))
+
+
+def segment_layout(b: int, chunk_start: torch.Tensor, chunk_len: torch.Tensor, c: int,
+                   cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a mixed step's S prompt segments of C tokens go, its tokens being the B decode tokens
+    then the segments' in order: (chunk_slots [S, C], each token's cache slot (pad tokens' clamped
+    to the cache), keep [B + S], the tokens whose logits the step returns: the B rows' and each
+    segment's last real one)."""
+    chunk_slots = (chunk_start[:, None] + cache.slots[None, :c]).clamp(max=cache.length - 1)
+    segment_ends = b - 1 + chunk_len + c * cache.slots[: chunk_start.shape[0]]  # (slots: 0, 1, ..., no new tensor)
+    return chunk_slots, torch.cat([cache.rows[:b], segment_ends])

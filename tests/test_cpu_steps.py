@@ -74,6 +74,69 @@ def test_one_call_step_equals_the_op_by_op_step(isa, dtype, config):
         tokens, positions = reference.argmax(-1)[:, None], positions + 1
 
 
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_one_call_mixed_step_equals_the_op_by_op_one(isa, dtype, config):
+    """The server's mixed step (``StaticBloom.mixed``) as one call: 4 running rows, row 3 joining
+    with a prompt whose two pieces ride in one step (the second shorter, padded, its slots clamped
+    at the cache's end), and a decode token of row 3 at the slot its first piece then overwrites.
+    Three steps: the same logits (the rows' and each piece's last token's) and cache contents."""
+    model, plan = accelerated(isa, dtype, **config)
+    assert plan.decode is not None
+    one_call, reference_cache = model.allocate_cache(4, 24), model.allocate_cache(4, 24)
+    torch.manual_seed(1)
+    ids, lengths = torch.randint(4, 1000, (4, 12)), torch.tensor([12, 7, 9, 1])
+    op_by_op(plan, lambda: model.prefill(ids, lengths, one_call))
+    op_by_op(plan, lambda: model.prefill(ids, lengths, reference_cache))
+    tokens, positions = torch.randint(4, 1000, (4, 1)), lengths.clone()
+    for start in (1, 9, 17):  # the last step's second piece runs past the cache's 24 slots
+        positions[3] = start
+        chunk = torch.randint(4, 1000, (2, 8))
+        rows, starts, real = torch.tensor([3, 3]), torch.tensor([start, start + 8]), torch.tensor([8, 3])
+        ours = plan.decode.mixed(tokens, positions, chunk, rows, starts, real, one_call, 24)
+        reference = op_by_op(plan, lambda: model.mixed(tokens, positions, chunk, rows, starts, real, reference_cache, 24))
+        assert ours.shape == reference.shape == (6, 1024) and ours.dtype == dtype
+        torch.testing.assert_close(ours, reference, **TOLERANCE[dtype])
+        assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+        seen = start + 11  # row 3's slots past its prompt's real tokens hold pad tokens' keys, never attended
+        for mine, theirs in ((one_call.keys, reference_cache.keys), (one_call.values, reference_cache.values)):
+            torch.testing.assert_close(mine[:, :3], theirs[:, :3], **TOLERANCE[dtype])
+            torch.testing.assert_close(mine[:, 3, :, :seen], theirs[:, 3, :, :seen], **TOLERANCE[dtype])
+        tokens, positions = reference[:4].argmax(-1)[:, None], positions + 1
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+def test_mixed_steps_take_the_one_call_up_to_their_limit(isa):
+    """The backend runs a mixed step as one call up to ``plan.mixed_rows`` tokens, op by op past it,
+    with the same tokens either way."""
+    from bloom_hpu.runtime.backends import Backend
+    from bloom_hpu.runtime.steps import StepRunner
+
+    needs_isa(isa)
+    model = random_model(torch.float32, hidden_size=64, n_layer=2, n_head=4)
+    backend = Backend("cpu", cpu=CpuOptions(path=isa))
+    runner = StepRunner(model, backend)
+    plan = backend.cpu_plan
+    assert plan.mixed_rows == 80
+    calls = []
+    one_call = plan.decode.mixed
+    plan.decode.mixed = lambda *args: calls.append(args[0].shape[0] + args[2].numel()) or one_call(*args)
+    results = []
+    for limit in (80, 12):  # 4 rows and 2 pieces of 4 tokens: 12 tokens, then op by op
+        plan.mixed_rows = limit
+        cache = model.allocate_cache(4, 32)
+        ids, lengths = torch.randint(4, 1000, (4, 10), generator=torch.Generator().manual_seed(2)), torch.full((4,), 10)
+        tokens = runner.prefill(ids, lengths, cache).argmax(-1)[:, None]
+        chunk = torch.arange(100, 108).view(2, 4)
+        rows, starts, real = torch.tensor([3, 2]), torch.tensor([10, 10]), torch.tensor([4, 2])
+        results.append(runner.mixed(tokens, lengths, chunk, rows, starts, real, cache, 16).argmax(-1))
+        plan.mixed_rows = 11
+        results.append(runner.mixed(tokens, lengths, chunk, rows, starts, real, cache, 16).argmax(-1))
+    assert calls == [12, 12]
+    assert all(torch.equal(r, results[0]) for r in results)
+
+
 # Head sizes of 20 (not whole vectors of 16) and 15 (odd: bf16 pairs of dimensions end in a zero).
 PROMPT_CONFIGS = {**CONFIGS, "head-size-20": dict(hidden_size=80, n_layer=2, n_head=4),
                   "head-size-15": dict(hidden_size=60, n_layer=2, n_head=4)}

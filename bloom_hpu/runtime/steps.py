@@ -82,8 +82,8 @@ class DecodeStep(nn.Module):
 
 class MixedStep(DecodeStep):
     """A decode step that carries prompt segments (``StaticBloom.mixed``): the server's prefill in
-    pieces. Its shape is (rows, cache length, window, segments, segment length). Always the model's own ops:
-    the CPU's one-call decode kernel (bound to ``model.decode``) has no chunk."""
+    pieces. Its shape is (rows, cache length, window, segments, segment length). On the CPU, the
+    backend runs it as the one-call decode step with the segments' tokens added (``OneCallDecode.mixed``)."""
 
     def forward(self, tokens, positions, chunk, chunk_row, chunk_start, chunk_len) -> torch.Tensor:
         return self.model.mixed(tokens, positions, chunk, chunk_row, chunk_start, chunk_len, self.cache, self.window)

@@ -5,7 +5,8 @@ The operators, the same sources compiled for each ISA into its own library and n
 
 * ``few_rows_linear(x [..., K], w [N, K], bias)``: products of a few rows with a large weight, at
   the speed at which the weight streams from memory (every decode product, the prefill's LM head);
-* ``decode_step(...)``: a whole decode step in one call (``csrc/decode_step.cpp``);
+* ``decode_step(...)``: a whole decode step in one call (``csrc/decode_step.cpp``), or with ``rows``
+  and ``keep`` the server's mixed step (a decode carrying prompt segments);
 * ``prompt_attention(...)``: a prefill's attention in one call (``csrc/prompt_attention.cpp``);
 * ``int8_rows_linear`` / ``int4_rows_linear``: products of a few rows with a quantized weight
   (``bloom_hpu/quantize.py``), and ``int4_dequantize``, an int4 weight as floats for many rows;

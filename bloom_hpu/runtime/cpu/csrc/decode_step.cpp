@@ -12,6 +12,13 @@
 // that the op-by-op step stores in the model's dtype (layer norms, products, attention scores,
 // probabilities, residual sums, GELU) is rounded to it here too; sums, softmax and norms run in fp32.
 //
+// The same call runs the server's mixed step (StaticBloom.mixed: a decode that carries pieces of
+// joining prompts). Its tokens are then more than the cache's rows: `rows` names the cache row of
+// each token (a decode token's own row; a prompt token's, the row its prompt joins) and `keep` the
+// tokens whose logits are returned. A prompt token is a decode token at its own slot: it writes its
+// key and value there and attends its row's slots up to that one, which is StaticBloom.mixed's
+// causal mask. Every token writes before any attends, in token order, as in StaticBloom.mixed.
+//
 // weights, in this order (the layout StaticBloom.cpu_decode_weights builds):
 //   word_embeddings [V, E] (also the tied LM head), its layer norm (weight, bias), ln_f (weight, bias),
 //   then per block: input_layernorm (w, b), query_key_value (w [3E, E], b), dense (w [E, E], b),
@@ -80,29 +87,40 @@ void gelu_tanh(T* x, int64_t count) {
 }
 
 struct Shapes {
-  int64_t batch, heads, head_dim, cache_len, window;
+  int64_t batch, heads, head_dim, cache_len, window;  // batch: the cache's rows
 };
 
-// One block's attention for every (row, head), after its query_key_value product.
-// qkv [B, H * 3 * D] (per head [q, k, v]); keys/values this layer's [B, H, cache_len, D];
-// alibi [B * H, cache_len]; out [B, H * D]. The new key and value go to slot positions[b] first;
-// a row sees the slots up to its own position (the rest of the window is masked).
+// The tokens of one step: token t is `ids[t]`, in cache row `rows[t]` at slot `positions[t]`.
+struct Tokens {
+  int64_t count;
+  const int64_t *ids, *rows, *positions;
+};
+
+// One block's attention for every (token, head), after its query_key_value product.
+// qkv [T, H * 3 * D] (per head [q, k, v]); keys/values this layer's [B, H, cache_len, D];
+// alibi [B * H, cache_len]; out [T, H * D]. Each token's key and value go to its slot first, all
+// tokens in order (a later token of a prompt sees the earlier ones; a prompt token's write replaces
+// a decode token's at the same slot); then each token sees its row's slots up to its own (the rest
+// of the window is masked).
 template <typename T>
-void attend(const T* qkv, const int64_t* positions, T* keys, T* values, const T* alibi, const Shapes& s, T* out) {
+void attend(const T* qkv, const Tokens& tokens, T* keys, T* values, const T* alibi, const Shapes& s, T* out) {
   const int64_t D = s.head_dim, H = s.heads;
   const float inv_norm = 1.0f / std::sqrt(float(D));
-  at::parallel_for(0, s.batch * H, 1, [&](int64_t begin, int64_t end) {
+  auto head = [&](int64_t t, int64_t h) { return (tokens.rows[t] * H + h) * s.cache_len; };  // a head's first slot
+  for (int64_t t = 0; t < tokens.count; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      const T* q = qkv + (t * H + h) * 3 * D;
+      const int64_t slot = (head(t, h) + tokens.positions[t]) * D;
+      std::copy(q + D, q + 2 * D, keys + slot);
+      std::copy(q + 2 * D, q + 3 * D, values + slot);
+    }
+  at::parallel_for(0, tokens.count * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(s.window), context((D + 15) / 16 * 16);  // whole vectors (attend_one)
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      const T* q = qkv + (b * H + h) * 3 * D;
-      T* k_cache = keys + bh * s.cache_len * D;
-      T* v_cache = values + bh * s.cache_len * D;
-      const int64_t pos = positions[b];
-      std::copy(q + D, q + 2 * D, k_cache + pos * D);
-      std::copy(q + 2 * D, q + 3 * D, v_cache + pos * D);
-      bloom_cpu::attend_one<T>(q, k_cache, v_cache, alibi + bh * s.cache_len, std::min(pos + 1, s.window), D, inv_norm,
-                               scratch.data(), context.data(), out + (b * H + h) * D);
+    for (int64_t th = begin; th < end; ++th) {
+      const int64_t t = th / H, h = th % H, first = head(t, h);
+      bloom_cpu::attend_one<T>(qkv + th * 3 * D, keys + first * D, values + first * D, alibi + first,
+                               std::min(tokens.positions[t] + 1, s.window), D, inv_norm, scratch.data(),
+                               context.data(), out + th * D);
     }
   });
 }
@@ -148,25 +166,25 @@ struct Products {
 };
 
 template <typename T>
-void decode(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>* scales, const int64_t* tokens,
-            const int64_t* positions, at::Tensor& keys, at::Tensor& values, const T* alibi, const Shapes& s, float eps,
-            bool residual_from_ln, T* logits) {
+void step(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>* scales, const Tokens& tokens,
+          const int64_t* keep, int64_t kept, at::Tensor& keys, at::Tensor& values, const T* alibi, const Shapes& s,
+          float eps, bool residual_from_ln, T* logits) {
   auto ptr = [&](size_t i) { return weights[i].data_ptr<T>(); };
   const Products<T> product{weights, scales};
-  const int64_t B = s.batch, V = weights[0].size(0), E = weights[kGlobalWeights].size(0);  // a layer norm's width
+  const int64_t B = tokens.count, V = weights[0].size(0), E = weights[kGlobalWeights].size(0);  // a layer norm's width
   const int64_t layers = (int64_t(weights.size()) - kGlobalWeights) / kBlockWeights;
   const int64_t F = weights[kGlobalWeights + 8].size(0);  // the MLP's width (4 E)
   std::vector<T> h(B * E), x(B * E), attn(B * E), context(B * E), qkv(B * 3 * E), wide(B * F);
 
-  for (int64_t b = 0; b < B; ++b) product.embedding_row(tokens[b], E, x.data() + b * E);
+  for (int64_t b = 0; b < B; ++b) product.embedding_row(tokens.ids[b], E, x.data() + b * E);
   layer_norm<T>(x.data(), ptr(1), ptr(2), B, E, eps, h.data());
 
-  const int64_t layer_cache = B * s.heads * s.cache_len * s.head_dim;
+  const int64_t layer_cache = s.batch * s.heads * s.cache_len * s.head_dim;
   for (int64_t layer = 0; layer < layers; ++layer) {
     const size_t w = kGlobalWeights + layer * kBlockWeights;
     layer_norm<T>(h.data(), ptr(w), ptr(w + 1), B, E, eps, x.data());
     product(w + 2, x.data(), B, 3 * E, E, ptr(w + 3), qkv.data());
-    attend<T>(qkv.data(), positions, keys.data_ptr<T>() + layer * layer_cache,
+    attend<T>(qkv.data(), tokens, keys.data_ptr<T>() + layer * layer_cache,
               values.data_ptr<T>() + layer * layer_cache, alibi, s, context.data());
     product(w + 4, context.data(), B, E, E, ptr(w + 5), attn.data());
     add_into<T>(residual_from_ln ? x.data() : h.data(), attn.data(), B * E);  // attn = residual + attention
@@ -176,8 +194,10 @@ void decode(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor
     product(w + 10, wide.data(), B, E, F, ptr(w + 11), h.data());
     add_into<T>(residual_from_ln ? x.data() : attn.data(), h.data(), B * E);  // h = residual + MLP
   }
-  layer_norm<T>(h.data(), ptr(3), ptr(4), B, E, eps, x.data());
-  product(0, x.data(), B, V, E, nullptr, logits);
+  // The LM head for the kept tokens only (a prompt's piece needs the logits of its last token at most).
+  for (int64_t r = 0; r < kept; ++r) std::copy(h.data() + keep[r] * E, h.data() + (keep[r] + 1) * E, attn.data() + r * E);
+  layer_norm<T>(attn.data(), ptr(3), ptr(4), kept, E, eps, x.data());
+  product(0, x.data(), kept, V, E, nullptr, logits);
 }
 
 // The quantized entries of a decode step's weight list (int8 or int4, with scales): the embeddings
@@ -189,9 +209,12 @@ bool quantizable(size_t i) {
   return j == 2 || j == 4 || j == 8 || j == 10;
 }
 
-at::Tensor run_decode(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>* scales,
-                      const at::Tensor& tokens, const at::Tensor& positions, at::Tensor keys, at::Tensor values,
-                      const at::Tensor& alibi, int64_t window, double eps, bool residual_from_ln) {
+// `rows` [T] (the cache row of each token) and `keep` (the tokens whose logits are returned) are
+// absent for a decode step: token b is row b's, and every token's logits are returned.
+at::Tensor run_step(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>* scales,
+                    const at::Tensor& tokens, const at::Tensor& positions, at::Tensor keys, at::Tensor values,
+                    const at::Tensor& alibi, int64_t window, double eps, bool residual_from_ln,
+                    const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& keep) {
   TORCH_CHECK(weights.size() > kGlobalWeights && (weights.size() - kGlobalWeights) % kBlockWeights == 0,
               "decode_step: 5 + 12 per block weights");
   TORCH_CHECK(keys.dim() == 5 && keys.is_contiguous() && values.is_contiguous() && alibi.is_contiguous(),
@@ -217,50 +240,66 @@ at::Tensor run_decode(const std::vector<at::Tensor>& weights, const std::vector<
               "decode_step: cache and alibi in the weights' dtype");
   const Shapes s{keys.size(1), keys.size(2), keys.size(4), keys.size(3), window};
   const int64_t E = weights[kGlobalWeights].size(0), F = weights[kGlobalWeights + 8].size(0);
-  const int64_t step = scales != nullptr ? 16 : bloom_cpu::kStepBytes / int64_t(c10::elementSize(dtype));
-  TORCH_CHECK(E % step == 0 && F % step == 0,
+  const int64_t step_elements = scales != nullptr ? 16 : bloom_cpu::kStepBytes / int64_t(c10::elementSize(dtype));
+  TORCH_CHECK(E % step_elements == 0 && F % step_elements == 0,
               "decode_step: the hidden size and the MLP's width must be multiples of 64 bytes (few_rows.h), "
               "16 elements with int8 weights");
-  TORCH_CHECK(tokens.numel() == s.batch && positions.numel() == s.batch && window <= s.cache_len,
-              "decode_step: one token and one position per cache row, window within the cache");
+  const int64_t count = tokens.numel();
+  const bool mixed = rows.has_value() && rows->defined();
+  TORCH_CHECK(mixed == (keep.has_value() && keep->defined()), "decode_step: rows and keep go together");
+  TORCH_CHECK(positions.numel() == count && window <= s.cache_len,
+              "decode_step: one position per token, window within the cache");
+  TORCH_CHECK(mixed || count == s.batch, "decode_step: one token per cache row");
   const at::Tensor ids = tokens.contiguous(), slots = positions.contiguous();
-  const int64_t* id = ids.data_ptr<int64_t>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t b = 0; b < s.batch; ++b) {
-    TORCH_CHECK(id[b] >= 0 && id[b] < weights[0].size(0), "decode_step: token id out of the vocabulary");
-    TORCH_CHECK(slot[b] >= 0 && slot[b] < s.cache_len, "decode_step: position outside the cache");
+  const at::Tensor token_rows = mixed ? rows->contiguous() : at::arange(count, tokens.options());
+  const at::Tensor kept = mixed ? keep->contiguous() : token_rows;
+  TORCH_CHECK(token_rows.scalar_type() == at::kLong && token_rows.numel() == count && kept.scalar_type() == at::kLong &&
+                  kept.numel() <= count,
+              "decode_step: int64 rows, one per token, and int64 keep, at most one per token");
+  const Tokens t{count, ids.data_ptr<int64_t>(), token_rows.data_ptr<int64_t>(), slots.data_ptr<int64_t>()};
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(t.ids[i] >= 0 && t.ids[i] < weights[0].size(0), "decode_step: token id out of the vocabulary");
+    TORCH_CHECK(t.positions[i] >= 0 && t.positions[i] < s.cache_len, "decode_step: position outside the cache");
+    TORCH_CHECK(t.rows[i] >= 0 && t.rows[i] < s.batch, "decode_step: row outside the cache");
   }
-  auto logits = at::empty({s.batch, weights[0].size(0)}, weights[1].options());
+  const int64_t* keep_ids = kept.data_ptr<int64_t>();
+  for (int64_t r = 0; r < kept.numel(); ++r)
+    TORCH_CHECK(keep_ids[r] >= 0 && keep_ids[r] < count, "decode_step: a kept token out of the step's tokens");
+  auto logits = at::empty({kept.numel(), weights[0].size(0)}, weights[1].options());
   bloom_cpu::with_element_type(dtype, "decode_step", [&](auto zero) {
     using T = decltype(zero);
-    decode<T>(weights, scales, id, slot, keys, values, alibi.data_ptr<T>(), s, float(eps), residual_from_ln,
-              logits.data_ptr<T>());
+    step<T>(weights, scales, t, keep_ids, kept.numel(), keys, values, alibi.data_ptr<T>(), s, float(eps),
+            residual_from_ln, logits.data_ptr<T>());
   });
   return logits;
 }
 
 at::Tensor decode_step(const std::vector<at::Tensor>& weights, const at::Tensor& tokens, const at::Tensor& positions,
                        at::Tensor keys, at::Tensor values, const at::Tensor& alibi, int64_t window, double eps,
-                       bool residual_from_ln) {
-  return run_decode(weights, nullptr, tokens, positions, keys, values, alibi, window, eps, residual_from_ln);
+                       bool residual_from_ln, const std::optional<at::Tensor>& rows,
+                       const std::optional<at::Tensor>& keep) {
+  return run_step(weights, nullptr, tokens, positions, keys, values, alibi, window, eps, residual_from_ln, rows, keep);
 }
 
 // The same step over quantized weights: `scales[i]` holds the scales of `weights[i]` where that is
 // int8 or int4 (the embeddings and the blocks' linear weights), and is ignored elsewhere.
 at::Tensor decode_step_quantized(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
-                            const at::Tensor& tokens, const at::Tensor& positions, at::Tensor keys, at::Tensor values,
-                            const at::Tensor& alibi, int64_t window, double eps, bool residual_from_ln) {
+                                 const at::Tensor& tokens, const at::Tensor& positions, at::Tensor keys,
+                                 at::Tensor values, const at::Tensor& alibi, int64_t window, double eps,
+                                 bool residual_from_ln, const std::optional<at::Tensor>& rows,
+                                 const std::optional<at::Tensor>& keep) {
   TORCH_CHECK(scales.size() == weights.size(), "decode_step_quantized: one scales entry per weight");
-  return run_decode(weights, &scales, tokens, positions, keys, values, alibi, window, eps, residual_from_ln);
+  return run_step(weights, &scales, tokens, positions, keys, values, alibi, window, eps, residual_from_ln, rows, keep);
 }
 
 }  // namespace
 
 BLOOM_LIBRARY_FRAGMENT(BLOOM_OPS, m) {
   m.def("decode_step(Tensor[] weights, Tensor tokens, Tensor positions, Tensor(a!) keys, Tensor(b!) values, "
-        "Tensor alibi, int window, float eps, bool residual_from_ln) -> Tensor");
+        "Tensor alibi, int window, float eps, bool residual_from_ln, Tensor? rows=None, Tensor? keep=None) -> Tensor");
   m.def("decode_step_quantized(Tensor[] weights, Tensor[] scales, Tensor tokens, Tensor positions, Tensor(a!) keys, "
-        "Tensor(b!) values, Tensor alibi, int window, float eps, bool residual_from_ln) -> Tensor");
+        "Tensor(b!) values, Tensor alibi, int window, float eps, bool residual_from_ln, Tensor? rows=None, "
+        "Tensor? keep=None) -> Tensor");
 }
 
 BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {
