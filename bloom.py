@@ -121,8 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="--serve: prompt and attention-window buckets, in tokens (default 32; 0: max_length only)")
     serving.add_argument("--max_prefill", type=int, default=4,
                          help="--serve: waiting prompts prefilled together in one step when no row is running (default 4)")
-    serving.add_argument("--prefill_chunk", type=int, default=128,
-                         help="--serve: prompt tokens fed per decode step while rows run, in up to 4 segments (default 128)")
+    serving.add_argument("--prefill_chunk", type=int, default=64,
+                         help="--serve: prompt tokens fed per decode step while rows run, in up to 4 segments (default 64)")
     serving.add_argument("--max_queue", type=int, default=256, help="--serve: requests waiting before 503 (default 256)")
     serving.add_argument("--lora", action="append", metavar="NAME=DIR",
                          help="--serve: a LoRA adapter saved by PEFT, served unmerged beside the base model; a "

@@ -273,7 +273,7 @@ def parse_args(argv=None):
     p.add_argument("--max_batch", type=int, default=32)
     p.add_argument("--bucket_width", type=int, default=32)
     p.add_argument("--max_prefill", type=int, default=4, help="ours: prompts prefilled together (when idle)")
-    p.add_argument("--prefill_chunk", type=int, default=128, help="ours: prompt tokens per decode step")
+    p.add_argument("--prefill_chunk", type=int, default=64, help="ours: prompt tokens per decode step")
     p.add_argument("--clients", default="1,4,16,32", help="closed-loop client counts")
     p.add_argument("--rates", default="", help="open-loop Poisson rates, requests/s (e.g. 2,8)")
     p.add_argument("--requests", type=int, default=64, help="requests per load level")

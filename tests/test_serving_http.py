@@ -297,7 +297,7 @@ def test_cli_serve(tmp_path):
         proc.wait(30)
     log = proc.stderr.read()
     # Prefills of 1 and 2 prompts and decodes of 1 and 2 rows, each at lengths 16 and 32; mixed
-    # steps of 1 and 2 rows with chunks of 8, 16 and 32 (the default --prefill_chunk) at each.
+    # steps of 1 and 2 rows with chunks of 8, 16 and 32 (--prefill_chunk, capped at --max_length) at each.
     assert "warm-up: 4 prefill, 4 decode and 12 mixed shapes" in log, log
 
 

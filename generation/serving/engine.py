@@ -81,7 +81,7 @@ class EngineConfig:
     bucket_width: int = 32  # length buckets (prompt padding, decode windows); 0: max_length only
     max_queue: int = 256
     max_prefill: int = 4  # prompts prefilled together in one step (when no row is running)
-    prefill_chunk: int = 128  # prompt tokens fed per decode step while rows run (in segments)
+    prefill_chunk: int = 64  # prompt tokens fed per decode step while rows run (in segments)
 
 
 class EngineMetrics:
