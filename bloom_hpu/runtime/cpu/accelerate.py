@@ -173,7 +173,7 @@ INT4_KERNEL_ANY_ROWS = 1 << 30
 
 
 # The server's mixed step (16 rows and 8 to 64 prompt tokens; 2 Zen 4 cores, bloom-560m in bf16, int8,
-# int4 and fp32) took 20-55% less time as one call than op by op, and 75% less on the AVX2 build (whose
+# int4 and fp32) took 18-53% less time as one call than op by op, and 75% less on the AVX2 build (whose
 # bf16 products oneDNN emulates): past 16 rows the kernel loses to oneDNN less than the op-by-op step
 # spends on dispatch and copies. Where the kernel serves fewer rows than
 # 16 (AMX's oneDNN, int8 in fp32), the mixed step keeps the decode step's limit.
