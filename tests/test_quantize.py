@@ -344,11 +344,47 @@ def test_the_one_call_quantized_step_is_the_quantized_model_op_by_op(folder, isa
     """decode_step_quantized against the same quantized model's decode op by op: in fp32 (2 rows) the
     same logits; in bf16, 8 rows in one call (the products take the kernels' many-row paths, which
     the tests above check against F.linear) the same within bf16's rounding of the two orders of ops."""
+    generator, plan, model, cache, g, lengths = quantized_one_call(folder, isa, dtype, mode, rows)
+    assert plan.decode_rows >= rows
+    with torch.no_grad():
+        tokens, positions = torch.randint(4, 200, (rows, 1), generator=g), lengths.clone()
+        one_call = plan.decode(tokens, positions, cache, 16).float()
+        with plan.op_by_op():
+            op_by_op = model.decode(tokens, positions, cache, 16).float()
+    assert_same_logits(one_call, op_by_op, dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+@pytest.mark.parametrize("dtype, rows", [("fp32", 2), ("bf16", 8)])
+def test_the_one_call_quantized_mixed_step_is_the_quantized_model_op_by_op(folder, isa, dtype, rows, mode):
+    """The server's mixed step over quantized weights as one call (``OneCallDecode.mixed``) against
+    the same model's ``mixed`` op by op: the rows and two pieces of a prompt joining the last row
+    (the second padded), so the quantized products take more rows than the rows' decode alone."""
+    generator, plan, model, cache, g, lengths = quantized_one_call(folder, isa, dtype, mode, rows)
+    reference = model.allocate_cache(rows, 32)
+    reference.keys.copy_(cache.keys)
+    reference.values.copy_(cache.values)
+    with torch.no_grad():
+        tokens, positions = torch.randint(4, 200, (rows, 1), generator=g), lengths.clone()
+        positions[-1] = 4  # the joining row's filler, at the slot its first piece then writes
+        chunk = torch.randint(4, 200, (2, 8), generator=g)
+        pieces = (torch.tensor([rows - 1] * 2), torch.tensor([4, 12]), torch.tensor([8, 5]))
+        one_call = plan.decode.mixed(tokens, positions, chunk, *pieces, cache, 32).float()
+        with plan.op_by_op():
+            op_by_op = model.mixed(tokens, positions, chunk, *pieces, reference, 32).float()
+    assert one_call.shape == (rows + 2, model.config.vocab_size)
+    assert_same_logits(one_call, op_by_op, dtype)
+
+
+def quantized_one_call(folder, isa: str, dtype: str, mode: str, rows: int):
+    """A quantized generator on ``isa``'s one-call steps, and a cache of ``rows`` rows holding short
+    prompts (their lengths, and the random stream that drew them, are returned for the step's inputs)."""
     from bloom_hpu.runtime.cpu import CpuOptions
 
     generator = Generator.from_pretrained(folder, dtype=dtype, cpu=CpuOptions(path=isa), **quantize_args(mode))
     plan = generator.backend.cpu_plan
-    assert plan.decode is not None and plan.decode.scales is not None and plan.decode_rows >= rows
+    assert plan.decode is not None and plan.decode.scales is not None
     model = generator.model
     cache = model.allocate_cache(rows, 32)
     g = torch.Generator().manual_seed(rows)
@@ -356,10 +392,11 @@ def test_the_one_call_quantized_step_is_the_quantized_model_op_by_op(folder, isa
     lengths = torch.randint(1, 5, (rows,), generator=g)
     with torch.no_grad():
         model.prefill(ids, lengths, cache)
-        tokens, positions = torch.randint(4, 200, (rows, 1), generator=g), lengths.clone()
-        one_call = plan.decode(tokens, positions, cache, 16).float()
-        with plan.op_by_op():
-            op_by_op = model.decode(tokens, positions, cache, 16).float()
+    return generator, plan, model, cache, g, lengths
+
+
+def assert_same_logits(one_call: torch.Tensor, op_by_op: torch.Tensor, dtype: str) -> None:
+    """In fp32 the same logits; in bf16 the same within bf16's rounding of the two orders of ops."""
     if dtype == "fp32":
         torch.testing.assert_close(one_call, op_by_op, rtol=1e-4, atol=1e-4)
     else:
