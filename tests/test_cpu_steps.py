@@ -119,6 +119,12 @@ def test_mixed_steps_take_the_one_call_up_to_their_limit(isa):
     runner = StepRunner(model, backend)
     plan = backend.cpu_plan
     assert plan.mixed_rows == 80
+    # Over quantized weights (fp32 on the AVX2 build: 16 rows in the decode step), up to 48 tokens.
+    from bloom_hpu.quantize import quantize
+
+    for mode, group in (("int8", None), ("int4", 32)):
+        quantized = quantize(random_model(torch.float32, hidden_size=64, n_layer=2, n_head=4), mode, group)
+        assert accelerate(quantized, CpuOptions(path="avx2")).mixed_rows == 48, mode
     calls = []
     one_call = plan.decode.mixed
     plan.decode.mixed = lambda *args: calls.append(args[0].shape[0] + args[2].numel()) or one_call(*args)

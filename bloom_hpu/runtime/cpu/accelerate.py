@@ -172,12 +172,16 @@ INT4_KERNEL_FLOAT_ROWS = 32
 INT4_KERNEL_ANY_ROWS = 1 << 30
 
 
-# The server's mixed step (16 rows and 8 to 64 prompt tokens; 2 Zen 4 cores, bloom-560m in bf16, int8,
-# int4 and fp32) took 18-53% less time as one call than op by op, and 75% less on the AVX2 build (whose
+# The server's mixed step as one call against op by op (16 rows plus 8 to 64 prompt tokens; 2 Zen 4
+# cores, bloom-560m): 18-53% less time in bf16 and fp32 at every size, 75% less on the AVX2 build (whose
 # bf16 products oneDNN emulates): past 16 rows the kernel loses to oneDNN less than the op-by-op step
-# spends on dispatch and copies. Where the kernel serves fewer rows than
-# 16 (AMX's oneDNN, int8 in fp32), the mixed step keeps the decode step's limit.
+# spends on dispatch and copies. Over int8 and int4 weights, up to 48 tokens, it took 3-43% less in 9
+# of 10 timings (the tenth, int8 at 32 tokens, 4% more); at 80 tokens 15% less to 2% more (int8) and
+# 7-16% more (int4, whose many-row products op by op are oneDNN's on the dequantized weight). Where
+# the kernel serves fewer rows than 16 (AMX's oneDNN, int8 in fp32), the mixed step keeps the decode
+# step's limit.
 MIXED_ROWS = 80
+MIXED_ROWS_QUANTIZED = 48
 
 
 class DequantizeScratch:
@@ -259,7 +263,10 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
                                         kernels.decode_step_quantized if quantized else None)
             if quantized:  # as many rows as the quantized kernel serves
                 plan.decode_rows = min([plan.decode_rows] + [m.kernel_rows for m in quantized])
-            plan.mixed_rows = MIXED_ROWS if plan.decode_rows >= FEW_ROWS else plan.decode_rows
+            if plan.decode_rows < FEW_ROWS:
+                plan.mixed_rows = plan.decode_rows
+            else:
+                plan.mixed_rows = MIXED_ROWS_QUANTIZED if quantized else MIXED_ROWS
             used.append("one-call decode step" + (f" ({quantized_mode(model)})" if quantized else ""))
         for block in model.h:
             swap(block.self_attention, OneCallPromptAttention, op=kernels.prompt_attention)
