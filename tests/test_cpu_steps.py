@@ -81,7 +81,9 @@ def test_one_call_mixed_step_equals_the_op_by_op_one(isa, dtype, config):
     """The server's mixed step (``StaticBloom.mixed``) as one call: 4 running rows, row 3 joining
     with a prompt whose two pieces ride in one step (the second shorter, padded, its slots clamped
     at the cache's end), and a decode token of row 3 at the slot its first piece then overwrites.
-    Three steps: the same logits (the rows' and each piece's last token's) and cache contents."""
+    After the first step the second piece is repeated, as ``DeviceRows.mixed`` pads the segment
+    count (the one call leaves pad tokens and repeats out). Three steps: the same logits (the rows'
+    and each piece's last token's) and cache contents."""
     model, plan = accelerated(isa, dtype, **config)
     assert plan.decode is not None
     one_call, reference_cache = model.allocate_cache(4, 24), model.allocate_cache(4, 24)
@@ -90,13 +92,17 @@ def test_one_call_mixed_step_equals_the_op_by_op_one(isa, dtype, config):
     op_by_op(plan, lambda: model.prefill(ids, lengths, one_call))
     op_by_op(plan, lambda: model.prefill(ids, lengths, reference_cache))
     tokens, positions = torch.randint(4, 1000, (4, 1)), lengths.clone()
-    for start in (1, 9, 17):  # the last step's second piece runs past the cache's 24 slots
+    # The last step's second piece ends at slot 22 and its pad tokens run past the cache's 24 slots
+    # (clamped onto slot 23), as for the longest prompt the engine takes (max_length - 1 tokens).
+    for start in (1, 9, 12):
         positions[3] = start
         chunk = torch.randint(4, 1000, (2, 8))
         rows, starts, real = torch.tensor([3, 3]), torch.tensor([start, start + 8]), torch.tensor([8, 3])
+        if start > 1:  # the second piece again
+            chunk, rows, starts, real = (torch.cat([t, t[-1:]]) for t in (chunk, rows, starts, real))
         ours = plan.decode.mixed(tokens, positions, chunk, rows, starts, real, one_call, 24)
         reference = op_by_op(plan, lambda: model.mixed(tokens, positions, chunk, rows, starts, real, reference_cache, 24))
-        assert ours.shape == reference.shape == (6, 1024) and ours.dtype == dtype
+        assert ours.shape == reference.shape == (4 + len(rows), 1024) and ours.dtype == dtype
         torch.testing.assert_close(ours, reference, **TOLERANCE[dtype])
         assert torch.equal(ours.argmax(-1), reference.argmax(-1))
         seen = start + 11  # row 3's slots past its prompt's real tokens hold pad tokens' keys, never attended
@@ -129,7 +135,7 @@ def test_mixed_steps_take_the_one_call_up_to_their_limit(isa):
     one_call = plan.decode.mixed
     plan.decode.mixed = lambda *args: calls.append(args[0].shape[0] + args[2].numel()) or one_call(*args)
     results = []
-    for limit in (80, 12):  # 4 rows and 2 pieces of 4 tokens: 12 tokens, then op by op
+    for limit in (80, 10):  # 4 rows and pieces of 4 and 2 real tokens (8 padded): 10 tokens, then op by op
         plan.mixed_rows = limit
         cache = model.allocate_cache(4, 32)
         ids, lengths = torch.randint(4, 1000, (4, 10), generator=torch.Generator().manual_seed(2)), torch.full((4,), 10)
@@ -137,7 +143,7 @@ def test_mixed_steps_take_the_one_call_up_to_their_limit(isa):
         chunk = torch.arange(100, 108).view(2, 4)
         rows, starts, real = torch.tensor([3, 2]), torch.tensor([10, 10]), torch.tensor([4, 2])
         results.append(runner.mixed(tokens, lengths, chunk, rows, starts, real, cache, 16).argmax(-1))
-        plan.mixed_rows = 11
+        plan.mixed_rows = 9
         results.append(runner.mixed(tokens, lengths, chunk, rows, starts, real, cache, 16).argmax(-1))
     assert calls == [12, 12]
     assert all(torch.equal(r, results[0]) for r in results)

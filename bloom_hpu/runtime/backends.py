@@ -110,7 +110,7 @@ class Backend:
             tokens, positions = inputs
             return plan.decode(tokens, positions, step.cache, step.window)
         if name == "mixed" and plan is not None and plan.decode is not None and \
-                inputs[0].shape[0] + inputs[2].numel() <= plan.mixed_rows:
+                plan.decode.mixed_tokens(*inputs) <= plan.mixed_rows:
             return plan.decode.mixed(*inputs, step.cache, step.window)  # the same call, with the segments' tokens
         if self.compile_steps and name == "decode":
             fn = step.__dict__.get("compiled")
