@@ -20,22 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from client_venvs import client_or_skip
 from servers import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
-GUIDELLM = ROOT / ".venv-guidellm" / "bin" / "guidellm"
 CHECKPOINT = ROOT / "checkpoints" / "bloom-tiny"
 REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 12, 24, 12
 
 
 @pytest.fixture(scope="module")
 def guidellm():
-    if not GUIDELLM.exists():
-        reason = f"guidellm's virtual environment is absent ({GUIDELLM}): run bash utils/guidellm/setup.sh"
-        if os.environ.get("BLOOM_GUIDELLM") == "required":
-            pytest.fail(reason + " (BLOOM_GUIDELLM=required)")
-        pytest.skip(reason)
-    return GUIDELLM
+    return client_or_skip("guidellm", "guidellm", "BLOOM_GUIDELLM")
 
 
 @pytest.fixture(scope="module")

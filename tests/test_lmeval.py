@@ -23,22 +23,17 @@ import torch
 
 import bloom
 from generation.jobs.evaluate import split_last_word
+from client_venvs import client_or_skip
 from servers import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
-LM_EVAL = ROOT / ".venv-lmeval" / "bin" / "lm_eval"
 TASK = ROOT / "utils" / "lmeval" / "lambada_local.yaml"
 PASSAGES = 16
 
 
 @pytest.fixture(scope="module")
 def lm_eval():
-    if not LM_EVAL.exists():
-        reason = f"lm-eval's virtual environment is absent ({LM_EVAL}): run bash utils/lmeval/setup.sh"
-        if os.environ.get("BLOOM_LMEVAL") == "required":
-            pytest.fail(reason + " (BLOOM_LMEVAL=required)")
-        pytest.skip(reason)
-    return LM_EVAL
+    return client_or_skip("lmeval", "lm_eval", "BLOOM_LMEVAL")
 
 
 def corpus_passages(hf, tokenizer) -> list[str]:
