@@ -60,7 +60,7 @@ class CpuPlan:
     kernels: Kernels | None = None
     decode: Callable | None = None
     decode_rows: int = FEW_ROWS
-    mixed_rows: int = FEW_ROWS  # the most tokens (rows' and segments' real ones) of a mixed step through ``decode.mixed``
+    mixed_rows: int = FEW_ROWS  # the most tokens (those it computes) of a mixed step through ``decode.mixed``
     prompt_attention: list[Attention] = field(default_factory=list)
 
     def drop_one_call_decode(self, why: str) -> None:
@@ -104,10 +104,11 @@ class OneCallDecode:
     def mixed(self, tokens, positions, chunk, chunk_rows, chunk_start, chunk_len, cache, window: int) -> torch.Tensor:
         """The model's ``mixed`` (a decode step with prompt segments [S, C]) as the same one call: each
         real segment token is one more token of the step, in its prompt's cache row at its own slot.
-        Returns logits [B + S, V], as the model's."""
-        b, c = tokens.shape[0], chunk.shape[1]
+        Returns logits [B + S, V], as the model's, but zeros for a joining row's filler token (see
+        ``computed_tokens``), which nothing reads."""
+        b, (s, c) = tokens.shape[0], chunk.shape
         chunk_slots, keep = segment_layout(b, chunk_start, chunk_len, c, cache)
-        taken = real_segment_tokens(b, chunk, chunk_rows, chunk_start, chunk_len)
+        taken = computed_tokens(positions, chunk, chunk_rows, chunk_start, chunk_len)
         ids = torch.cat([tokens[:, 0], chunk.reshape(-1)])[taken]
         slots = torch.cat([positions, chunk_slots.reshape(-1)])[taken]
         rows = torch.cat([cache.rows[:b], chunk_rows.repeat_interleave(c)])[taken]
@@ -115,27 +116,39 @@ class OneCallDecode:
         # segment's last token is not taken, and maps to the last one taken before it: the last
         # token of the segment it repeats, whose logits it returns.
         place = taken.cumsum(0) - 1
-        return self.op(self.weights, ids, slots, cache.keys, cache.values, cache.alibi, window, self.eps,
-                       self.residual_from_ln, rows, place[keep])
+        returned = torch.cat([taken[:b], torch.ones(s, dtype=torch.bool)])  # [B + S]: all but fillers
+        logits = self.op(self.weights, ids, slots, cache.keys, cache.values, cache.alibi, window, self.eps,
+                         self.residual_from_ln, rows, place[keep[returned]])
+        if bool(returned.all()):
+            return logits
+        out = logits.new_zeros(b + s, logits.shape[1])
+        out[returned] = logits
+        return out
 
     @staticmethod
     def mixed_tokens(tokens, positions, chunk, chunk_rows, chunk_start, chunk_len) -> int:
         """How many tokens ``mixed`` computes for these inputs (what its cost follows)."""
-        return int(real_segment_tokens(tokens.shape[0], chunk, chunk_rows, chunk_start, chunk_len).sum())
+        return int(computed_tokens(positions, chunk, chunk_rows, chunk_start, chunk_len).sum())
 
 
-def real_segment_tokens(b: int, chunk, chunk_rows, chunk_start, chunk_len) -> torch.Tensor:
-    """Which of a mixed step's B + S*C tokens the one call computes ([B + S*C] bool): the decode
-    tokens and each segment's real tokens, not the pad tokens past a segment's length nor the
-    segments that repeat the one before to pad their count (``DeviceRows.mixed``). Those only write
-    slots that nothing reads before a real token writes them again (a prompt's real tokens end
-    before the cache's last slot, where pad tokens past its end are clamped). The op-by-op step
-    computes them, its shapes being fixed for graphs; the one call takes any number of tokens."""
-    s, c = chunk.shape
+def computed_tokens(positions, chunk, chunk_rows, chunk_start, chunk_len) -> torch.Tensor:
+    """Which of a mixed step's B + S*C tokens the one call computes ([B + S*C] bool). Not:
+    * a joining row's filler: the decode token of a row that a segment of this step continues, at
+      the slot where that segment starts (``engine.py``), so the segment overwrites its key and
+      value, and its logits are not used (the row's first token comes from its last segment);
+    * the pad tokens past a segment's length, and the segments that repeat the one before to pad
+      their count (``DeviceRows.mixed``): they only write slots that nothing reads before a real
+      token writes them again (a prompt's real tokens end before the cache's last slot, where pad
+      tokens past its end are clamped).
+    The op-by-op step computes them all, its shapes being fixed for graphs; the one call takes any
+    number of tokens. At a burst's start most rows are joining: most of a step's decode tokens are
+    fillers."""
+    b, (s, c) = positions.shape[0], chunk.shape
+    filler = ((chunk_rows[:, None] == torch.arange(b)[None, :]) & (chunk_start[:, None] == positions[None, :])).any(0)
     repeated = torch.zeros(s, dtype=torch.bool)
     repeated[1:] = (chunk_rows[1:] == chunk_rows[:-1]) & (chunk_start[1:] == chunk_start[:-1])
     real = (torch.arange(c)[None, :] < chunk_len[:, None]) & ~repeated[:, None]  # [S, C]
-    return torch.cat([torch.ones(b, dtype=torch.bool), real.reshape(-1)])
+    return torch.cat([~filler, real.reshape(-1)])
 
 
 def decode_weights(model: StaticBloom) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -204,8 +217,7 @@ INT4_KERNEL_ANY_ROWS = 1 << 30
 # of 10 timings (the tenth, int8 at 32 tokens, 4% more); at 80 tokens 15% less to 2% more (int8) and
 # 7-16% more (int4, whose many-row products op by op are oneDNN's on the dequantized weight). Where
 # the kernel serves fewer rows than 16 (AMX's oneDNN, int8 in fp32), the mixed step keeps the decode
-# step's limit. The limits count the tokens the one call computes (the rows' and the segments' real
-# ones: ``real_segment_tokens``).
+# step's limit. The limits count the tokens the one call computes (``computed_tokens``).
 MIXED_ROWS = 80
 MIXED_ROWS_QUANTIZED = 48
 
