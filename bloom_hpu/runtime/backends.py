@@ -109,9 +109,10 @@ class Backend:
             # The CPU's one-call step (cpu/accelerate.py); more rows run op by op, through oneDNN.
             tokens, positions = inputs
             return plan.decode(tokens, positions, step.cache, step.window)
-        if name == "mixed" and plan is not None and plan.decode is not None and \
-                plan.decode.mixed_tokens(*inputs) <= plan.mixed_rows:
-            return plan.decode.mixed(*inputs, step.cache, step.window)  # the same call, with the segments' tokens
+        if name == "mixed" and plan is not None and plan.decode is not None:
+            taken = plan.decode.computed_tokens(*inputs)
+            if int(taken.sum()) <= plan.mixed_rows:  # the same call, with the segments' tokens
+                return plan.decode.mixed(*inputs, step.cache, step.window, taken)
         if self.compile_steps and name == "decode":
             fn = step.__dict__.get("compiled")
             if fn is None:

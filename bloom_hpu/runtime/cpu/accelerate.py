@@ -101,14 +101,17 @@ class OneCallDecode:
         return self.op(self.weights, tokens, positions, cache.keys, cache.values, cache.alibi, window, self.eps,
                        self.residual_from_ln)
 
-    def mixed(self, tokens, positions, chunk, chunk_rows, chunk_start, chunk_len, cache, window: int) -> torch.Tensor:
+    def mixed(self, tokens, positions, chunk, chunk_rows, chunk_start, chunk_len, cache, window: int,
+              taken: torch.Tensor | None = None) -> torch.Tensor:
         """The model's ``mixed`` (a decode step with prompt segments [S, C]) as the same one call: each
         real segment token is one more token of the step, in its prompt's cache row at its own slot.
         Returns logits [B + S, V], as the model's, but zeros for a joining row's filler token (see
-        ``computed_tokens``), which nothing reads."""
+        ``computed_tokens``), which nothing reads. ``taken``: ``computed_tokens`` of these inputs,
+        where the caller has it already (the backend, which routes on its count)."""
         b, (s, c) = tokens.shape[0], chunk.shape
         chunk_slots, keep = segment_layout(b, chunk_start, chunk_len, c, cache)
-        taken = computed_tokens(positions, chunk, chunk_rows, chunk_start, chunk_len)
+        if taken is None:
+            taken = computed_tokens(positions, chunk, chunk_rows, chunk_start, chunk_len)
         ids = torch.cat([tokens[:, 0], chunk.reshape(-1)])[taken]
         slots = torch.cat([positions, chunk_slots.reshape(-1)])[taken]
         rows = torch.cat([cache.rows[:b], chunk_rows.repeat_interleave(c)])[taken]
@@ -126,9 +129,9 @@ class OneCallDecode:
         return out
 
     @staticmethod
-    def mixed_tokens(tokens, positions, chunk, chunk_rows, chunk_start, chunk_len) -> int:
-        """How many tokens ``mixed`` computes for these inputs (what its cost follows)."""
-        return int(computed_tokens(positions, chunk, chunk_rows, chunk_start, chunk_len).sum())
+    def computed_tokens(tokens, positions, chunk, chunk_rows, chunk_start, chunk_len) -> torch.Tensor:
+        """``computed_tokens`` for ``mixed``'s inputs: the tokens it computes (its cost follows their count)."""
+        return computed_tokens(positions, chunk, chunk_rows, chunk_start, chunk_len)
 
 
 def computed_tokens(positions, chunk, chunk_rows, chunk_start, chunk_len) -> torch.Tensor:
