@@ -20,3 +20,16 @@ def needs_isa(isa: str) -> None:
     """Skip the calling test where this CPU (or a missing compiler) rules out ``isa``'s build."""
     if isa not in KERNEL_ISAS:
         pytest.skip(f"{isa} kernels cannot run here ({capability.detect().why}; compiler found: {compiler_found()})")
+
+
+def needs_amx_tiles():
+    """Skip the calling test unless our AVX-512 kernels can run their bf16 products on AMX tiles
+    here (a CPU with AMX-BF16 whose process Linux grants the tile state); else turn them on for
+    products of 4 rows or more and return the kernels."""
+    needs_isa("avx512_bf16")
+    from bloom_hpu.runtime.cpu.kernels import load
+
+    kernels = load("avx512_bf16")
+    if not (capability.detect().amx and kernels.enable_amx(4)):
+        pytest.skip(f"no AMX tiles here ({capability.detect().why})")
+    return kernels

@@ -17,7 +17,7 @@ from bloom_hpu.runtime.cpu import CpuOptions, CpuPathError, accelerate, capabili
 from bloom_hpu.runtime.cpu.kernels import compiler_found, load
 from bloom_hpu.runtime.cpu.layers import CpuLinear, CpuTiedHead, OneCallPromptAttention
 
-from isas import ALL_KERNEL_ISAS, KERNEL_ISAS, ROOT, needs_isa
+from isas import ALL_KERNEL_ISAS, KERNEL_ISAS, ROOT, needs_amx_tiles, needs_isa
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -81,6 +81,31 @@ def test_16_bit_products_are_the_exact_product_rounded_once(isa, dtype, rows, ou
         bound = step * exact64.abs() + in_features * 2.0**-24 * terms + 1e-30
         assert ((ours.double() - exact64).abs() <= bound).all()
         assert (ulps_apart(ours, exact) == 0).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("rows", [4, 5, 16, 17, 33, 80, 130])
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+def test_bf16_products_on_amx_tiles_are_the_exact_product_rounded_once(rows, out_features, in_features):
+    """The kernel's bf16 products of 4 rows or more on AMX tiles (csrc/amx_rows.h; a CPU with AMX
+    only): as the AVX-512 loop's, the exact product rounded once, to the same bounds, and so within
+    twice those of the loop's own result. Rows past 16 and 32 take more input
+    blocks and passes; 1027 outputs leave 3 rows past the tiles' 16, for the loop."""
+    kernels = needs_amx_tiles()
+    x, w, bias = random_product(rows, out_features, in_features, torch.bfloat16)
+    step = 2.0**-8
+    for b in (bias, None):
+        exact64 = F.linear(x.double(), w.double(), None if b is None else b.double())
+        ours = kernels.few_rows_linear(x, w, b)
+        terms = F.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
+        bound = step * exact64.abs() + in_features * 2.0**-24 * terms + 1e-30
+        assert ours.shape == exact64.shape and ((ours.double() - exact64).abs() <= bound).all()
+        assert (ulps_apart(ours, exact64.to(torch.bfloat16)) == 0).float().mean() > 0.9
+        kernels.enable_amx(0)
+        try:
+            loop = kernels.few_rows_linear(x, w, b)
+        finally:
+            kernels.enable_amx(4)
+        assert ((ours.double() - loop.double()).abs() <= 2 * bound).all()
 
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)

@@ -12,7 +12,7 @@ from bloom_hpu.config import BloomConfig
 from bloom_hpu.model import StaticBloom
 from bloom_hpu.tp import Parallel
 from bloom_hpu.runtime.cpu import CpuOptions, accelerate
-from isas import ALL_KERNEL_ISAS, needs_isa
+from isas import ALL_KERNEL_ISAS, needs_amx_tiles, needs_isa
 from utils.random_checkpoint import random_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -208,10 +208,13 @@ def test_one_call_steps_are_used_where_they_can_be(isa):
     assert used(one_call_steps=False) == (False, False)
 
 
-@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
-def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, monkeypatch):
-    """With AMX, bf16 steps of more than 8 rows go op by op (oneDNN's products), fewer rows take the
-    one-call step and the kernel; other dtypes and CPUs keep 16. Every path gives the same tokens."""
+@pytest.mark.parametrize("amx,tiles", [(False, False), (True, False), (True, True)],
+                         ids=["no-amx", "amx-oneDNN", "amx-tiles"])
+def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, tiles, monkeypatch):
+    """With AMX and the kernel's AMX products off, bf16 steps of more than 8 rows go op by op
+    (oneDNN's products), fewer rows take the one-call step; with them on (a CPU with AMX only), the
+    one-call step takes up to 128 rows and mixed steps up to 128 tokens. Other dtypes and CPUs keep
+    16; quantized weights keep their kernels' limits. Every path gives the same tokens."""
     import dataclasses
 
     from bloom_hpu.runtime.backends import Backend
@@ -219,15 +222,18 @@ def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, monkeypatch
     from bloom_hpu.runtime.steps import StepRunner
 
     needs_isa("avx512_bf16")
+    if tiles:
+        needs_amx_tiles()
     real = capability.detect()
     monkeypatch.setattr(capability, "detect", lambda: dataclasses.replace(real, amx=amx))
     model = random_model(torch.bfloat16, hidden_size=64, n_layer=2, n_head=4)
-    backend = Backend("cpu", cpu=CpuOptions(path="avx512_bf16"))
+    backend = Backend("cpu", cpu=CpuOptions(path="avx512_bf16", amx=tiles))
     runner = StepRunner(model, backend)
     plan = backend.cpu_plan
-    assert plan.decode_rows == (8 if amx else 16)
+    assert (plan.decode_rows, plan.mixed_rows) == ((128, 128) if tiles else (8, 8) if amx else (16, 80))
+    assert ("on AMX tiles" in plan.description) == tiles
     assert accelerate(random_model(torch.float32, hidden_size=64, n_layer=2, n_head=4),
-                      CpuOptions(path="avx512_bf16")).decode_rows == 16  # fp32: the kernel up to 16 rows
+                      CpuOptions(path="avx512_bf16", amx=tiles)).decode_rows == 16  # fp32: the kernel up to 16 rows
     # int8 weights: the one-call int8 step takes as many rows as the int8 kernel serves (bf16: the
     # VDPBF16PS path, as many as the bf16 step; fp32 on AVX-512: 1-2 rows; AVX2: as the bf16 step).
     from bloom_hpu.quantize import quantize
@@ -235,13 +241,15 @@ def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, monkeypatch
     for dtype, path, rows in ((torch.bfloat16, "avx512_bf16", 8 if amx else 16), (torch.float32, "avx512_bf16", 2),
                               (torch.bfloat16, "avx2", 8 if amx else 16), (torch.float32, "avx2", 16)):
         int8 = quantize(random_model(dtype, hidden_size=64, n_layer=2, n_head=4))
-        assert accelerate(int8, CpuOptions(path=path)).decode_rows == rows, (dtype, path)
+        assert accelerate(int8, CpuOptions(path=path, amx=tiles)).decode_rows == rows, (dtype, path)
     # int4: its kernel serves at least the rows of the one-call step on every build and dtype.
     for dtype, path in ((torch.bfloat16, "avx512_bf16"), (torch.float32, "avx512_bf16"), (torch.bfloat16, "avx2")):
         int4 = quantize(random_model(dtype, hidden_size=64, n_layer=2, n_head=4), "int4", 32)
-        plan_int4 = accelerate(int4, CpuOptions(path=path))
+        plan_int4 = accelerate(int4, CpuOptions(path=path, amx=tiles))
         assert plan_int4.decode_rows == (8 if amx and dtype == torch.bfloat16 else 16), (dtype, path)
         assert "one-call decode step (int4)" in plan_int4.description
+    accelerate(random_model(torch.bfloat16, hidden_size=64, n_layer=2, n_head=4),
+               CpuOptions(path="avx512_bf16", amx=tiles))  # the kernels' AMX setting (per process) as at the start
     calls = []
     one_call = plan.decode
     plan.decode = lambda *args: calls.append(args[0].shape[0]) or one_call(*args)
@@ -253,4 +261,4 @@ def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, monkeypatch
         ours = runner.decode(tokens[:, None], lengths, cache, 16)
         reference = op_by_op(plan, lambda: model.decode(tokens[:, None], lengths, cache, 16))
         assert torch.equal(ours.argmax(-1), reference.argmax(-1))
-    assert calls == ([8] if amx else [8, 12])
+    assert calls == ([8] if amx and not tiles else [8, 12])

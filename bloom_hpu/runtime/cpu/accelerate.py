@@ -4,7 +4,8 @@
 (``capability.py``) and what ``CpuOptions`` allow, one of:
 
 * our kernels for the CPU's ISA (``kernels.py``: AVX512-BF16, or AVX2+FMA+F16C): the products of a
-  few rows, and in one process the whole decode step and a prefill's attention as one call each;
+  few rows (on a CPU with AMX, bf16 products of many rows too, on its tiles), and in one process
+  the whole decode step and a prefill's attention as one call each;
 * oneDNN (PyTorch's private mkldnn operations, used only where a probe call showed they work):
   bf16 weights packed in oneDNN's layout, the MLP's GELU inside its product;
 * PyTorch's public operations alone (other architectures, or ``path='plain'``).
@@ -20,12 +21,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from ...model import Attention, StaticBloom, segment_layout
 from ...quantize import INT8_KERNEL_MANY_ROWS, INT8_KERNEL_ROWS, quantized_mode, quantized_products
 from . import capability
 from .kernels import Kernels, KernelsUnavailable, load
-from .layers import (CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, OneCallPromptAttention, kernel_suits, swap, unswap)
+from .layers import (AMX_MIN_ROWS, AMX_TILE_ROWS, CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, OneCallPromptAttention,
+                     kernel_suits, swap, unswap)
 
 PATHS = ("auto", "avx512_bf16", "avx2", "onednn", "plain")
 
@@ -39,11 +42,15 @@ class CpuOptions:
     """``path``: 'auto' (the fastest this CPU can run), a kernel build ('avx512_bf16', 'avx2': an
     error where it cannot run), 'onednn' (no kernels) or 'plain' (PyTorch's public operations only).
     ``one_call_steps``: with kernels, the decode step and a prefill's attention as one C++ call each.
-    ``pack_weights``: without kernels, bf16 weights packed for oneDNN."""
+    ``pack_weights``: without kernels, bf16 weights packed for oneDNN.
+    ``amx``: with the AVX-512 kernels on a CPU with AMX-BF16, their bf16 products of 4 rows or
+    more on AMX tiles (off: the AVX-512 loop, as on other CPUs; a setting of the process, as the
+    kernels are loaded once per process)."""
 
     path: str = "auto"
     one_call_steps: bool = True
     pack_weights: bool = True
+    amx: bool = True
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -191,6 +198,22 @@ def choose_kernels(path: str, cap: capability.Capability) -> tuple[Kernels | Non
         return None, f"no kernels: {error}"
 
 
+def use_amx_tiles(kernels: Kernels, wanted: bool) -> bool:
+    """Turn the kernels' AMX products on (``wanted``) or off, for the process; whether they are on.
+    On needs the process granted the tile state (``csrc/amx_rows.h``) and a probe product to agree
+    with F.linear; otherwise they stay off."""
+    if not wanted or not kernels.enable_amx(AMX_MIN_ROWS):
+        kernels.enable_amx(0)
+        return False
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=g).to(torch.bfloat16) for shape in ((20, 64), (48, 64), (48,)))
+    if not torch.allclose(kernels.few_rows_linear(x, w, b).float(), F.linear(x.float(), w.float(), b.float()),
+                          rtol=2e-2, atol=0.25):
+        kernels.enable_amx(0)
+        return False
+    return True
+
+
 def quantized_kernel_rows(isa: str, dtype: torch.dtype, amx: bool, int4: bool) -> int:
     """The most rows the quantized kernel serves (see ``quantize.py``): int8, many with bf16 inputs on
     the AVX-512 build and on the AVX2 build, 1-2 with fp32/fp16 inputs on the AVX-512 build; int4
@@ -254,8 +277,11 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     for linear in linears:
         swap(linear, CPU_LINEAR[getattr(linear, "plain_class", type(linear))])
     used = []
-    # The kernel's row limit: lower where AMX gives oneDNN's bf16 products of many rows the edge.
-    few_rows = FEW_ROWS_AMX if cap.amx and dtype == torch.bfloat16 else FEW_ROWS
+    amx_tiles = kernels is not None and dtype == torch.bfloat16 and cap.amx and use_amx_tiles(kernels, options.amx)
+    # The kernel's row limit: higher where its bf16 products run on AMX tiles; lower where AMX
+    # gives oneDNN's bf16 products of many rows the edge over the kernel's AVX-512 loop.
+    untiled_rows = FEW_ROWS_AMX if cap.amx and dtype == torch.bfloat16 else FEW_ROWS
+    few_rows = AMX_TILE_ROWS if amx_tiles else untiled_rows
     if kernels is not None:
         for linear in linears:
             if kernel_suits(linear.weight):
@@ -263,7 +289,7 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         if kernel_suits(model.word_embeddings.weight) and not getattr(model.head, "quantized", False):
             swap(model.head, CpuTiedHead, kernel=kernels.few_rows_linear,
                  few_rows_limit=few_rows * model.word_embeddings.weight.shape[1])
-        used.append(f"few-rows products (up to {few_rows} rows)")
+        used.append(f"few-rows products (up to {few_rows} rows{', from 4 on AMX tiles' if amx_tiles else ''})")
         quantized = quantized_products(model)
         scratch = DequantizeScratch(kernels.int4_dequantize)
         for module in quantized:
@@ -302,10 +328,12 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         if not compile_steps and model.parallel.world_size == 1 and all_kernel:
             plan.decode = OneCallDecode(model, kernels.decode_step,
                                         kernels.decode_step_quantized if quantized else None)
-            if quantized:  # as many rows as the quantized kernel serves
-                plan.decode_rows = min([plan.decode_rows] + [m.kernel_rows for m in quantized])
+            if quantized:  # as many rows as the quantized kernel serves (it has no AMX products)
+                plan.decode_rows = min([untiled_rows] + [m.kernel_rows for m in quantized])
             if plan.decode_rows < FEW_ROWS:
                 plan.mixed_rows = plan.decode_rows
+            elif amx_tiles and not quantized:  # the products of many tokens on AMX tiles
+                plan.mixed_rows = AMX_TILE_ROWS
             else:
                 plan.mixed_rows = MIXED_ROWS_QUANTIZED if quantized else MIXED_ROWS
             used.append("one-call decode step" + (f" ({quantized_mode(model)})" if quantized else ""))

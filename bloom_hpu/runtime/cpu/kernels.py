@@ -5,6 +5,8 @@ The operators, the same sources compiled for each ISA into its own library and n
 
 * ``few_rows_linear(x [..., K], w [N, K], bias)``: products of a few rows with a large weight, at
   the speed at which the weight streams from memory (every decode product, the prefill's LM head);
+  in the AVX-512 build, once ``enable_amx(min_rows)`` turned them on, bf16 products of that many
+  rows or more run on AMX tiles (``csrc/amx_rows.h``), still reading the weight in place;
 * ``decode_step(...)``: a whole decode step in one call (``csrc/decode_step.cpp``), or with ``rows``
   and ``keep`` the server's mixed step (a decode carrying prompt segments);
 * ``prompt_attention(...)``: a prefill's attention in one call (``csrc/prompt_attention.cpp``);
@@ -40,6 +42,9 @@ FLAGS = {
     "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-DBLOOM_ISA_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DBLOOM_ISA_AVX2"],
 }
+# The AVX-512 build also holds the AMX product (csrc/amx_rows.h), used only once enabled on a CPU
+# with AMX-BF16; a compiler without AMX's intrinsics (GCC < 11) builds it without.
+AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-DBLOOM_AMX"]
 NAMESPACE = {"avx512_bf16": "bloom_avx512", "avx2": "bloom_avx2"}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -60,6 +65,7 @@ class Kernels:
     int4_rows_linear: Callable  # (x [..., K], q uint8 [N, K / 2], scales fp32 [N, K / G], bias): int4
     int4_dequantize: Callable  # (q, scales, out [N, K]): the weight in out's dtype
     decode_step_quantized: Callable  # decode_step over int8 or int4 weights and their scales
+    enable_amx: Callable  # (min_rows) -> the limit in force: bf16 products of that many rows on AMX (0: off)
 
 
 _built: dict[str, Kernels | KernelsUnavailable] = {}
@@ -93,22 +99,27 @@ def _build_and_probe(isa: str) -> Kernels:
 
     namespace = NAMESPACE[isa]
     started = time.perf_counter()
-    try:
-        cpp_extension.load(
-            name=f"bloom_cpu_{namespace.removeprefix('bloom_')}", sources=[str(p) for p in SOURCES],
-            extra_cflags=["-O3", "-fopenmp", *FLAGS[isa], f"-DBLOOM_OPS={namespace}"],
-            extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
-        )
-    except Exception as error:  # a compiler error, old torch headers...: PyTorch's operations serve
-        last_line = (str(error).strip().splitlines() or [""])[-1]
-        raise KernelsUnavailable(f"could not be built ({type(error).__name__}: {last_line})") from None
+    flag_sets = [FLAGS[isa] + AMX_FLAGS, FLAGS[isa]] if isa == "avx512_bf16" else [FLAGS[isa]]
+    for flags in flag_sets:
+        try:
+            cpp_extension.load(
+                name=f"bloom_cpu_{namespace.removeprefix('bloom_')}", sources=[str(p) for p in SOURCES],
+                extra_cflags=["-O3", "-fopenmp", *flags, f"-DBLOOM_OPS={namespace}"],
+                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
+            )
+            break
+        except Exception as error:  # a compiler error, old torch headers...: PyTorch's operations serve
+            last_line = (str(error).strip().splitlines() or [""])[-1]
+            failure = KernelsUnavailable(f"could not be built ({type(error).__name__}: {last_line})")
+    else:
+        raise failure from None
     elapsed = time.perf_counter() - started
     if elapsed > 5:  # a real compilation, not a load from the cache: say why the wait
         print(f"built the {isa} CPU kernels in {elapsed:.0f} s (cached from now on)", file=sys.stderr)
     ops = getattr(torch.ops, namespace)
     try:
         kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention, ops.int8_rows_linear,
-                          ops.int4_rows_linear, ops.int4_dequantize, ops.decode_step_quantized)
+                          ops.int4_rows_linear, ops.int4_dequantize, ops.decode_step_quantized, ops.enable_amx)
     except AttributeError as error:  # a library built from other sources
         raise KernelsUnavailable(f"were built without their operators ({error})") from None
     _register_fake(namespace)

@@ -24,9 +24,15 @@ from ...model import Attention, Linear, TiedHead
 from ...tp import RowParallelLinear
 
 FEW_ROWS = 16  # up to this many rows the kernel beat oneDNN on every bloom-560m shape measured
-# With AMX, oneDNN's bf16 products of more rows than this beat the kernel (bloom-560m, 16 rows:
-# a decode step 98 ms op by op through oneDNN against 140 ms in one call of the kernel).
+# With AMX, oneDNN's bf16 products of more rows than this beat the kernel's AVX-512 loop (bloom-560m,
+# 16 rows: a decode step 98 ms op by op through oneDNN against 140 ms in one call of the kernel).
 FEW_ROWS_AMX = 8
+# The kernel's bf16 products on AMX tiles (csrc/amx_rows.h): from AMX_MIN_ROWS rows (below, its
+# AVX-512 loop is as fast), up to AMX_TILE_ROWS rows (past it, oneDNN's products of the plain
+# weight are as fast). Measured over 24 blocks of bloom-560m's shapes on 2 Sapphire Rapids cores:
+# at 16 rows 32 ms, against 54 for oneDNN and 74 for the AVX-512 loop; at 128 rows 69 against 83.
+AMX_MIN_ROWS = 4
+AMX_TILE_ROWS = 128
 
 
 def kernel_suits(weight: torch.Tensor) -> bool:

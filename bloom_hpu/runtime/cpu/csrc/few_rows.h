@@ -28,7 +28,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
+#include "amx_rows.h"
 #include "vec16.h"
 
 BLOOM_CPU_BEGIN
@@ -199,6 +201,16 @@ inline void output_rows(const T* w, const T* x, const T* bias, T* out, int64_t n
 // a multiple of kStepBytes.
 template <typename T>
 void linear_rows(const T* x, int64_t M, const T* w, int64_t N, int64_t K, const T* bias, T* out) {
+#if defined(BLOOM_AMX)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {  // many rows: AMX tiles (amx_rows.h), where enabled
+    const int64_t min_rows = amx_min_rows().load(std::memory_order_relaxed), tiled = N / kTileRows * kTileRows;
+    if (min_rows > 0 && M >= min_rows && tiled > 0) {
+      amx_linear(x, M, w, tiled, K, bias, out, N);
+      for (int64_t n = tiled; n < N; ++n) output_rows<T, 1>(w + n * K, x, bias, out, n, M, N, K);
+      return;
+    }
+  }
+#endif
   const int64_t blocks = N / kRows;
   // At least ~64 KB of weights per task, so small layers are not split into tasks too short to pay.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kRows * K * int64_t(sizeof(T))));

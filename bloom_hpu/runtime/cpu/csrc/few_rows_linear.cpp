@@ -36,12 +36,23 @@ at::Tensor few_rows_linear(const at::Tensor& input, const at::Tensor& w, const s
   return out;
 }
 
+// AMX tiles for bf16 products of at least `min_rows` rows (0: never); returns the limit in force,
+// 0 where this build or this process cannot use them (amx_rows.h). The caller checks the CPU.
+int64_t enable_amx(int64_t min_rows) {
+#if defined(BLOOM_AMX)
+  return bloom_cpu::enable_amx(min_rows);
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 // An operator, not a Python function, so torch.compile can keep it in a graph as an external kernel;
 // its shape function is registered from Python. This file defines the library; the other two add to it.
 BLOOM_LIBRARY(BLOOM_OPS, m) {
   m.def("few_rows_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+  m.def("enable_amx(int min_rows) -> int", &enable_amx);
 }
 
 BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {
