@@ -45,29 +45,33 @@ using bloom_cpu::set16;
 constexpr int kGlobalWeights = 5;
 constexpr int kBlockWeights = 12;
 
-// out [rows, n] = layer_norm(x [rows, n]) * weight + bias, statistics in fp32.
+// out [rows, n] = layer_norm(x [rows, n]) * weight + bias, statistics in fp32, 16 lanes at a time
+// (n is a multiple of 16: run_step checks it). A mixed step's prompt tokens make this work grow
+// with them, where on AMX tiles the products barely do (amx_rows.h).
 template <typename T>
 void layer_norm(const T* x, const T* weight, const T* bias, int64_t rows, int64_t n, float eps, T* out) {
+  using bloom_cpu::load16;
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * n;
-    float mean = 0.0f;
-    for (int64_t i = 0; i < n; ++i) mean += float(xr[i]);
-    mean /= float(n);
-    float var = 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
-      const float d = float(xr[i]) - mean;
-      var += d * d;
+    Vec16 sum = bloom_cpu::zero16();
+    for (int64_t i = 0; i < n; i += 16) sum = sum + load16(xr + i);
+    const Vec16 mean = set16(bloom_cpu::reduce_add(sum) / float(n));
+    Vec16 squares = bloom_cpu::zero16();
+    for (int64_t i = 0; i < n; i += 16) {
+      const Vec16 d = load16(xr + i) - mean;
+      squares = bloom_cpu::fmadd(d, d, squares);
     }
-    const float rstd = 1.0f / std::sqrt(var / float(n) + eps);
-    for (int64_t i = 0; i < n; ++i)
-      out[r * n + i] = round_to<T>((float(xr[i]) - mean) * rstd * float(weight[i]) + float(bias[i]));
+    const Vec16 rstd = set16(1.0f / std::sqrt(bloom_cpu::reduce_add(squares) / float(n) + eps));
+    for (int64_t i = 0; i < n; i += 16)
+      bloom_cpu::store16(out + r * n + i, bloom_cpu::fmadd((load16(xr + i) - mean) * rstd, load16(weight + i), load16(bias + i)));
   }
 }
 
-// x = residual + x, rounded (PyTorch adds two bf16 tensors in fp32 and rounds once).
+// x = residual + x, rounded (PyTorch adds two bf16 tensors in fp32 and rounds once); count is a
+// multiple of 16.
 template <typename T>
 void add_into(const T* residual, T* x, int64_t count) {
-  for (int64_t i = 0; i < count; ++i) x[i] = round_to<T>(float(residual[i]) + float(x[i]));
+  for (int64_t i = 0; i < count; i += 16) bloom_cpu::store16(x + i, bloom_cpu::load16(residual + i) + bloom_cpu::load16(x + i));
 }
 
 // GELU with the tanh approximation (F.gelu(approximate="tanh")), in place. Written as
