@@ -3,10 +3,13 @@
 
 Three measurements, the evidence behind docs/performance.md's "why" paragraphs:
 
-1. **Decode products** (memory-bound): one pass over every linear weight of a bloom-560m-shaped
-   model (24 blocks + the tied LM head, 1 GB in bf16: far larger than the caches, as in a real decode
-   step), with M = 1, 4, 8, 16 input rows, through ``F.linear`` and through our few-rows kernel
-   (``bloom_hpu/cpu_kernel.py``); printed as ms per pass and GB/s read, beside the read bandwidth.
+1. **Decode products** (memory-bound at a few rows): one pass over every linear weight of a
+   bloom-560m-shaped model (24 blocks + the tied LM head, 1 GB in bf16: far larger than the caches,
+   as in a real decode step), with M = 1 ... 128 input rows (``--rows``; a server's mixed step
+   carries tens), through ``F.linear``, oneDNN's packed weights where its probe passes, and our
+   few-rows kernel (``bloom_hpu/runtime/cpu/kernels.py``) of each build this CPU runs, the
+   AVX-512 one also with its AMX tiles where the CPU has them; printed as ms per pass and GB/s read,
+   beside the read bandwidth.
 2. **Prefill products** (compute-bound): a 128-token prompt through the four linears of a block,
    ``F.linear`` (oneDNN) in GFLOP/s.
 3. **The bf16 dot-product peak**: VDPBF16PS on registers only, no memory, on every thread (built
@@ -84,25 +87,36 @@ def decode_weights() -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     return made
 
 
-def decode_products(repeats: int) -> None:
-    paths = {"F.linear": lambda x, w, b: F.linear(x, w, b)}
+def decode_products(repeats: int, row_counts: list[int]) -> None:
     cap = capability.detect()
+    paths = {"F.linear": (lambda x, w, b: F.linear(x, w, b), None)}
+    weights = decode_weights()
+    if capability.onednn_packs(torch.bfloat16):
+        ops = torch.ops.mkldnn
+        packed = {id(w): ops._reorder_linear_weight(w, 16) for w, _ in weights}
+        paths["oneDNN packed"] = (lambda x, w, b: ops._linear_pointwise(x, packed[id(w)], b, "none", [], ""), None)
     for isa in ("avx512_bf16", "avx2"):
         if not cap.can_run(isa):
             print(f"(no {isa} kernels: {cap.why})")
             continue
         try:
-            paths[f"{isa} kernel"] = load(isa).few_rows_linear
+            kernels = load(isa)
         except KernelsUnavailable as error:
             print(f"(no {isa} kernels: {error})")
-    weights = decode_weights()
+            continue
+        paths[f"{isa} kernel"] = (kernels.few_rows_linear, (kernels, 0))
+        if cap.amx and kernels.enable_amx(4):
+            paths[f"{isa} kernel, AMX"] = (kernels.few_rows_linear, (kernels, 4))
+        kernels.enable_amx(0)
     total = sum(w.nbytes for w, _ in weights)
     print(f"decode products: one pass over {total / 1e9:.2f} GB of bf16 weights (ms, GB/s)")
     print("rows  " + "".join(f"{name:>24s}" for name in paths))
-    for rows in (1, 4, 8, 16):
+    for rows in row_counts:
         inputs = {k: torch.randn(rows, k).bfloat16() for k in (HIDDEN, 4 * HIDDEN)}
         cells = []
-        for product in paths.values():
+        for product, amx in paths.values():
+            if amx is not None:  # the kernels' AMX setting, for the process
+                amx[0].enable_amx(amx[1])
             ms = median_ms(lambda: [product(inputs[w.shape[1]], w, b) for w, b in weights], repeats)
             cells.append(f"{ms:15.1f}  {total / ms / 1e6:5.1f}")
         print(f"{rows:4d}  " + "  ".join(cells))
@@ -144,11 +158,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rows", default="1,4,8,16", help="input rows of the decode products, e.g. 1,4,16,32,80,128")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"{torch.get_num_threads()} threads; read bandwidth {read_bandwidth(torch.device('cpu')) / 1e9:.1f} GB/s")
-    decode_products(args.repeats)
+    decode_products(args.repeats, [int(r) for r in args.rows.split(",")])
     prefill_products(args.repeats)
     dot_peak()
     return 0

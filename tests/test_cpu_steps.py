@@ -213,7 +213,7 @@ def test_one_call_steps_are_used_where_they_can_be(isa):
 def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, tiles, monkeypatch):
     """With AMX and the kernel's AMX products off, bf16 steps of more than 8 rows go op by op
     (oneDNN's products), fewer rows take the one-call step; with them on (a CPU with AMX only), the
-    one-call step takes up to 128 rows and mixed steps up to 128 tokens. Other dtypes and CPUs keep
+    one-call step takes up to 80 rows and mixed steps up to 80 tokens. Other dtypes and CPUs keep
     16; quantized weights keep their kernels' limits. Every path gives the same tokens."""
     import dataclasses
 
@@ -230,7 +230,7 @@ def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, tiles, monk
     backend = Backend("cpu", cpu=CpuOptions(path="avx512_bf16", amx=tiles))
     runner = StepRunner(model, backend)
     plan = backend.cpu_plan
-    assert (plan.decode_rows, plan.mixed_rows) == ((128, 128) if tiles else (8, 8) if amx else (16, 80))
+    assert (plan.decode_rows, plan.mixed_rows) == ((80, 80) if tiles else (8, 8) if amx else (16, 80))
     assert ("on AMX tiles" in plan.description) == tiles
     assert accelerate(random_model(torch.float32, hidden_size=64, n_layer=2, n_head=4),
                       CpuOptions(path="avx512_bf16", amx=tiles)).decode_rows == 16  # fp32: the kernel up to 16 rows

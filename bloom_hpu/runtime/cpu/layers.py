@@ -28,11 +28,12 @@ FEW_ROWS = 16  # up to this many rows the kernel beat oneDNN on every bloom-560m
 # 16 rows: a decode step 98 ms op by op through oneDNN against 140 ms in one call of the kernel).
 FEW_ROWS_AMX = 8
 # The kernel's bf16 products on AMX tiles (csrc/amx_rows.h): from AMX_MIN_ROWS rows (below, its
-# AVX-512 loop is as fast), up to AMX_TILE_ROWS rows (past it, oneDNN's products of the plain
-# weight are as fast). Measured over 24 blocks of bloom-560m's shapes on 2 Sapphire Rapids cores:
-# at 16 rows 32 ms, against 54 for oneDNN and 74 for the AVX-512 loop; at 128 rows 69 against 83.
+# AVX-512 loop is as fast), up to AMX_TILE_ROWS rows. One pass over bloom-560m's weights on 2
+# Sapphire Rapids cores (bench/cpu_products_bench.py, two runs): at 16 rows 46-51 ms, against
+# 95-101 for oneDNN and 162-217 for the AVX-512 loop; at 80 rows 106-212 against oneDNN's 139-300;
+# at 128 rows 247-299 against 176: there oneDNN wins.
 AMX_MIN_ROWS = 4
-AMX_TILE_ROWS = 128
+AMX_TILE_ROWS = 80
 
 
 def kernel_suits(weight: torch.Tensor) -> bool:

@@ -6,7 +6,7 @@
 // Without AMX a product's cost grows with its rows: VDPBF16PS does 32 products per instruction, so
 // at 16 rows the few-rows kernel is compute-bound at several times the time its weight takes to
 // stream. One AMX instruction (TDPBF16PS) multiplies a 16x32 tile by a 32x16 one, 8192 products, so
-// up to ~100 rows still cost about one read of the weight: the server's mixed steps, whose prompt
+// tens of rows cost little more than one read of the weight: the server's mixed steps, whose prompt
 // tokens then ride on the decode step's read of the weights, as on a card.
 //
 // TDPBF16PS multiplies a tile A [16 rows, 32 bf16] by a tile B whose rows hold pairs of k
