@@ -12,7 +12,7 @@ from bloom_hpu.config import BloomConfig
 from bloom_hpu.model import StaticBloom
 from bloom_hpu.tp import Parallel
 from bloom_hpu.runtime.cpu import CpuOptions, accelerate
-from isas import ALL_KERNEL_ISAS, needs_amx_tiles, needs_isa
+from isas import ALL_KERNEL_ISAS, KERNEL_ISAS, needs_amx_tiles, needs_isa
 from utils.random_checkpoint import random_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -208,9 +208,18 @@ def test_one_call_steps_are_used_where_they_can_be(isa):
     assert used(one_call_steps=False) == (False, False)
 
 
+@pytest.fixture
+def amx_default_afterwards():
+    """The kernels' AMX tiles back to the default (on, where this CPU has them) after the test: the
+    setting is the process's, and the tests after it should run what a user's process runs."""
+    yield
+    if "avx512_bf16" in KERNEL_ISAS:
+        accelerate(random_model(torch.bfloat16, hidden_size=64, n_layer=2, n_head=4), CpuOptions(path="avx512_bf16"))
+
+
 @pytest.mark.parametrize("amx,tiles", [(False, False), (True, False), (True, True)],
                          ids=["no-amx", "amx-oneDNN", "amx-tiles"])
-def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, tiles, monkeypatch):
+def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, tiles, amx_default_afterwards, monkeypatch):
     """With AMX and the kernel's AMX products off, bf16 steps of more than 8 rows go op by op
     (oneDNN's products), fewer rows take the one-call step; with them on (a CPU with AMX only), the
     one-call step takes up to 80 rows and mixed steps up to 80 tokens. Other dtypes and CPUs keep
@@ -249,7 +258,7 @@ def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, tiles, monk
         assert plan_int4.decode_rows == (8 if amx and dtype == torch.bfloat16 else 16), (dtype, path)
         assert "one-call decode step (int4)" in plan_int4.description
     accelerate(random_model(torch.bfloat16, hidden_size=64, n_layer=2, n_head=4),
-               CpuOptions(path="avx512_bf16", amx=tiles))  # the kernels' AMX setting (per process) as at the start
+               CpuOptions(path="avx512_bf16", amx=tiles))  # the plan above, by the kernels' AMX setting now
     calls = []
     one_call = plan.decode
     plan.decode = lambda *args: calls.append(args[0].shape[0]) or one_call(*args)
