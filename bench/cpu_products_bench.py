@@ -13,7 +13,8 @@ Three measurements, the evidence behind docs/performance.md's "why" paragraphs:
 2. **Prefill products** (compute-bound): a 128-token prompt through the four linears of a block,
    ``F.linear`` (oneDNN) in GFLOP/s.
 3. **The bf16 dot-product peak**: VDPBF16PS on registers only, no memory, on every thread (built
-   with ``torch.utils.cpp_extension``, a few seconds), in GFLOP/s. Prefill cannot beat it.
+   with ``torch.utils.cpp_extension``, a few seconds), in GFLOP/s; and where the CPU has AMX, the
+   same for TDPBF16PS on tiles loaded once. Our kernels cannot beat them.
 
     OMP_NUM_THREADS=2 python bench/cpu_products_bench.py --threads 2
 """
@@ -64,6 +65,41 @@ PEAK_SOURCE = textwrap.dedent("""
       return double(threads.load());  // threads that ran
     }
     PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("dot_peak", &dot_peak); }
+""")
+
+
+AMX_PEAK_SOURCE = textwrap.dedent("""
+    #include <torch/extension.h>
+    #include <ATen/Parallel.h>
+    #include <immintrin.h>
+    #include <sys/syscall.h>
+    #include <unistd.h>
+    struct alignas(64) Config { uint8_t palette = 1, start = 0, reserved[14] = {}; uint16_t colsb[16] = {}; uint8_t rows[16] = {}; };
+    // Four independent TDPBF16PS chains per thread on tiles loaded once: no memory. -1: no tiles here.
+    double tile_peak(int64_t iterations) {
+      if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) return -1;
+      std::atomic<int64_t> threads{0};
+      at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t begin, int64_t end) {
+        alignas(64) static thread_local uint16_t operand[16 * 32];
+        alignas(64) float sink[16 * 16];
+        for (int64_t t = begin; t < end; ++t) {
+          threads++;
+          Config config;
+          for (int i = 0; i < 8; ++i) { config.colsb[i] = 64; config.rows[i] = 16; }
+          _tile_loadconfig(&config);
+          for (int i = 0; i < 16 * 32; ++i) operand[i] = 0x3f80;
+          _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+          _tile_loadd(4, operand, 64); _tile_loadd(5, operand, 64); _tile_loadd(6, operand, 64); _tile_loadd(7, operand, 64);
+          for (int64_t it = 0; it < iterations; ++it) {
+            _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+          }
+          _tile_stored(0, sink, 64);
+          _tile_release();
+        }
+      });
+      return double(threads.load());
+    }
+    PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("tile_peak", &tile_peak); }
 """)
 
 
@@ -154,6 +190,34 @@ def dot_peak() -> None:
           f"{instructions * 64 / seconds / 1e9:.1f} GFLOP/s")
 
 
+def tile_peak() -> None:
+    """TDPBF16PS on tiles loaded once: the ceiling of the AMX tiles' products (csrc/amx_rows.h)."""
+    if not capability.detect().amx:
+        print("AMX tile peak: this CPU has no AMX")
+        return
+    from torch.utils import cpp_extension
+
+    folder = Path(tempfile.mkdtemp(prefix="bloom_tile_peak_"))
+    (folder / "tile_peak.cpp").write_text(AMX_PEAK_SOURCE)
+    try:
+        module = cpp_extension.load("bloom_tile_peak", [str(folder / "tile_peak.cpp")],
+                                    extra_cflags=["-O3", "-mamx-tile", "-mamx-bf16", "-fopenmp"], verbose=False)
+    except Exception as error:  # a compiler without AMX intrinsics
+        print(f"AMX tile peak: could not be built ({type(error).__name__})")
+        return
+    if module.tile_peak(1000) < 0:
+        print("AMX tile peak: Linux did not grant this process the tile state")
+        return
+    iterations = 2_000_000
+    start = time.perf_counter()
+    threads = module.tile_peak(iterations)
+    seconds = time.perf_counter() - start
+    instructions = iterations * 4 * threads
+    # One TDPBF16PS: 16 x 16 results of 32 products each = 8192 products, 16384 FLOP.
+    print(f"AMX tile peak: {instructions / seconds / 1e9:.3f} G TDPBF16PS/s on {int(threads)} threads = "
+          f"{instructions * 16384 / seconds / 1e9:.1f} GFLOP/s")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
@@ -166,6 +230,7 @@ def main(argv=None) -> int:
     decode_products(args.repeats, [int(r) for r in args.rows.split(",")])
     prefill_products(args.repeats)
     dot_peak()
+    tile_peak()
     return 0
 
 
