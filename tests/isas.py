@@ -24,12 +24,13 @@ def needs_isa(isa: str) -> None:
 
 def needs_amx_tiles():
     """Skip the calling test unless our AVX-512 kernels can run their bf16 products on AMX tiles
-    here (a CPU with AMX-BF16 whose process Linux grants the tile state); else turn them on for
-    products of 4 rows or more and return the kernels."""
+    here (a CPU with AMX-BF16 whose process Linux grants the tile state); else turn them on (from
+    ``AMX_MIN_ROWS`` rows, as ``accelerate`` does) and return the kernels."""
     needs_isa("avx512_bf16")
     from bloom_hpu.runtime.cpu.kernels import load
+    from bloom_hpu.runtime.cpu.layers import AMX_MIN_ROWS
 
     kernels = load("avx512_bf16")
-    if not (capability.detect().amx and kernels.enable_amx(4)):
+    if not (capability.detect().amx and kernels.enable_amx(AMX_MIN_ROWS)):
         pytest.skip(f"no AMX tiles here ({capability.detect().why})")
     return kernels

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from bloom_hpu.runtime.cpu import CpuOptions, CpuPathError, accelerate, capability
 from bloom_hpu.runtime.cpu.kernels import compiler_found, load
-from bloom_hpu.runtime.cpu.layers import CpuLinear, CpuTiedHead, OneCallPromptAttention
+from bloom_hpu.runtime.cpu.layers import AMX_MIN_ROWS, CpuLinear, CpuTiedHead, OneCallPromptAttention
 
 from isas import ALL_KERNEL_ISAS, KERNEL_ISAS, ROOT, needs_amx_tiles, needs_isa
 
@@ -104,7 +104,7 @@ def test_bf16_products_on_amx_tiles_are_the_exact_product_rounded_once(rows, out
         try:
             loop = kernels.few_rows_linear(x, w, b)
         finally:
-            kernels.enable_amx(4)
+            kernels.enable_amx(AMX_MIN_ROWS)
         assert ((ours.double() - loop.double()).abs() <= 2 * bound).all()
 
 

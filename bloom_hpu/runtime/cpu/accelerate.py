@@ -21,14 +21,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from ...model import Attention, StaticBloom, segment_layout
 from ...quantize import INT8_KERNEL_MANY_ROWS, INT8_KERNEL_ROWS, quantized_mode, quantized_products
 from . import capability
 from .kernels import Kernels, KernelsUnavailable, load
-from .layers import (AMX_MIN_ROWS, AMX_TILE_ROWS, CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, OneCallPromptAttention,
-                     kernel_suits, swap, unswap)
+from .layers import (AMX_MIN_ROWS, AMX_TILE_ROWS, CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead,
+                     OneCallPromptAttention, kernel_suits, swap, unswap)
 
 PATHS = ("auto", "avx512_bf16", "avx2", "onednn", "plain")
 
@@ -202,16 +201,11 @@ def use_amx_tiles(kernels: Kernels, wanted: bool) -> bool:
     """Turn the kernels' AMX products on (``wanted``) or off, for the process; whether they are on.
     On needs the process granted the tile state (``csrc/amx_rows.h``) and a probe product to agree
     with F.linear; otherwise they stay off."""
-    if not wanted or not kernels.enable_amx(AMX_MIN_ROWS):
-        kernels.enable_amx(0)
-        return False
-    g = torch.Generator().manual_seed(0)
-    x, w, b = (torch.randn(*shape, generator=g).to(torch.bfloat16) for shape in ((20, 64), (48, 64), (48,)))
-    if not torch.allclose(kernels.few_rows_linear(x, w, b).float(), F.linear(x.float(), w.float(), b.float()),
-                          rtol=2e-2, atol=0.25):
-        kernels.enable_amx(0)
-        return False
-    return True
+    if wanted and kernels.enable_amx(AMX_MIN_ROWS):
+        if capability.agrees_with_linear(kernels.few_rows_linear, torch.bfloat16):  # its 20 rows run on the tiles
+            return True
+    kernels.enable_amx(0)
+    return False
 
 
 def quantized_kernel_rows(isa: str, dtype: torch.dtype, amx: bool, int4: bool) -> int:
@@ -289,7 +283,8 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         if kernel_suits(model.word_embeddings.weight) and not getattr(model.head, "quantized", False):
             swap(model.head, CpuTiedHead, kernel=kernels.few_rows_linear,
                  few_rows_limit=few_rows * model.word_embeddings.weight.shape[1])
-        used.append(f"few-rows products (up to {few_rows} rows{', from 4 on AMX tiles' if amx_tiles else ''})")
+        tiles = f", from {AMX_MIN_ROWS} on AMX tiles" if amx_tiles else ""
+        used.append(f"few-rows products (up to {few_rows} rows{tiles})")
         quantized = quantized_products(model)
         scratch = DequantizeScratch(kernels.int4_dequantize)
         for module in quantized:

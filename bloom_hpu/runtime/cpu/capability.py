@@ -91,9 +91,9 @@ def detect() -> Capability:
     return Capability(isa, why + (" with AMX" if amx else ""), amx)
 
 
-def _agrees(run, dtype: torch.dtype, gelu: bool = False) -> bool:
+def agrees_with_linear(run, dtype: torch.dtype, gelu: bool = False) -> bool:
     """``run(x, w, bias) -> y`` gives F.linear's result (its tanh GELU with ``gelu``) for a small
-    input in ``dtype``, without raising."""
+    input in ``dtype``, without raising: the probe of every operation a path relies on."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(20, 64, generator=g).to(dtype)
     w = torch.randn(48, 64, generator=g).to(dtype)
@@ -121,7 +121,7 @@ def onednn_packs(dtype: torch.dtype) -> bool:
     def packed(x, w, b):
         return ops._linear_pointwise(x, ops._reorder_linear_weight(w, x.shape[0]), b, "none", [], "")
 
-    return _agrees(packed, dtype)
+    return agrees_with_linear(packed, dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,4 +130,4 @@ def onednn_fuses_gelu(dtype: torch.dtype) -> bool:
     ops = torch.ops.mkldnn
     if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")):
         return False
-    return _agrees(lambda x, w, b: ops._linear_pointwise(x, w, b, "gelu", [], "tanh"), dtype, gelu=True)
+    return agrees_with_linear(lambda x, w, b: ops._linear_pointwise(x, w, b, "gelu", [], "tanh"), dtype, gelu=True)
