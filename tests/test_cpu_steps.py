@@ -12,7 +12,9 @@ from bloom_hpu.config import BloomConfig
 from bloom_hpu.model import StaticBloom
 from bloom_hpu.tp import Parallel
 from bloom_hpu.runtime.cpu import CpuOptions, accelerate
-from isas import ALL_KERNEL_ISAS, KERNEL_ISAS, needs_amx_tiles, needs_isa
+from bloom_hpu.runtime.cpu.kernels import load
+from bloom_hpu.runtime.cpu.layers import AMX_MIN_ROWS
+from isas import ALL_KERNEL_ISAS, KERNEL_ISAS, needs_isa
 from utils.random_checkpoint import random_weights
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -221,19 +223,23 @@ def amx_default_afterwards():
                          ids=["no-amx", "amx-oneDNN", "amx-tiles"])
 def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, tiles, amx_default_afterwards, monkeypatch):
     """With AMX and the kernel's AMX products off, bf16 steps of more than 8 rows go op by op
-    (oneDNN's products), fewer rows take the one-call step; with them on (a CPU with AMX only), the
-    one-call step takes up to 80 rows and mixed steps up to 80 tokens. Other dtypes and CPUs keep
-    16; quantized weights keep their kernels' limits. Every path gives the same tokens."""
+    (oneDNN's products), fewer rows take the one-call step; with them on, the one-call step takes up
+    to 80 rows and mixed steps up to 80 tokens. Other dtypes and CPUs keep 16; quantized weights keep
+    their kernels' limits. Every path gives the same tokens. On a CPU without AMX tiles the tiles'
+    case checks the routing alone: ``use_amx_tiles`` answers yes, and the kernel's AVX-512 loop
+    computes what the tiles would."""
     import dataclasses
+    import importlib
 
     from bloom_hpu.runtime.backends import Backend
     from bloom_hpu.runtime.cpu import capability
     from bloom_hpu.runtime.steps import StepRunner
 
     needs_isa("avx512_bf16")
-    if tiles:
-        needs_amx_tiles()
     real = capability.detect()
+    if tiles and not (real.amx and load("avx512_bf16").enable_amx(AMX_MIN_ROWS)):
+        module = importlib.import_module("bloom_hpu.runtime.cpu.accelerate")  # the package's `accelerate` is the function
+        monkeypatch.setattr(module, "use_amx_tiles", lambda kernels, wanted: wanted and kernels.isa == "avx512_bf16")
     monkeypatch.setattr(capability, "detect", lambda: dataclasses.replace(real, amx=amx))
     model = random_model(torch.bfloat16, hidden_size=64, n_layer=2, n_head=4)
     backend = Backend("cpu", cpu=CpuOptions(path="avx512_bf16", amx=tiles))
@@ -257,8 +263,6 @@ def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, tiles, amx_
         plan_int4 = accelerate(int4, CpuOptions(path=path, amx=tiles))
         assert plan_int4.decode_rows == (8 if amx and dtype == torch.bfloat16 else 16), (dtype, path)
         assert "one-call decode step (int4)" in plan_int4.description
-    accelerate(random_model(torch.bfloat16, hidden_size=64, n_layer=2, n_head=4),
-               CpuOptions(path="avx512_bf16", amx=tiles))  # the plan above, by the kernels' AMX setting now
     calls = []
     one_call = plan.decode
     plan.decode = lambda *args: calls.append(args[0].shape[0]) or one_call(*args)
