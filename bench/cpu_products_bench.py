@@ -169,25 +169,35 @@ def prefill_products(repeats: int, tokens: int = 128) -> None:
           f"{flop / ms / 1e6:.1f} GFLOP/s")
 
 
+def build_probe(name: str, source: str, cflags: list[str]):
+    """``source`` (a peak probe above) built with ``torch.utils.cpp_extension`` in a fresh folder."""
+    from torch.utils import cpp_extension
+
+    folder = Path(tempfile.mkdtemp(prefix=f"{name}_"))
+    (folder / f"{name}.cpp").write_text(source)
+    return cpp_extension.load(name, [str(folder / f"{name}.cpp")], extra_cflags=["-O3", "-fopenmp", *cflags],
+                              verbose=False)
+
+
+def print_peak(label: str, probe, instruction: str, iterations: int, per_iteration: int, flop: int) -> None:
+    """Time ``probe(iterations)`` (it returns the threads that ran, each ``per_iteration``
+    instructions an iteration, of ``flop`` FLOP each) and print the rate."""
+    start = time.perf_counter()
+    threads = probe(iterations)
+    seconds = time.perf_counter() - start
+    instructions = iterations * per_iteration * threads
+    print(f"{label}: {instructions / seconds / 1e9:.3f} G {instruction}/s on {int(threads)} threads = "
+          f"{instructions * flop / seconds / 1e9:.1f} GFLOP/s")
+
+
 def dot_peak() -> None:
     if capability.detect().isa != "avx512_bf16":
         print("bf16 dot-product peak: this CPU has no AVX512-BF16")
         return
-    from torch.utils import cpp_extension
-
-    folder = Path(tempfile.mkdtemp(prefix="bloom_peak_"))
-    (folder / "peak.cpp").write_text(PEAK_SOURCE)
-    module = cpp_extension.load("bloom_dot_peak", [str(folder / "peak.cpp")],
-                                extra_cflags=["-O3", "-mavx512f", "-mavx512bf16", "-fopenmp"], verbose=False)
+    module = build_probe("bloom_dot_peak", PEAK_SOURCE, ["-mavx512f", "-mavx512bf16"])
     module.dot_peak(1000)
-    iterations = 20_000_000
-    start = time.perf_counter()
-    threads = module.dot_peak(iterations)
-    seconds = time.perf_counter() - start
-    instructions = iterations * 16 * threads
     # One VDPBF16PS on 512 bits: 16 lanes x 2 products x (multiply + add) = 64 FLOP.
-    print(f"bf16 dot-product peak: {instructions / seconds / 1e9:.2f} G VDPBF16PS/s on {int(threads)} threads = "
-          f"{instructions * 64 / seconds / 1e9:.1f} GFLOP/s")
+    print_peak("bf16 dot-product peak", module.dot_peak, "VDPBF16PS", 20_000_000, 16, 64)
 
 
 def tile_peak() -> None:
@@ -195,27 +205,16 @@ def tile_peak() -> None:
     if not capability.detect().amx:
         print("AMX tile peak: this CPU has no AMX")
         return
-    from torch.utils import cpp_extension
-
-    folder = Path(tempfile.mkdtemp(prefix="bloom_tile_peak_"))
-    (folder / "tile_peak.cpp").write_text(AMX_PEAK_SOURCE)
     try:
-        module = cpp_extension.load("bloom_tile_peak", [str(folder / "tile_peak.cpp")],
-                                    extra_cflags=["-O3", "-mamx-tile", "-mamx-bf16", "-fopenmp"], verbose=False)
+        module = build_probe("bloom_tile_peak", AMX_PEAK_SOURCE, ["-mamx-tile", "-mamx-bf16"])
     except Exception as error:  # a compiler without AMX intrinsics
         print(f"AMX tile peak: could not be built ({type(error).__name__})")
         return
     if module.tile_peak(1000) < 0:
         print("AMX tile peak: Linux did not grant this process the tile state")
         return
-    iterations = 2_000_000
-    start = time.perf_counter()
-    threads = module.tile_peak(iterations)
-    seconds = time.perf_counter() - start
-    instructions = iterations * 4 * threads
     # One TDPBF16PS: 16 x 16 results of 32 products each = 8192 products, 16384 FLOP.
-    print(f"AMX tile peak: {instructions / seconds / 1e9:.3f} G TDPBF16PS/s on {int(threads)} threads = "
-          f"{instructions * 16384 / seconds / 1e9:.1f} GFLOP/s")
+    print_peak("AMX tile peak", module.tile_peak, "TDPBF16PS", 2_000_000, 4, 16384)
 
 
 def main(argv=None) -> int:
