@@ -62,22 +62,22 @@ inline int64_t enable_amx(int64_t min_rows) {
   return rows;
 }
 
+// The tile configuration (palette 1; tiles 0-7 all 16 rows of 64 bytes), a constant in memory. Built
+// on the stack, its rows and column widths can be lost: GCC 12's _tile_loadconfig tells the compiler
+// it reads only the first 8 bytes, and in a small test program at -O2 GCC kept the zeroing and the
+// palette byte and dropped the other stores, so the tiles were left unconfigured.
 struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
 };
+inline constexpr TileConfig kTileConfig = {
+    1, 0, {}, {64, 64, 64, 64, 64, 64, 64, 64}, {kTileRows, kTileRows, kTileRows, kTileRows,
+                                                 kTileRows, kTileRows, kTileRows, kTileRows}};
 
-inline void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = kTileRows;
-  }
-  _tile_loadconfig(&config);
-}
+inline void configure_tiles() { _tile_loadconfig(&kTileConfig); }
 
 // x [M, K] -> xv (see above), ceil(M / 16) blocks of [K / 2, 16, 2]. A pair of bf16 moves as one
 // uint32; each 64-byte row of xv is one gather of a pair from 16 input rows.
