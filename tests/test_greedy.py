@@ -138,3 +138,23 @@ def test_each_row_stops_at_its_own_eos(eos_folder):
     assert results[0].finish_reason == "eos" and results[3].finish_reason == "length"
     # No text after EOS is ever returned, and the EOS itself is not in the text.
     assert results[0].text == generator.tokenizer.decode(results[0].token_ids[:-1])
+
+
+@pytest.mark.parametrize("vocab", [250880, 1024, 1000, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_gives_torch_argmax_indices(vocab, dtype):
+    """The two-pass argmax every chooser uses gives torch's own indices: the first of tied maxima,
+    NaN as the largest, rows of -inf, and views whose rows are not dense."""
+    from generation.search.token_loop import argmax_rows
+
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(40):
+        scores = torch.randint(-4, 4, (6, vocab), generator=g).to(dtype)  # ties everywhere
+        scores[0, -1] = 9  # the maximum in the last block
+        if trial % 3 == 0:
+            scores[torch.rand(scores.shape, generator=g) < 0.0005] = float("nan")
+        scores[1] = float("-inf")
+        scores[2, 7], scores[2, vocab // 2] = float("inf"), float("inf")
+        wide = torch.cat([scores, scores], dim=1)[:, :vocab]  # row stride 2 * vocab
+        for s in (scores, wide, scores[3], scores.reshape(2, 3, vocab)):
+            assert torch.equal(argmax_rows(s), s.argmax(dim=-1))

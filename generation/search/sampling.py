@@ -28,7 +28,7 @@ import hashlib
 
 import torch
 
-from .token_loop import LoopState, TokenChooser
+from .token_loop import LoopState, TokenChooser, argmax_rows
 
 _MASK = (1 << 31) - 1
 _MULT = 0x6B43  # odd and below 2**15: a 16-bit half times it stays below 2**31
@@ -69,7 +69,7 @@ def gumbel(keys: torch.Tensor, step: torch.Tensor | int, n: int) -> torch.Tensor
 def draw(scores: torch.Tensor, keys: torch.Tensor, step: torch.Tensor | int) -> torch.Tensor:
     """Each row's token drawn from ``softmax(scores)`` [R, V] with its own key (Gumbel-max): the one
     draw of generate's sampling and the server's sampled rows."""
-    return (scores + gumbel(keys, step, scores.shape[-1])).argmax(dim=-1)
+    return argmax_rows(scores + gumbel(keys, step, scores.shape[-1]))
 
 
 def resolve_seed(seed: int | None) -> int:
@@ -104,7 +104,7 @@ def sampling_chooser(processors, keys: torch.Tensor) -> TokenChooser:
 
 def greedy_with(processors) -> TokenChooser:
     def choose(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
-        return processors(logits, state).argmax(dim=-1)
+        return argmax_rows(processors(logits, state))
 
     return choose
 

@@ -19,6 +19,7 @@ from bloom_hpu.runtime.transfer import host_to_device
 
 from ..search.processors import repetition_penalty, temperature, top_k, top_p
 from ..search.sampling import draw
+from ..search.token_loop import argmax_rows
 
 
 class RowOptions:
@@ -105,7 +106,7 @@ def choose_tokens(logits: torch.Tensor, opts: RowOptions, b: int, used: torch.Te
     if flags.openai_penalties:  # OpenAI's, over the generated tokens only: the server's alone
         counts = opts.counts[:b]
         scores = scores - opts.frequency[:b, None] * counts - opts.presence[:b, None] * (counts > 0)
-    greedy = scores.argmax(dim=-1)
+    greedy = argmax_rows(scores)
     if not flags.sample:
         return greedy
     sampled_rows = opts.temperature[:b] > 0
