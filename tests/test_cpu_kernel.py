@@ -123,6 +123,27 @@ def test_fp32_products_match_the_exact_product(isa, rows, out_features, in_featu
 
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+def test_the_sampling_noise_kernel_makes_the_bits_of_sampling_uniform(isa):
+    """counter_uniform is sampling.uniform's noise, bit for bit: every width (ragged, one task,
+    several), rows, steps as an int, one per batch and one per row, keys across [0, 2**31)."""
+    from generation.search.sampling import checked_uniform_kernel, uniform
+
+    needs_isa(isa)
+    kernel = load(isa).counter_uniform
+    keys = torch.tensor([0, 1, 2, 99, 12345, (1 << 31) - 1, 1 << 30, 777], dtype=torch.long)
+    for rows, n in [(1, 1), (3, 100), (8, 2048), (8, 2049), (5, 5000), (2, 250880)]:
+        for step in (0, 41, torch.tensor([9]), torch.arange(rows) * 3):
+            assert torch.equal(uniform(keys[:rows], step, n, kernel), uniform(keys[:rows], step, n))
+    assert uniform(keys, 3, 0, kernel).shape == (8, 0)
+    assert checked_uniform_kernel(kernel) is kernel
+    assert checked_uniform_kernel(lambda base, n: kernel(base, n) * 0.999) is None  # a wrong kernel is refused
+    with pytest.raises(RuntimeError, match=r"base values in \[0, 2\*\*31\)"):
+        kernel(torch.tensor([1 << 31]), 4)
+    with pytest.raises(RuntimeError, match=r"base \[R\] int64"):
+        kernel(torch.zeros(2, 2, dtype=torch.long), 4)
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
 def test_the_operator_refuses_what_it_cannot_compute(isa):
     """Called directly (the model never does this), the operator says why rather than computing garbage."""
     needs_isa(isa)

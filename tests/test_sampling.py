@@ -3,6 +3,7 @@ reproducibility that does not depend on batch companions, per-row EOS, and no pe
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import GenerationConfig
 
@@ -139,6 +140,25 @@ def test_sampling_loop_has_no_per_token_sync(eos_generator, monkeypatch):
     monkeypatch.undo()
     # ~27 steps: the batched done-check every 8 steps, plus the final copies of the results.
     assert len(reads) <= 27 // 8 + 6
+
+
+def test_cpu_sampling_uses_the_kernel_noise_with_the_same_tokens(eos_generator):
+    """Where the CPU kernels are loaded, sampled search (plain and beam sampling) draws its noise with
+    them, and samples exactly the tokens of the noise made op by op."""
+    plan = eos_generator.backend.cpu_plan
+    if plan is None or plan.kernels is None:
+        pytest.skip("no CPU kernels here")
+    assert eos_generator.noise_kernel is not None
+    runs = [dict(max_length=24, do_sample=True, temperature=1.5, seed=11, num_return_sequences=3),
+            dict(max_length=20, do_sample=True, num_beams=3, seed=5, num_return_sequences=2)]
+    with_kernel = [eos_generator.generate(PROMPTS, **options) for options in runs]
+    eos_generator.noise_kernel = None  # the cached property's value, for this test only
+    try:
+        op_by_op = [eos_generator.generate(PROMPTS, **options) for options in runs]
+    finally:
+        del eos_generator.noise_kernel
+    for ours, reference in zip(with_kernel, op_by_op):
+        assert [[s.token_ids for s in r.sequences] for r in ours] == [[s.token_ids for s in r.sequences] for r in reference]
 
 
 def test_uniform_never_reaches_zero_or_one():

@@ -29,7 +29,7 @@ import torch
 from bloom_hpu.runtime.steps import StepRunner, step_input
 
 from ..batch import Batch
-from .sampling import gumbel
+from .sampling import UniformKernel, gumbel
 from .token_loop import EOS_CHECK_EVERY, LoopState
 
 NEG = -1.0e9  # transformers' "impossible" score; kept identical so ties behave the same
@@ -69,14 +69,15 @@ class Hypotheses:
         self.scores.copy_(best)
 
 
-def top_candidates(log_probs: torch.Tensor, running: torch.Tensor, k: int, step: torch.Tensor, sample_keys: torch.Tensor | None):
+def top_candidates(log_probs: torch.Tensor, running: torch.Tensor, k: int, step: torch.Tensor,
+                   sample_keys: torch.Tensor | None, noise_kernel: UniformKernel | None = None):
     """The k best continuations of the beams (``log_probs`` [B, N, V] plus each beam's ``running``
     score [B, N]), or k drawn without replacement from their softmax when sampling (Gumbel-top-k):
     (their scores [B, k], flat indices parent * V + token [B, k])."""
     b, n, vocab = log_probs.shape
     if sample_keys is not None:
         total = (log_probs + running[:, :, None]).view(b, n * vocab)
-        flat = torch.topk(total + gumbel(sample_keys, step, total.shape[-1]), k, dim=-1).indices
+        flat = torch.topk(total + gumbel(sample_keys, step, total.shape[-1], noise_kernel), k, dim=-1).indices
         return total.gather(1, flat), flat
     # The k best of all N*V continuations are among each beam's own k best (adding the beam's
     # score keeps a beam's order): N top-ks over V and one over N*k, instead of one over N*V,
@@ -99,8 +100,10 @@ def beam_search(
     use_kv_cache: bool = True,
     sample_keys: torch.Tensor | None = None,
     tick=None,
+    noise_kernel: UniformKernel | None = None,
 ) -> BeamOutput:
-    """``eos_token_id=None``: EOS ends nothing (ignore_eos). ``sample_keys`` [B]: beam sampling.
+    """``eos_token_id=None``: EOS ends nothing (ignore_eos). ``sample_keys`` [B]: beam sampling,
+    its noise computed by ``noise_kernel`` where the runtime has one (``sampling.uniform``).
     ``tick()``: called on the host after each step (progress)."""
     b, n, plan = batch.size, num_beams, batch.plan
     rows, k_len, device = b * n, plan.cache_len, batch.input_ids.device
@@ -133,7 +136,8 @@ def beam_search(
         log_probs = processors(log_probs, LoopState(sequence, lengths, positions, step, step_t))
         vocab = log_probs.shape[-1]
         # 2N candidates: enough to keep N running beams even if N of them end here.
-        cand_scores, flat = top_candidates(log_probs.view(b, n, vocab), running, 2 * n, step_t, sample_keys)
+        cand_scores, flat = top_candidates(log_probs.view(b, n, vocab), running, 2 * n, step_t, sample_keys,
+                                           noise_kernel)
         parent, token = flat // vocab, flat % vocab  # [B, 2N]
         slot = (batch.lengths + step_t).clamp(max=k_len - 1)  # [B] where this token goes
         cand_seq = sequence.view(b, n, k_len).gather(1, parent[:, :, None].expand(b, 2 * n, k_len))

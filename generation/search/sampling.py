@@ -25,6 +25,7 @@ captured or lazily compiled step never bakes a Python counter into its ops.
 from __future__ import annotations
 
 import hashlib
+from typing import Callable
 
 import torch
 
@@ -51,10 +52,18 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def uniform(keys: torch.Tensor, step: torch.Tensor | int, n: int) -> torch.Tensor:
+# (base [R] int64, n) -> [R, n] float32: ``uniform``'s noise from its per-row base, computed by a
+# runtime's kernel (the CPU kernels' counter_uniform) rather than op by op.
+UniformKernel = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def uniform(keys: torch.Tensor, step: torch.Tensor | int, n: int, kernel: UniformKernel | None = None) -> torch.Tensor:
     """[R, n] float32 uniform in (0, 1): a pure function of (keys[r], step, column). ``step``: an
-    int, a [1] tensor (every row's) or an [R] tensor (each row's own)."""
+    int, a [1] tensor (every row's) or an [R] tensor (each row's own). ``kernel``: one that makes
+    the same bits (``checked_uniform_kernel``), where the runtime has one."""
     base = _mix(keys ^ _mix((step + _STEP_SALT) & _MASK))  # [R]
+    if kernel is not None:
+        return kernel(base, n)
     columns = torch.arange(n, device=keys.device, dtype=torch.long)
     bits = _mix(base[:, None] ^ _mix(columns)[None, :])  # [R, n]
     # The top 23 bits, centred in their cell: k + 0.5 < 2**23 is exact in float32, so u is never
@@ -62,14 +71,26 @@ def uniform(keys: torch.Tensor, step: torch.Tensor | int, n: int) -> torch.Tenso
     return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
-def gumbel(keys: torch.Tensor, step: torch.Tensor | int, n: int) -> torch.Tensor:
-    return -torch.log(-torch.log(uniform(keys, step, n)))
+def checked_uniform_kernel(kernel: UniformKernel) -> UniformKernel | None:
+    """``kernel`` if it gives ``uniform``'s very bits on a probe (keys across [0, 2**31), steps as
+    an int and per row, a ragged width), else None: a wrong kernel would change every sample
+    silently, so it is never used untested."""
+    keys = torch.tensor([0, 1, 7, 12345, 1 << 30, _MASK], dtype=torch.long)
+    for step in (0, 3, torch.tensor([5]), torch.arange(6) * 1000):
+        if not torch.equal(uniform(keys, step, 2049, kernel), uniform(keys, step, 2049)):
+            return None
+    return kernel
 
 
-def draw(scores: torch.Tensor, keys: torch.Tensor, step: torch.Tensor | int) -> torch.Tensor:
+def gumbel(keys: torch.Tensor, step: torch.Tensor | int, n: int, kernel: UniformKernel | None = None) -> torch.Tensor:
+    return -torch.log(-torch.log(uniform(keys, step, n, kernel)))
+
+
+def draw(scores: torch.Tensor, keys: torch.Tensor, step: torch.Tensor | int,
+         kernel: UniformKernel | None = None) -> torch.Tensor:
     """Each row's token drawn from ``softmax(scores)`` [R, V] with its own key (Gumbel-max): the one
     draw of generate's sampling and the server's sampled rows."""
-    return argmax_rows(scores + gumbel(keys, step, scores.shape[-1]))
+    return argmax_rows(scores + gumbel(keys, step, scores.shape[-1], kernel))
 
 
 def resolve_seed(seed: int | None) -> int:
@@ -92,12 +113,12 @@ def row_keys(prompt_ids: list[list[int]], seed: int, copies: int, device) -> tor
     return torch.tensor(keys, dtype=torch.long, device=device)
 
 
-def sampling_chooser(processors, keys: torch.Tensor) -> TokenChooser:
+def sampling_chooser(processors, keys: torch.Tensor, kernel: UniformKernel | None = None) -> TokenChooser:
     """Process the logits, then draw each row's token with its own key (Gumbel-max)."""
 
     def choose(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
         scores = processors(logits, state)
-        return draw(scores, keys, state.step_tensor)
+        return draw(scores, keys, state.step_tensor, kernel)
 
     return choose
 

@@ -333,7 +333,7 @@ class Engine:
         if self.generator.backend.compiles_eager_ops:
             flags.every_processor()
         logits = self.logits[:b]
-        tokens = choose_tokens(logits, self.opts, b, used, steps, flags)  # [b]
+        tokens = choose_tokens(logits, self.opts, b, used, steps, flags, self.generator.noise_kernel)  # [b]
         if flags.repetition:
             self.opts.sequence[:b].scatter_(1, used.clamp(max=self.config.max_length - 1)[:, None], tokens[:, None])
         if flags.openai_penalties:

@@ -18,7 +18,7 @@ import torch
 from bloom_hpu.runtime.transfer import host_to_device
 
 from ..search.processors import repetition_penalty, temperature, top_k, top_p
-from ..search.sampling import draw
+from ..search.sampling import UniformKernel, draw
 from ..search.token_loop import argmax_rows
 
 
@@ -95,11 +95,12 @@ class RowFlags:
 
 
 def choose_tokens(logits: torch.Tensor, opts: RowOptions, b: int, used: torch.Tensor, steps: torch.Tensor,
-                  flags: RowFlags) -> torch.Tensor:
+                  flags: RowFlags, noise_kernel: UniformKernel | None = None) -> torch.Tensor:
     """Next token of rows 0..b-1. logits [b, V] float (raw); used [b]: tokens the row holds
     (prompt + generated, = the slot of the token chosen now); steps [b]: tokens the row has
     generated (its sampling step). Returns [b] long. The processors and the draw are
-    ``search/processors.py``'s and ``search/sampling.py``'s, given per-row tensors."""
+    ``search/processors.py``'s and ``search/sampling.py``'s, given per-row tensors (the noise by
+    ``noise_kernel`` where the runtime has one: ``Generator.noise_kernel``)."""
     scores = logits
     if flags.repetition:
         scores = repetition_penalty(scores, opts.sequence[:b], used, opts.repetition[:b, None])
@@ -116,7 +117,7 @@ def choose_tokens(logits: torch.Tensor, opts: RowOptions, b: int, used: torch.Te
         scores = top_k(scores, opts.top_k[:b], 1)
     if flags.top_p:
         scores = top_p(scores, opts.top_p[:b, None], 1, tail=opts.top_p_tail[:b, None])
-    return torch.where(sampled_rows, draw(scores, opts.keys[:b], steps), greedy)
+    return torch.where(sampled_rows, draw(scores, opts.keys[:b], steps, noise_kernel), greedy)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, ...]:

@@ -12,11 +12,13 @@ The operators, the same sources compiled for each ISA into its own library and n
 * ``prompt_attention(...)``: a prefill's attention in one call (``csrc/prompt_attention.cpp``);
 * ``int8_rows_linear`` / ``int4_rows_linear``: products of a few rows with a quantized weight
   (``bloom_hpu/quantize.py``), and ``int4_dequantize``, an int4 weight as floats for many rows;
-  ``decode_step_quantized``: the decode step over quantized weights.
+  ``decode_step_quantized``: the decode step over quantized weights;
+* ``counter_uniform(base [R], n)``: the uniform noise of sampled search
+  (``generation/search/sampling.py``), bit for bit, in one pass instead of some forty.
 
-Each takes bf16, fp16 or fp32. A build is compiled on first use with ``torch.utils.cpp_extension``
-(g++ and ninja, 15-30 s, then cached by PyTorch), and checked by one probe call against
-``F.linear`` before anything uses it. ``load(isa)`` raises ``KernelsUnavailable`` with the reason
+The products and steps take bf16, fp16 or fp32. A build is compiled on first use with
+``torch.utils.cpp_extension`` (g++ and ninja, 15-30 s, then cached by PyTorch), and checked by one
+probe call against ``F.linear`` before anything uses it. ``load(isa)`` raises ``KernelsUnavailable`` with the reason
 when it cannot be had; callers then keep PyTorch's operations.
 """
 
@@ -37,7 +39,7 @@ from ...int4 import dequantized_int4
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("few_rows_linear.cpp", "decode_step.cpp", "prompt_attention.cpp",
-                                    "quantized_linear.cpp")]
+                                    "quantized_linear.cpp", "sampling_noise.cpp")]
 FLAGS = {
     "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-DBLOOM_ISA_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DBLOOM_ISA_AVX2"],
@@ -66,6 +68,7 @@ class Kernels:
     int4_dequantize: Callable  # (q, scales, out [N, K]): the weight in out's dtype
     decode_step_quantized: Callable  # decode_step over int8 or int4 weights and their scales
     enable_amx: Callable  # (min_rows) -> the limit in force: bf16 products of that many rows on AMX (0: off)
+    counter_uniform: Callable  # (base int64 [R], n) -> [R, n] float32: sampling.py's uniform noise
 
 
 _built: dict[str, Kernels | KernelsUnavailable] = {}
@@ -119,7 +122,8 @@ def _build_and_probe(isa: str) -> Kernels:
     ops = getattr(torch.ops, namespace)
     try:
         kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention, ops.int8_rows_linear,
-                          ops.int4_rows_linear, ops.int4_dequantize, ops.decode_step_quantized, ops.enable_amx)
+                          ops.int4_rows_linear, ops.int4_dequantize, ops.decode_step_quantized, ops.enable_amx,
+                          ops.counter_uniform)
     except AttributeError as error:  # a library built from other sources
         raise KernelsUnavailable(f"were built without their operators ({error})") from None
     _register_fake(namespace)
