@@ -10,11 +10,12 @@ the same requests as one offline ``--requests`` job, side by side on the same we
                     only, no latencies (nothing streams)
 
 Load: closed loop (``--clients``: each client sends its next request when the last one ended) and
-open loop (``--rates``: Poisson arrivals at these requests/s), prompts of mixed lengths, greedy,
-``--max_tokens`` each, sent by clients in a process of their own (``bench/load_client.py``). Every
-request streams; time to first token is from sending to the first chunk with text, tokens the
-server's usage count. Inter-token latency is per token: a chunk that brings k tokens (its text held
-back for a step or more: an incomplete UTF-8 character, a possible stop string; the server's
+open loop (``--rates``: Poisson arrivals at these requests/s), prompts of mixed lengths, greedy
+(or sampled at ``--temperature``, each request with its own seed), ``--max_tokens`` each, sent by
+clients in a process of their own (``bench/load_client.py``). Every request streams; time to
+first token is from sending to the first chunk with text, tokens the server's usage count.
+Inter-token latency is per token: a chunk that brings k tokens (its text held back for a step or
+more: an incomplete UTF-8 character, a possible stop string; the server's
 ``continuous_usage_stats`` counts them) after a gap g counts as k gaps of g / k. The gaps between
 chunks as they are ("chunk gap") are printed too.
 For ours it also prints the step shapes the load added after warm-up (should be 0), and times the
@@ -163,9 +164,11 @@ def transformers_app(folder: Path, dtype: torch.dtype, device: str):
         ids = tokenizer(body["prompt"], return_tensors="pt").input_ids.to(device)
 
         def work():
+            sample = dict(do_sample=True, temperature=body["temperature"], top_k=None) if body["temperature"] else \
+                dict(do_sample=False)
             with lock, torch.no_grad():
-                model.generate(ids, max_new_tokens=body["max_tokens"], do_sample=False, streamer=Tokens(emit),
-                               pad_token_id=tokenizer.pad_token_id)
+                model.generate(ids, max_new_tokens=body["max_tokens"], streamer=Tokens(emit),
+                               pad_token_id=tokenizer.pad_token_id, **sample)
 
         threading.Thread(target=work, daemon=True).start()
 
@@ -279,6 +282,7 @@ def parse_args(argv=None):
     p.add_argument("--requests", type=int, default=64, help="requests per load level")
     p.add_argument("--prompt_len", default="8,64", help="prompt tokens: low,high")
     p.add_argument("--max_tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy; > 0: sampled, seeded)")
     p.add_argument("--variants", default="ours,transformers,offline")
     p.add_argument("--budget", type=int, default=8192, help="offline: tokens per batch (as --requests)")
     p.add_argument("--threads", type=int, help="torch threads")
@@ -299,7 +303,8 @@ def main(argv=None) -> int:
     low, high = (int(x) for x in args.prompt_len.split(","))
     high = min(high, args.max_length - args.max_tokens)
     prompts = make_prompts(generator.tokenizer, args.requests, low, high, args.seed)
-    bodies = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": 0} for p in prompts]
+    bodies = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": args.temperature}
+              | ({"seed": args.seed + i} if args.temperature else {}) for i, p in enumerate(prompts)]
     loads = [("closed", int(c)) for c in args.clients.split(",") if c] + \
             [("open", float(r)) for r in args.rates.split(",") if r]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
