@@ -207,6 +207,11 @@ class Variant:
     model: object = None  # its own model, when its weights differ from the base's (quantized): its own floor
 
 
+def sampling(args) -> dict:
+    """The options of ``--do_sample``: temperature 1, no top-k or top-p, a fixed seed."""
+    return dict(do_sample=True, seed=0) if args.do_sample else {}
+
+
 def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
     quantized = variant in ("ours+int8", "ours+int4")
     if quantized:
@@ -227,6 +232,7 @@ def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
     opts = build_options(
         max_length=args.max_length, bucket_width=args.bucket_width, num_beams=args.num_beams,
         static_shapes=variant != "static off", use_graphs=variant != "graphs off", ignore_eos=True,
+        **sampling(args),
     )
 
     def describe(row: Row) -> None:
@@ -247,7 +253,7 @@ def transformers_variant(folder: Path, args, prompts, device) -> Variant:
     from generation.vanilla import VanillaGenerator
 
     hf = VanillaGenerator(folder, parse_dtype(args.dtype), str(device))
-    opts = build_options(max_length=args.max_length, num_beams=args.num_beams, ignore_eos=True)
+    opts = build_options(max_length=args.max_length, num_beams=args.num_beams, ignore_eos=True, **sampling(args))
     return Variant("transformers", lambda n: hf.generate(prompts, opts.updated(max_new_tokens=n)))
 
 
@@ -343,6 +349,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt_len", type=int, default=16, help="tokens per prompt")
     p.add_argument("--new_tokens", type=int, default=32, help="new tokens per row (EOS ignored)")
     p.add_argument("--num_beams", type=int, default=1)
+    p.add_argument("--do_sample", action="store_true", help="sample (temperature 1, seeded) instead of greedy")
     p.add_argument("--max_length", type=int, default=128, help="static shape: prompt + new tokens")
     p.add_argument("--bucket_width", type=int, default=0, help="pad and size in multiples of this (0: off)")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
@@ -443,7 +450,7 @@ def main(argv=None) -> int:
     print(f"model {m['n_layer']} layers x {m['hidden_size']} hidden, vocab {m['vocab_size']} "
           f"({m['weights_mb']:.1f} MB of weights, {args.dtype}) on {result['machine']['device']}, "
           f"{result['machine']['threads']} threads; batch {args.batch_size}, prompt {args.prompt_len}, "
-          f"new {args.new_tokens}, beams {args.num_beams}, max_length {args.max_length}, bucket {args.bucket_width}; "
+          f"new {args.new_tokens}, beams {args.num_beams}{', sampled' if args.do_sample else ''}, max_length {args.max_length}, bucket {args.bucket_width}; "
           f"CPU fast path: {result['machine']['fast_path']}")
     print(f"floor: {f['bytes_per_decode_step'] / 2**20:.1f} MB read per decode step / "
           f"{f['bandwidth_gb_s']:.1f} GB/s measured = {f['floor_ms']:.3f} ms/token")
