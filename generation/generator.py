@@ -31,8 +31,8 @@ from .progress import Progress
 from .results import BatchStats, GenerationResult, Sequence, make_sequence
 from .search.beam import beam_search
 from .search.processors import LogitsProcessors
-from .search.sampling import (UniformKernel, checked_uniform_kernel, greedy_with, repeat_rows, resolve_seed, row_keys,
-                              sampling_chooser)
+from .search.sampling import (UniformKernel, checked_uniform_kernel, greedy_with, repeat_rows, row_keys, sampling_chooser,
+                              sampling_seeds)
 from .search.stopping import StopChecker, stops_per_prompt
 from .search.token_loop import FINISH_REASONS, LoopHooks, greedy_chooser, run_token_loop
 from .validate import (check_against_model, check_call, check_checkpoint, check_dtype, check_memory,
@@ -159,7 +159,7 @@ class Generator:
 
     def generate(self, prompts: str | list[str], options: GenerationOptions | str | None = None, *,
                  stop=None, logprobs: bool = False, on_step=None, max_new_tokens_each: list[int] | None = None,
-                 progress: bool = False, **kwargs):
+                 seed_each: list[int | None] | None = None, progress: bool = False, **kwargs):
         """Continue each prompt; returns one ``GenerationResult`` per prompt, in order.
 
         Keyword arguments are generation options (see ``generation.options.OPTIONS``), e.g.
@@ -171,9 +171,11 @@ class Generator:
         search or sampling (streaming, see ``generation/streaming.py``). ``progress``: steps done on
         stderr (``generation/progress.py``) once the call has taken a few seconds. ``max_new_tokens_each``: a
         budget of new tokens per prompt, under ``max_new_tokens`` (one batch for requests that want
-        different lengths: each row stops at its own; the batch runs to the largest).
+        different lengths: each row stops at its own; the batch runs to the largest). ``seed_each``: a
+        sampling seed per prompt (None: the options' seed), for one batch of requests with different
+        seeds; each prompt samples what it samples alone with its own seed.
         """
-        prompts = check_call(prompts, options, on_step, max_new_tokens_each)
+        prompts = check_call(prompts, options, on_step, max_new_tokens_each, seed_each)
         opts = self.options(options, **kwargs)
         self.backend.check_static(opts.static_shapes)
         stops = stops_per_prompt(stop, len(prompts))
@@ -183,7 +185,7 @@ class Generator:
         checker = StopChecker(self.tokenizer, stops) if any(stops) else None
         with Progress(batch.steps, "generating", "steps", enabled=progress, delay=PROGRESS_DELAY) as bar:
             hooks = LoopHooks(on_step=on_step, stop_check=checker, tick=(lambda: bar.update(1)) if progress else None)
-            sequences = self._search(batch, opts, stops, hooks)
+            sequences = self._search(batch, opts, stops, hooks, seed_each)
         if logprobs:
             from .logprobs import fill_token_logprobs
 
@@ -207,12 +209,12 @@ class Generator:
                      opts.max_length, min(longest, opts.max_length), self.model.parallel)
 
     def _search(self, batch: Batch, opts: GenerationOptions, stops: list[list[str]],
-                hooks: LoopHooks) -> list[list[Sequence]]:
+                hooks: LoopHooks, seed_each: list[int | None] | None = None) -> list[list[Sequence]]:
         """Run the search the options ask for (greedy, sampling, beam search or beam sampling);
         one list of sequences per prompt, each ended at its EOS or its prompt's stop strings."""
         eos = self.tokenizer.eos_token_id
         processors = LogitsProcessors.from_options(opts, eos)
-        seed = resolve_seed(opts.seed) if opts.do_sample else None
+        seed = sampling_seeds(opts.do_sample, opts.seed, seed_each)
         if opts.num_beams > 1:
             return self._beam_search(batch, opts, processors, seed, stops, hooks.tick)
         # Sampling draws num_return_sequences independent rows per prompt; greedy has one.

@@ -148,7 +148,7 @@ def check_request(generator, request, prompt_lengths: list[int]) -> None:
                  generator.model.parallel, what="max_tokens, n, best_of or num_beams, or the prompt")
 
 
-def check_call(prompts, options, on_step, max_new_tokens_each) -> list[str]:
+def check_call(prompts, options, on_step, max_new_tokens_each, seed_each=None) -> list[str]:
     """The library's arguments, named at the call rather than failing deep inside."""
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -168,6 +168,14 @@ def check_call(prompts, options, on_step, max_new_tokens_each) -> list[str]:
                 isinstance(n, int) and not isinstance(n, bool) for n in max_new_tokens_each):
             raise TypeError("max_new_tokens_each must be a list of integers, one per prompt, "
                             f"got {max_new_tokens_each!r}")
+    if seed_each is not None:
+        if not isinstance(seed_each, (list, tuple)) or not all(
+                s is None or (isinstance(s, int) and not isinstance(s, bool)) for s in seed_each):
+            raise TypeError(f"seed_each must be a list of integers or None, one per prompt, got {seed_each!r}")
+        if len(seed_each) != len(prompts):
+            raise InputError(f"seed_each needs one seed (or None) per prompt ({len(prompts)}), got {len(seed_each)}")
+        if any(s is not None and not 0 <= s < 2**63 for s in seed_each):
+            raise InputError(f"seed_each: each seed must be >= 0 (and below 2**63), got {seed_each!r}")
     return prompts
 
 

@@ -324,3 +324,46 @@ def test_a_budget_per_prompt_must_fit_the_prompts(scoring_setup):
         gen.generate([P0, P1], max_new_tokens_each=[3])
     with pytest.raises(InputError, match="one budget of at least 1 per prompt"):
         gen.generate([P0], max_new_tokens_each=[0])
+
+
+def test_requests_with_different_seeds_share_a_batch_and_sample_as_alone(scoring_setup, tmp_path):
+    """Seeds do not split a group: the requests run as one generate call, and each samples what
+    Generator.generate samples for its prompt alone with its seed (a seedless one: whatever it
+    draws, but it runs in the same batch)."""
+    from generation.jobs.runner import run_requests
+
+    _, gen, _ = scoring_setup
+    bodies = [{"prompt": P0, "max_tokens": 8, "temperature": 1.3, "seed": 1},
+              {"prompt": P1, "max_tokens": 8, "temperature": 1.3, "seed": 2},
+              {"prompt": P0, "max_tokens": 8, "temperature": 1.3, "seed": 2},  # the same prompt, another seed
+              {"prompt": P2, "max_tokens": 8, "temperature": 1.3, "seed": 1},
+              {"prompt": P2, "max_tokens": 8, "temperature": 1.3}]
+    requests = tmp_path / "in.jsonl"
+    requests.write_text("".join(json.dumps(b) + "\n" for b in bodies))
+    assert run_requests(gen, requests, tmp_path / "out.jsonl", budget=4096, progress=False).answered == 5
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert {r["result"]["request_time"]["batch_size"] for r in records} == {5}  # one generate call
+    for record in records:
+        body = record["request"]
+        if "seed" not in body:
+            continue
+        alone = gen.generate(body["prompt"], max_new_tokens=8, max_length=64, do_sample=True, temperature=1.3,
+                             seed=body["seed"], ignore_eos=False)[0]
+        assert [c["text"] for c in record["result"]["choices"]] == [s.text for s in alone.sequences]
+
+
+def test_seed_each_is_checked_and_seeds_each_prompt(scoring_setup):
+    from generation.batch import InputError
+
+    _, gen, _ = scoring_setup
+    options = dict(max_new_tokens=6, do_sample=True, temperature=1.5)
+    both = gen.generate([P0, P0], seed_each=[4, 9], **options)
+    assert [r.token_ids for r in both] == [gen.generate(P0, seed=s, **options)[0].token_ids for s in (4, 9)]
+    # None takes the options' seed.
+    assert gen.generate([P0, P1], seed_each=[None, 9], seed=4, **options)[0].token_ids == both[0].token_ids
+    with pytest.raises(InputError, match="one seed .* per prompt"):
+        gen.generate([P0, P1], seed_each=[1], **options)
+    with pytest.raises(InputError, match="each seed must be >= 0"):
+        gen.generate([P0], seed_each=[-1], **options)
+    with pytest.raises(TypeError, match="seed_each must be a list"):
+        gen.generate([P0], seed_each=["1"], **options)

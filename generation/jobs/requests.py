@@ -63,10 +63,15 @@ class Request:
 
     @property
     def group(self) -> tuple:
-        """Requests with the same group share one generate call's options. Their max_tokens may
-        differ (each row stops at its own budget), but scoring-only requests (max_tokens 0, echo)
-        make no generate call and go apart."""
-        return tuple(sorted(self.search.items())) + (("generates", self.max_tokens > 0),)
+        """Requests with the same group share one generate call's options. Their max_tokens and
+        seeds may differ (each row stops at its own budget and samples with its own seed), but
+        scoring-only requests (max_tokens 0, echo) make no generate call and go apart."""
+        return tuple(sorted(self.shared_search.items())) + (("generates", self.max_tokens > 0),)
+
+    @property
+    def shared_search(self) -> dict:
+        """The search options a batch shares: all but the seed."""
+        return {name: value for name, value in self.search.items() if name != "seed"}
 
     @property
     def sampling(self) -> bool:
@@ -240,7 +245,11 @@ class RequestBatch:
     def options(self) -> GenerationOptions:
         extra = {"max_new_tokens": self.max_tokens} if self.max_tokens else {}
         return GenerationOptions().updated(max_length=self.length, ignore_eos=False, **extra,
-                                           **self.requests[0].search)
+                                           **self.requests[0].shared_search)
+
+    def seeds(self) -> list[int | None]:
+        """Each prompt's seed (None: the request gave none), in the order of its prompts."""
+        return [r.search.get("seed") for r in self.requests for _ in r.prompts]
 
 
 def batch_length(longest_prompt: int, max_tokens: int) -> int:

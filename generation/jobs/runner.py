@@ -148,8 +148,10 @@ def answer_batch(generator, batch: RequestBatch) -> tuple[list[dict], int]:
         fill = standard_size(batch, len(prompts)) - len(prompts)
         stops = [r.stop for r in owner] + [owner[-1].stop] * fill
         budgets = [r.max_tokens for r in owner] + [owner[-1].max_tokens] * fill
+        seeds = batch.seeds()
+        seeds += seeds[-1:] * fill
         results = generator.generate(prompts + [prompts[-1]] * fill, batch.options(), stop=stops,
-                                     max_new_tokens_each=budgets)[: len(prompts)]
+                                     max_new_tokens_each=budgets, seed_each=seeds)[: len(prompts)]
         prompt_ids = [res.prompt_token_ids for res in results]
         candidates = [res.sequences for res in results]
     else:  # echo with max_tokens 0: score the prompt, generate nothing

@@ -100,15 +100,32 @@ def resolve_seed(seed: int | None) -> int:
     return int(torch.randint(0, _MASK, (1,)).item())
 
 
-def row_keys(prompt_ids: list[list[int]], seed: int, copies: int, device) -> torch.Tensor:
-    """[len(prompt_ids) * copies] keys, prompt-major (copy c of prompt p at row p * copies + c)."""
+def sampling_seeds(do_sample: bool, seed: int | None, seed_each: list[int | None] | None) -> int | list[int] | None:
+    """The seed of a search (None when greedy): ``seed``, or one drawn by ``resolve_seed`` where it
+    is None; with ``seed_each``, one per prompt: its own where given, that one elsewhere (nothing is
+    drawn when every prompt has its own)."""
+    if not do_sample:
+        return None
+    if seed_each is None:
+        return resolve_seed(seed)
+    if all(own is not None for own in seed_each):
+        return list(seed_each)
+    shared = resolve_seed(seed)
+    return [shared if own is None else own for own in seed_each]
+
+
+def row_keys(prompt_ids: list[list[int]], seed: int | list[int], copies: int, device) -> torch.Tensor:
+    """[len(prompt_ids) * copies] keys, prompt-major (copy c of prompt p at row p * copies + c).
+    ``seed``: the batch's, or one per prompt (a batch of requests with different seeds). A prompt's
+    occurrence counts the identical prompts with the same seed before it."""
+    seeds = seed if isinstance(seed, list) else [seed] * len(prompt_ids)
     seen: dict[tuple, int] = {}
     keys = []
-    for ids in prompt_ids:
-        occurrence = seen.get(tuple(ids), 0)
-        seen[tuple(ids)] = occurrence + 1
+    for ids, own in zip(prompt_ids, seeds):
+        occurrence = seen.get((own, *ids), 0)
+        seen[(own, *ids)] = occurrence + 1
         for copy in range(copies):
-            text = f"{seed}|{occurrence}|{copy}|{','.join(map(str, ids))}".encode()
+            text = f"{own}|{occurrence}|{copy}|{','.join(map(str, ids))}".encode()
             keys.append(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & _MASK)
     return torch.tensor(keys, dtype=torch.long, device=device)
 
