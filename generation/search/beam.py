@@ -77,7 +77,7 @@ def top_candidates(log_probs: torch.Tensor, running: torch.Tensor, k: int, step:
     b, n, vocab = log_probs.shape
     if sample_keys is not None:
         total = (log_probs + running[:, :, None]).view(b, n * vocab)
-        flat = torch.topk(total + gumbel(sample_keys, step, total.shape[-1], noise_kernel), k, dim=-1).indices
+        flat = torch.topk(gumbel(sample_keys, step, total.shape[-1], noise_kernel).add_(total), k, dim=-1).indices
         return total.gather(1, flat), flat
     # The k best of all N*V continuations are among each beam's own k best (adding the beam's
     # score keeps a beam's order): N top-ks over V and one over N*k, instead of one over N*V,

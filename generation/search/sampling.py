@@ -83,14 +83,16 @@ def checked_uniform_kernel(kernel: UniformKernel) -> UniformKernel | None:
 
 
 def gumbel(keys: torch.Tensor, step: torch.Tensor | int, n: int, kernel: UniformKernel | None = None) -> torch.Tensor:
-    return -torch.log(-torch.log(uniform(keys, step, n, kernel)))
+    """-log(-log(u)), in place on the fresh uniform tensor: one [R, n] allocation, not four (each
+    a few MB of new pages for BLOOM's vocabulary)."""
+    return uniform(keys, step, n, kernel).log_().neg_().log_().neg_()
 
 
 def draw(scores: torch.Tensor, keys: torch.Tensor, step: torch.Tensor | int,
          kernel: UniformKernel | None = None) -> torch.Tensor:
     """Each row's token drawn from ``softmax(scores)`` [R, V] with its own key (Gumbel-max): the one
     draw of generate's sampling and the server's sampled rows."""
-    return argmax_rows(scores + gumbel(keys, step, scores.shape[-1], kernel))
+    return argmax_rows(gumbel(keys, step, scores.shape[-1], kernel).add_(scores))
 
 
 def resolve_seed(seed: int | None) -> int:
