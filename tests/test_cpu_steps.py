@@ -118,6 +118,41 @@ def test_one_call_mixed_step_equals_the_op_by_op_one(isa, dtype, config):
 
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_call_steps_leave_out_the_rows_at_slot_0(isa, dtype):
+    """A server's batch holds free rows and rows whose prompt has not begun, at slot 0: the one-call
+    decode and mixed steps compute only the others (the idle rows' logits are zeros), and those get
+    the op-by-op step's logits and cache contents."""
+    model, plan = accelerated(isa, dtype, **CONFIGS["heads4"])
+    one_call, reference_cache = model.allocate_cache(5, 32), model.allocate_cache(5, 32)
+    torch.manual_seed(2)
+    ids, lengths = torch.randint(4, 1000, (5, 10)), torch.tensor([10, 1, 6, 1, 8])
+    op_by_op(plan, lambda: model.prefill(ids, lengths, one_call))
+    op_by_op(plan, lambda: model.prefill(ids, lengths, reference_cache))
+    running, idle = [0, 2, 4], [1, 3]
+    tokens, positions = torch.randint(4, 1000, (5, 1)), lengths.clone()
+    positions[idle] = 0
+    tolerance = TOLERANCE[dtype]
+    for step in range(4):
+        if step < 2:
+            ours = plan.decode(tokens, positions, one_call, 32)
+            reference = op_by_op(plan, lambda: model.decode(tokens, positions, reference_cache, 32))
+        else:  # row 3's prompt joins in a piece of 5 tokens from slot 0 (its filler sits there)
+            chunk, rows, starts, real = torch.randint(4, 1000, (1, 8)), torch.tensor([3]), torch.tensor([0]), \
+                torch.tensor([5])
+            ours = plan.decode.mixed(tokens, positions, chunk, rows, starts, real, one_call, 32)
+            reference = op_by_op(plan, lambda: model.mixed(tokens, positions, chunk, rows, starts, real,
+                                                           reference_cache, 32))
+            torch.testing.assert_close(ours[5:], reference[5:], **tolerance)  # the piece's last token
+        assert not ours[idle].any() and reference[idle].any()
+        torch.testing.assert_close(ours[running], reference[running], **tolerance)
+        assert torch.equal(ours[running].argmax(-1), reference[running].argmax(-1))
+        for mine, theirs in ((one_call.keys, reference_cache.keys), (one_call.values, reference_cache.values)):
+            torch.testing.assert_close(mine[:, running], theirs[:, running], **tolerance)
+        tokens[running], positions[running] = reference[running].argmax(-1)[:, None], positions[running] + 1
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
 def test_mixed_steps_take_the_one_call_up_to_their_limit(isa):
     """The backend runs a mixed step as one call up to ``plan.mixed_rows`` tokens, op by op past it,
     with the same tokens either way."""

@@ -104,15 +104,25 @@ class OneCallDecode:
         self.residual_from_ln = model.config.apply_residual_connection_post_layernorm
 
     def __call__(self, tokens, positions, cache, window: int) -> torch.Tensor:
-        return self.op(self.weights, tokens, positions, cache.keys, cache.values, cache.alibi, window, self.eps,
-                       self.residual_from_ln)
+        """The model's ``decode``; logits [B, V]. Rows at slot 0 (``idle_rows``) are left out of the
+        call and get zeros, which nothing reads."""
+        taken = ~idle_rows(positions)
+        if bool(taken.all()) or not bool(taken.any()):
+            return self.op(self.weights, tokens, positions, cache.keys, cache.values, cache.alibi, window, self.eps,
+                           self.residual_from_ln)
+        b = tokens.shape[0]
+        logits = self.op(self.weights, tokens[:, 0][taken], positions[taken], cache.keys, cache.values, cache.alibi,
+                         window, self.eps, self.residual_from_ln, cache.rows[:b][taken], torch.arange(int(taken.sum())))
+        out = logits.new_zeros(b, logits.shape[1])
+        out[taken] = logits
+        return out
 
     def mixed(self, tokens, positions, chunk, chunk_rows, chunk_start, chunk_len, cache, window: int,
               taken: torch.Tensor | None = None) -> torch.Tensor:
         """The model's ``mixed`` (a decode step with prompt segments [S, C]) as the same one call: each
         real segment token is one more token of the step, in its prompt's cache row at its own slot.
-        Returns logits [B + S, V], as the model's, but zeros for a joining row's filler token (see
-        ``computed_tokens``), which nothing reads. ``taken``: ``computed_tokens`` of these inputs,
+        Returns logits [B + S, V], as the model's, but zeros for a joining row's filler token and the
+        rows at slot 0 (see ``computed_tokens``), which nothing reads. ``taken``: ``computed_tokens`` of these inputs,
         where the caller has it already (the backend, which routes on its count)."""
         b, (s, c) = tokens.shape[0], chunk.shape
         chunk_slots, keep = segment_layout(b, chunk_start, chunk_len, c, cache)
@@ -140,11 +150,21 @@ class OneCallDecode:
         return computed_tokens(positions, chunk, chunk_rows, chunk_start, chunk_len)
 
 
+def idle_rows(positions: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the rows of a decode whose token goes to slot 0. A generated token always follows at
+    least one prompt token, so a row at slot 0 generates nothing: a free row of the server's batch,
+    or one whose prompt has not begun (the engine gives those slot 0). Its key and value land in a
+    slot that the row's next occupant or first segment writes before anything reads it, and nobody
+    reads its logits, so the one-call steps leave it out (op by op, it runs with the rest)."""
+    return positions == 0
+
+
 def computed_tokens(positions, chunk, chunk_rows, chunk_start, chunk_len) -> torch.Tensor:
     """Which of a mixed step's B + S*C tokens the one call computes ([B + S*C] bool). Not:
     * a joining row's filler: the decode token of a row that a segment of this step continues, at
       the slot where that segment starts (``engine.py``), so the segment overwrites its key and
       value, and its logits are not used (the row's first token comes from its last segment);
+    * a row at slot 0 (``idle_rows``);
     * the pad tokens past a segment's length, and the segments that repeat the one before to pad
       their count (``DeviceRows.mixed``): they only write slots that nothing reads before a real
       token writes them again (a prompt's real tokens end before the cache's last slot, where pad
@@ -154,6 +174,7 @@ def computed_tokens(positions, chunk, chunk_rows, chunk_start, chunk_len) -> tor
     fillers."""
     b, (s, c) = positions.shape[0], chunk.shape
     filler = ((chunk_rows[:, None] == torch.arange(b)[None, :]) & (chunk_start[:, None] == positions[None, :])).any(0)
+    filler |= idle_rows(positions)
     repeated = torch.zeros(s, dtype=torch.bool)
     repeated[1:] = (chunk_rows[1:] == chunk_rows[:-1]) & (chunk_start[1:] == chunk_start[:-1])
     real = (torch.arange(c)[None, :] < chunk_len[:, None]) & ~repeated[:, None]  # [S, C]
