@@ -104,18 +104,11 @@ class OneCallDecode:
         self.residual_from_ln = model.config.apply_residual_connection_post_layernorm
 
     def __call__(self, tokens, positions, cache, window: int) -> torch.Tensor:
-        """The model's ``decode``; logits [B, V]. Rows at slot 0 (``idle_rows``) are left out of the
-        call and get zeros, which nothing reads."""
-        taken = ~idle_rows(positions)
-        if bool(taken.all()) or not bool(taken.any()):
-            return self.op(self.weights, tokens, positions, cache.keys, cache.values, cache.alibi, window, self.eps,
-                           self.residual_from_ln)
-        b = tokens.shape[0]
-        logits = self.op(self.weights, tokens[:, 0][taken], positions[taken], cache.keys, cache.values, cache.alibi,
-                         window, self.eps, self.residual_from_ln, cache.rows[:b][taken], torch.arange(int(taken.sum())))
-        out = logits.new_zeros(b, logits.shape[1])
-        out[taken] = logits
-        return out
+        """The model's ``decode``; logits [B, V]. The op leaves out the rows at slot 0 (``idle_rows``:
+        their logits are zeros, which nothing reads), deciding in C++ from the positions it reads
+        anyway, so the token loop keeps no host read per step."""
+        return self.op(self.weights, tokens, positions, cache.keys, cache.values, cache.alibi, window, self.eps,
+                       self.residual_from_ln)
 
     def mixed(self, tokens, positions, chunk, chunk_rows, chunk_start, chunk_len, cache, window: int,
               taken: torch.Tensor | None = None) -> torch.Tensor:

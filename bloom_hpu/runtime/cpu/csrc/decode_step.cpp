@@ -214,7 +214,11 @@ bool quantizable(size_t i) {
 }
 
 // `rows` [T] (the cache row of each token) and `keep` (the tokens whose logits are returned) are
-// absent for a decode step: token b is row b's, and every token's logits are returned.
+// absent for a decode step: token b is row b's, and every token's logits are returned, but for the
+// rows at slot 0. A generated token always follows at least one prompt token, so a row at slot 0
+// generates nothing (a free row of the server's batch, or one whose prompt has not begun; see
+// accelerate.py's idle_rows): when some rows are, the step computes the others alone and returns
+// zeros for those, whose keys, values and logits nothing reads.
 at::Tensor run_step(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>* scales,
                     const at::Tensor& tokens, const at::Tensor& positions, at::Tensor keys, at::Tensor values,
                     const at::Tensor& alibi, int64_t window, double eps, bool residual_from_ln,
@@ -250,6 +254,15 @@ at::Tensor run_step(const std::vector<at::Tensor>& weights, const std::vector<at
               "16 elements with int8 weights");
   const int64_t count = tokens.numel();
   const bool mixed = rows.has_value() && rows->defined();
+  if (!mixed && positions.dim() == 1 && positions.numel() == count && count > 0) {
+    const at::Tensor live = positions.ne(0).nonzero().view(-1);  // the rows that generate
+    if (live.numel() > 0 && live.numel() < count) {
+      const at::Tensor some = run_step(weights, scales, tokens.reshape(-1).index_select(0, live),
+                                       positions.index_select(0, live), keys, values, alibi, window, eps,
+                                       residual_from_ln, live, at::arange(live.numel(), live.options()));
+      return at::zeros({count, some.size(1)}, some.options()).index_copy_(0, live, some);
+    }
+  }
   TORCH_CHECK(mixed == (keep.has_value() && keep->defined()), "decode_step: rows and keep go together");
   TORCH_CHECK(positions.numel() == count && window <= s.cache_len,
               "decode_step: one position per token, window within the cache");
