@@ -119,11 +119,19 @@ def test_one_call_mixed_step_equals_the_op_by_op_one(isa, dtype, config):
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_one_call_steps_leave_out_the_rows_at_slot_0(isa, dtype):
+@pytest.mark.parametrize("weights", ["float", "int8"])
+def test_one_call_steps_leave_out_the_rows_at_slot_0(isa, dtype, weights):
     """A server's batch holds free rows and rows whose prompt has not begun, at slot 0: the one-call
-    decode and mixed steps compute only the others (the idle rows' logits are zeros), and those get
-    the op-by-op step's logits and cache contents."""
-    model, plan = accelerated(isa, dtype, **CONFIGS["heads4"])
+    decode and mixed steps (over float or int8 weights) compute only the others (the idle rows'
+    logits are zeros), and those get the op-by-op step's logits and cache contents."""
+    from bloom_hpu.quantize import quantize
+
+    needs_isa(isa)
+    model = random_model(dtype, **CONFIGS["heads4"])
+    if weights == "int8":
+        quantize(model, "int8", None)
+    plan = accelerate(model, CpuOptions(path=isa))
+    assert plan.decode is not None
     one_call, reference_cache = model.allocate_cache(5, 32), model.allocate_cache(5, 32)
     torch.manual_seed(2)
     ids, lengths = torch.randint(4, 1000, (5, 10)), torch.tensor([10, 1, 6, 1, 8])
