@@ -142,3 +142,26 @@ def test_per_row_top_p_keeps_what_one_value_keeps_at_the_threshold():
     expected = hf.TopPLogitsWarper(p)(None, scores.clone())
     assert (kept.isinf() != expected.isinf()).sum() == 0
     assert expected.isinf().any() and not expected.isinf().all()  # the sweep crosses the threshold
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_per_row_top_k_with_the_largest_k_known_equals_transformers(keep):
+    """The server's per-row top-k: with the rows' largest k given (one top-k instead of a sort),
+    each row whose k is at most it, or 0 (keep all), keeps what transformers keeps with its own k,
+    ties, infinities and NaN included."""
+    g = torch.Generator().manual_seed(keep)
+    scores = torch.randint(-6, 6, (5, 500), generator=g).float()  # ties everywhere
+    scores[1, :40] = float("-inf")
+    scores[2, 7] = float("inf")
+    scores[3, 11] = float("nan")
+    ks = torch.tensor([3, 0, 17, 1, 40])
+    for most in (40, 60):
+        got = ours.top_k(scores, ks, keep, most=most)
+        assert torch.equal(got.isnan(), scores.isnan())
+        for row, k in enumerate(ks.tolist()):
+            if k == 0:
+                assert torch.equal(got[row], scores[row])
+                continue
+            expected = hf.TopKLogitsWarper(k, min_tokens_to_keep=keep)(None, scores[row : row + 1].clone())
+            torch.testing.assert_close(got[row : row + 1], expected, equal_nan=True)
+    torch.testing.assert_close(ours.top_k(scores, ks, keep, most=40), ours.top_k(scores, ks, keep), equal_nan=True)

@@ -83,6 +83,9 @@ class RowFlags:
         self.repetition = any(p.repetition_penalty != 1.0 for p in params_list)
         self.openai_penalties = any(p.presence_penalty or p.frequency_penalty for p in params_list)
         self.top_k = any(p.sampling and p.top_k for p in params_list)
+        # The largest k of the sampled rows, for processors.top_k's top-k in place of a sort; None
+        # keeps the sort (every_processor: one shape whatever the mix of requests).
+        self.top_k_most = max((p.top_k for p in params_list if p.sampling), default=0)
         self.top_p = any(p.sampling and p.top_p < 1.0 for p in params_list)
         self.logprobs = max((p.logprobs for p in params_list if p.logprobs is not None), default=None)
 
@@ -91,6 +94,7 @@ class RowFlags:
         choice then depend on the batch bucket alone, not on the mix of requests, which lazy mode
         on a Gaudi would otherwise compile once per mix."""
         self.sample = self.repetition = self.openai_penalties = self.top_k = self.top_p = True
+        self.top_k_most = None
         return self
 
 
@@ -114,7 +118,7 @@ def choose_tokens(logits: torch.Tensor, opts: RowOptions, b: int, used: torch.Te
     # Greedy rows divide by 1 (exact) and their draw is thrown away below.
     scores = temperature(scores, torch.where(sampled_rows, opts.temperature[:b], 1.0)[:, None])
     if flags.top_k:
-        scores = top_k(scores, opts.top_k[:b], 1)
+        scores = top_k(scores, opts.top_k[:b], 1, flags.top_k_most)
     if flags.top_p:
         scores = top_p(scores, opts.top_p[:b, None], 1, tail=opts.top_p_tail[:b, None])
     return torch.where(sampled_rows, draw(scores, opts.keys[:b], steps, noise_kernel), greedy)
