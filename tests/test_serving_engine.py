@@ -4,6 +4,7 @@ warm-up, cancelled rows are freed."""
 
 import random
 import threading
+from collections import Counter
 
 import pytest
 
@@ -108,6 +109,58 @@ def test_waiting_requests_are_prefilled_together(generator):
     assert [len(g) for g in groups] == [4, 2, 1, 1] and groups[-1][0] >= 50
     for prompt, handle in zip(prompts, handles):
         assert [s.token_ids for s in handle.result(1)] == alone(generator, prompt, params), prompt
+
+
+def test_a_burst_at_an_idle_engine_is_gathered_and_its_rows_start_together(generator, monkeypatch):
+    """Requests arriving one after another at an idle engine, each soon after the last, are all
+    prefilled (in groups) before any row decodes, so no mixed step stalls the first; each group's
+    first tokens go out as soon as its prefill ends, before the next group's prefill. Every request
+    (greedy, sampled, penalised) equals itself alone."""
+    from generation.serving import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "BURST_GAP_S", 0.5)  # generous: arrivals 20 ms apart on a busy CI
+    monkeypatch.setattr(engine_module, "BURST_WAIT_S", 10.0)
+    engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH, max_prefill=2))
+    cases = [("the cat sat", SamplingParams(max_tokens=9)),
+             ("a dog and a cat", SamplingParams(max_tokens=8, temperature=0.8, seed=3)),
+             ("in the house of", SamplingParams(max_tokens=10, frequency_penalty=1.5, presence_penalty=0.5)),
+             ("it was the best of", SamplingParams(max_tokens=7, repetition_penalty=1.3)),
+             ("on his way", SamplingParams(max_tokens=12, frequency_penalty=2.0)),
+             ("she said that", SamplingParams(max_tokens=6))]
+    handles, started = [], []
+    real_prefill = engine.device_rows.prefill
+    engine.device_rows.prefill = lambda *a: started.append(sum(h.first_token_at is not None for h in handles)) \
+        or real_prefill(*a)
+
+    def arrive():
+        for prompt, params in cases[1:]:
+            threading.Event().wait(0.02)
+            handles.append(engine.submit(generator.tokenizer.encode(prompt), params))
+
+    handles.append(engine.submit(generator.tokenizer.encode(cases[0][0]), cases[0][1]))
+    arrivals = threading.Thread(target=arrive)
+    arrivals.start()
+    engine.step()
+    arrivals.join()
+    # A penalised row's counts hold its own tokens only, though other groups chose after it.
+    for slot, row in enumerate(engine.rows):
+        if row is not None and row.handle.params.frequency_penalty:
+            counts = engine.opts.counts[slot]
+            assert {int(t): int(counts[t]) for t in counts.nonzero()} == Counter(row.ids), row.handle.prompt_ids
+    while engine.step():
+        pass
+    assert engine.stats["prompts_prefilled"] == 6 and engine.stats["mixed_steps"] == 0
+    assert started == [0, 2, 4]  # a group's first tokens are out before the next group's prefill
+    on_their_own = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH))
+    for (prompt, params), handle in zip(cases, handles):
+        ours = [s.token_ids for s in handle.result(1)]
+        if params.presence_penalty or params.frequency_penalty:  # the server's alone: one request at a time
+            single = on_their_own.submit(generator.tokenizer.encode(prompt), params)
+            while on_their_own.step():
+                pass
+            assert ours == [s.token_ids for s in single.result(1)], prompt
+        else:
+            assert ours == alone(generator, prompt, params), prompt
 
 
 @pytest.mark.parametrize("prefill_chunk", [8, 32])

@@ -155,6 +155,7 @@ class _Row:
     # for a request's other rows, its first row, whose slots they take when its prompt is complete.
     prompt_done: int = 0
     copy_of: "_Row | None" = None
+    chose: bool = False  # it chose its token in this step already (``Engine._choose_first``)
 
     @property
     def running(self) -> bool:
@@ -169,6 +170,12 @@ class _Row:
 # Prompts prefilled together are padded to the longest: a group grows only while its padded
 # tokens stay within this factor of its real (bucketed) tokens.
 PREFILL_WASTE = 1.5
+# An idle engine that receives a request takes what else arrives until nothing has come for
+# BURST_GAP_S (at most BURST_WAIT_S in all): a burst of requests is then prefilled in groups, its rows
+# starting together, where otherwise the first would run alone and the rest join it through mixed
+# steps, piece by piece, each such step stalling the rows already running.
+BURST_GAP_S = 0.008
+BURST_WAIT_S = 0.06
 
 
 class Engine:
@@ -311,7 +318,7 @@ class Engine:
         ran_offline = self._admit()
         if all(r is None for r in self.rows):
             return ran_offline
-        live = [i for i, r in enumerate(self.rows) if r is not None and r.running]
+        live = [i for i, r in enumerate(self.rows) if r is not None and r.running and not r.chose]
         if live:
             self._choose(live)
         self._compact()
@@ -319,14 +326,20 @@ class Engine:
         if self.flush_events is not None and not overlap:
             self.flush_events()
         self._decode()
+        for row in self.rows:
+            if row is not None:
+                row.chose = False
         if self.flush_events is not None and overlap:
             self.flush_events()
         return True
 
     def _choose(self, live: list[int]) -> None:
-        """Choose the next token of the running rows ``live`` and hand out what they give."""
+        """Choose the next token of the running rows ``live`` and hand out what they give. The other
+        rows count as free here (joining rows, rows that chose already in this step), so that nothing
+        of theirs changes (penalties' sequences and counts)."""
         b = self.bucket
-        rows = [r if r is not None and r.running else None for r in self.rows[:b]]  # joining rows count as free
+        chosen = set(live)
+        rows = [r if i in chosen else None for i, r in enumerate(self.rows[:b])]
         used, steps = self.device_rows.upload([r.prompt_len + len(r.ids) if r else 0 for r in rows],
                                    [len(r.ids) if r else 0 for r in rows])
         flags = RowFlags([self.rows[i].handle.params for i in live])
@@ -434,6 +447,8 @@ class Engine:
     def _admit(self) -> bool:
         """Move queued requests into free slots, first come first served, prefilling up to
         ``max_prefill`` of them together. Returns whether an offline request ran."""
+        if all(r is None for r in self.rows) and not self.waiting and not self.inbox.empty():
+            self._await_burst()
         while True:
             try:
                 self.waiting.append(self.inbox.get_nowait())
@@ -464,7 +479,28 @@ class Engine:
             for _ in group:
                 self.waiting.popleft()
             self._join_group(group)
+            self._choose_first(group)
         return ran
+
+    def _choose_first(self, group: list[RequestHandle]) -> None:
+        """The first tokens of a group prefilled while no row runs, chosen and handed out now rather
+        than after the burst's other groups are prefilled; its rows then skip this step's choice
+        and decode with the others."""
+        slots = [i for i, r in enumerate(self.rows) if r is not None and r.running and not r.chose
+                 and any(r.handle is h for h in group)]
+        for i in slots:
+            self.rows[i].chose = True
+        if slots:
+            self._choose(slots)
+
+    def _await_burst(self) -> None:
+        """Wait while requests keep arriving (``BURST_GAP_S``, ``BURST_WAIT_S``): ``submit`` sets
+        ``_wake``."""
+        deadline = time.perf_counter() + BURST_WAIT_S
+        while time.perf_counter() < deadline:
+            self._wake.clear()
+            if not self._wake.wait(BURST_GAP_S):
+                return
 
     def _next_group(self) -> list[RequestHandle]:
         """The requests at the head of the queue to prefill together: consecutive ones that fit
