@@ -155,7 +155,6 @@ class _Row:
     # for a request's other rows, its first row, whose slots they take when its prompt is complete.
     prompt_done: int = 0
     copy_of: "_Row | None" = None
-    chose: bool = False  # it chose its token in this step already (``Engine._choose_first``)
 
     @property
     def running(self) -> bool:
@@ -318,7 +317,7 @@ class Engine:
         ran_offline = self._admit()
         if all(r is None for r in self.rows):
             return ran_offline
-        live = [i for i, r in enumerate(self.rows) if r is not None and r.running and not r.chose]
+        live = [i for i, r in enumerate(self.rows) if r is not None and r.running]
         if live:
             self._choose(live)
         self._compact()
@@ -326,20 +325,17 @@ class Engine:
         if self.flush_events is not None and not overlap:
             self.flush_events()
         self._decode()
-        for row in self.rows:
-            if row is not None:
-                row.chose = False
         if self.flush_events is not None and overlap:
             self.flush_events()
         return True
 
     def _choose(self, live: list[int]) -> None:
         """Choose the next token of the running rows ``live`` and hand out what they give. The other
-        rows count as free here (joining rows, rows that chose already in this step), so that nothing
-        of theirs changes (penalties' sequences and counts)."""
+        rows (joining ones) count as free here: nothing of theirs changes (penalties' sequences and
+        counts)."""
         b = self.bucket
-        chosen = set(live)
-        rows = [r if i in chosen else None for i, r in enumerate(self.rows[:b])]
+        live_slots = set(live)
+        rows = [r if i in live_slots else None for i, r in enumerate(self.rows[:b])]
         used, steps = self.device_rows.upload([r.prompt_len + len(r.ids) if r else 0 for r in rows],
                                    [len(r.ids) if r else 0 for r in rows])
         flags = RowFlags([self.rows[i].handle.params for i in live])
@@ -479,19 +475,7 @@ class Engine:
             for _ in group:
                 self.waiting.popleft()
             self._join_group(group)
-            self._choose_first(group)
         return ran
-
-    def _choose_first(self, group: list[RequestHandle]) -> None:
-        """The first tokens of a group prefilled while no row runs, chosen and handed out now rather
-        than after the burst's other groups are prefilled; its rows then skip this step's choice
-        and decode with the others."""
-        slots = [i for i, r in enumerate(self.rows) if r is not None and r.running and not r.chose
-                 and any(r.handle is h for h in group)]
-        for i in slots:
-            self.rows[i].chose = True
-        if slots:
-            self._choose(slots)
 
     def _await_burst(self) -> None:
         """Wait while requests keep arriving (``BURST_GAP_S``, ``BURST_WAIT_S``): ``submit`` sets
