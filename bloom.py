@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="--serve: waiting prompts prefilled together in one step when no row is running (default 4)")
     serving.add_argument("--prefill_chunk", type=int, default=64,
                          help="--serve: prompt tokens fed per decode step while rows run, in up to 4 segments (default 64)")
+    serving.add_argument("--burst_wait_ms", type=float, default=8.0,
+                         help="--serve: when no row is running, gather arriving requests until none came for this "
+                              "long, then prefill them together (default 8; 0: off)")
     serving.add_argument("--max_queue", type=int, default=256, help="--serve: requests waiting before 503 (default 256)")
     serving.add_argument("--lora", action="append", metavar="NAME=DIR",
                          help="--serve: a LoRA adapter saved by PEFT, served unmerged beside the base model; a "
@@ -346,6 +349,8 @@ def run_server(args, opts) -> int:
             or opts.max_length < 2:
         raise UsageError("--max_batch, --max_prefill, --prefill_chunk and --max_queue must be >= 1, --bucket_width >= 0, "
                          "--max_length >= 2")
+    if not 0 <= args.burst_wait_ms <= 1000:
+        raise UsageError(f"--burst_wait_ms must be between 0 and 1000, got {args.burst_wait_ms:g}")
     from generation.serving.app import serve
     from generation.serving.device_rows import DeviceRows
     from generation.serving.engine import EngineConfig
@@ -362,7 +367,8 @@ def run_server(args, opts) -> int:
     if generator.backend.fast_path != "none":  # with --lora: that decode runs op by op
         log(f"CPU fast path: {generator.backend.fast_path}")
     config = EngineConfig(max_batch=args.max_batch, max_length=opts.max_length, bucket_width=args.bucket_width,
-                          max_queue=args.max_queue, max_prefill=args.max_prefill, prefill_chunk=args.prefill_chunk)
+                          max_queue=args.max_queue, max_prefill=args.max_prefill, prefill_chunk=args.prefill_chunk,
+                          burst_wait_ms=args.burst_wait_ms)
     rows = DeviceRows(generator, config.max_batch, config.max_length, config.bucket_width, config.max_prefill,
                       config.prefill_chunk)
     if PARALLEL.world_size > 1:

@@ -120,7 +120,7 @@ def ours(generator, args):
 
     engine = Engine(generator, EngineConfig(max_batch=args.max_batch, max_length=args.max_length,
                                             bucket_width=args.bucket_width, max_prefill=args.max_prefill,
-                                            prefill_chunk=args.prefill_chunk))
+                                            prefill_chunk=args.prefill_chunk, burst_wait_ms=args.burst_wait_ms))
     engine.start()
     engine.ready.wait()
     port = free_port()
@@ -277,6 +277,7 @@ def parse_args(argv=None):
     p.add_argument("--bucket_width", type=int, default=32)
     p.add_argument("--max_prefill", type=int, default=4, help="ours: prompts prefilled together (when idle)")
     p.add_argument("--prefill_chunk", type=int, default=64, help="ours: prompt tokens per decode step")
+    p.add_argument("--burst_wait_ms", type=float, default=8.0, help="ours: an idle engine gathers a burst (0: off)")
     p.add_argument("--clients", default="1,4,16,32", help="closed-loop client counts")
     p.add_argument("--rates", default="", help="open-loop Poisson rates, requests/s (e.g. 2,8)")
     p.add_argument("--requests", type=int, default=64, help="requests per load level")

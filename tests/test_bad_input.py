@@ -55,6 +55,7 @@ CLI_CASES = [
     (["--serve", "--max_batch", "4096", "--max_length", "100000"], "lower --max_batch, --max_prefill, --max_length or --bucket_width"),
     (["--serve", "--max_prefill", "0"], "--max_prefill"),
     (["--serve", "--prefill_chunk", "0"], "--prefill_chunk"),
+    (["--serve", "--burst_wait_ms", "-1"], "--burst_wait_ms must be between 0 and 1000"),
     (["--input_file", "{obj}"], "JSON object"),
     (["--eval", "{surrogate}"], "lone surrogate"),
     (["--eval", "{deep}"], "nested too deeply"),

@@ -118,9 +118,9 @@ def test_a_burst_at_an_idle_engine_is_gathered_and_its_rows_start_together(gener
     alone."""
     from generation.serving import engine as engine_module
 
-    monkeypatch.setattr(engine_module, "BURST_GAP_S", 0.5)  # generous: arrivals 20 ms apart on a busy CI
     monkeypatch.setattr(engine_module, "BURST_WAIT_S", 10.0)
-    engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH, max_prefill=2))
+    engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH, max_prefill=2,
+                                            burst_wait_ms=500))  # generous: arrivals 20 ms apart on a busy CI
     cases = [("the cat sat", SamplingParams(max_tokens=9)),
              ("a dog and a cat", SamplingParams(max_tokens=8, temperature=0.8, seed=3)),
              ("in the house of", SamplingParams(max_tokens=10, frequency_penalty=1.5, presence_penalty=0.5)),

@@ -82,6 +82,7 @@ class EngineConfig:
     max_queue: int = 256
     max_prefill: int = 4  # prompts prefilled together in one step (when no row is running)
     prefill_chunk: int = 64  # prompt tokens fed per decode step while rows run (in segments)
+    burst_wait_ms: float = 8.0  # idle engine: gather arrivals until none came for this long (0: off)
 
 
 class EngineMetrics:
@@ -170,10 +171,9 @@ class _Row:
 # tokens stay within this factor of its real (bucketed) tokens.
 PREFILL_WASTE = 1.5
 # An idle engine that receives a request takes what else arrives until nothing has come for
-# BURST_GAP_S (at most BURST_WAIT_S in all): a burst of requests is then prefilled in groups, its rows
-# starting together, where otherwise the first would run alone and the rest join it through mixed
-# steps, piece by piece, each such step stalling the rows already running.
-BURST_GAP_S = 0.008
+# EngineConfig.burst_wait_ms (at most BURST_WAIT_S in all): a burst of requests is then prefilled in
+# groups, its rows starting together, where otherwise the first would run alone and the rest join it
+# through mixed steps, piece by piece, each such step stalling the rows already running.
 BURST_WAIT_S = 0.06
 
 
@@ -443,7 +443,8 @@ class Engine:
     def _admit(self) -> bool:
         """Move queued requests into free slots, first come first served, prefilling up to
         ``max_prefill`` of them together. Returns whether an offline request ran."""
-        if all(r is None for r in self.rows) and not self.waiting and not self.inbox.empty():
+        if self.config.burst_wait_ms > 0 and all(r is None for r in self.rows) and not self.waiting \
+                and not self.inbox.empty():
             self._await_burst()
         while True:
             try:
@@ -478,12 +479,12 @@ class Engine:
         return ran
 
     def _await_burst(self) -> None:
-        """Wait while requests keep arriving (``BURST_GAP_S``, ``BURST_WAIT_S``): ``submit`` sets
+        """Wait while requests keep arriving (``burst_wait_ms``, ``BURST_WAIT_S``): ``submit`` sets
         ``_wake``."""
         deadline = time.perf_counter() + BURST_WAIT_S
         while time.perf_counter() < deadline:
             self._wake.clear()
-            if not self._wake.wait(BURST_GAP_S):
+            if not self._wake.wait(self.config.burst_wait_ms / 1000):
                 return
 
     def _next_group(self) -> list[RequestHandle]:
