@@ -26,6 +26,7 @@
 
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -255,8 +256,12 @@ at::Tensor run_step(const std::vector<at::Tensor>& weights, const std::vector<at
   const int64_t count = tokens.numel();
   const bool mixed = rows.has_value() && rows->defined();
   if (!mixed && positions.dim() == 1 && positions.numel() == count && count > 0) {
-    const at::Tensor live = positions.ne(0).nonzero().view(-1);  // the rows that generate
-    if (live.numel() > 0 && live.numel() < count) {
+    // A scan of the host positions first: the common step, no row idle, allocates nothing here.
+    const at::Tensor given = positions.contiguous();
+    const int64_t* slot = given.data_ptr<int64_t>();
+    const int64_t idle = std::count(slot, slot + count, int64_t(0));
+    if (idle > 0 && idle < count) {
+      const at::Tensor live = given.ne(0).nonzero().view(-1);  // the rows that generate
       const at::Tensor some = run_step(weights, scales, tokens.reshape(-1).index_select(0, live),
                                        positions.index_select(0, live), keys, values, alibi, window, eps,
                                        residual_from_ln, live, at::arange(live.numel(), live.options()));
