@@ -18,6 +18,11 @@ MAX_INT = 2**31 - 1  # integer options beyond this cannot index a tensor on ever
 MIN_TEMPERATURE = 1e-4  # logits / 1e-4 stay finite in fp32 for any logit a model produces
 
 
+def valid_seed(seed: int | None) -> bool:
+    """A seed the sampling keys take (None: one drawn at the call)."""
+    return seed is None or 0 <= seed < 2**63
+
+
 class OptionError(ValueError):
     """A bad option value; the message is meant for the user as is."""
 
@@ -115,7 +120,7 @@ class GenerationOptions:
              f"num_return_sequences ({self.num_return_sequences}) must be <= num_beams ({self.num_beams}) "
              "unless do_sample is true")
         need(self.bucket_width >= 0, f"bucket_width must be >= 0 (0 turns it off), got {self.bucket_width}")
-        need(self.seed is None or 0 <= self.seed < 2**63, f"seed must be >= 0 (and below 2**63), got {self.seed}")
+        need(valid_seed(self.seed), f"seed must be >= 0 (and below 2**63), got {self.seed}")
         return self
 
 

@@ -24,7 +24,7 @@ from bloom_hpu.checkpoint import CheckpointError, read_json_object
 
 from .batch import InputError
 from .memory import MemoryCheckError, agreed_free_bytes, estimate_bytes, human
-from .options import GenerationOptions, OptionError
+from .options import GenerationOptions, OptionError, valid_seed
 
 # config.json fields: (type, smallest value). bool is refused where an int is wanted.
 _CONFIG_INTS = {"vocab_size": 1, "hidden_size": 1, "n_layer": 1, "n_head": 1,
@@ -174,7 +174,7 @@ def check_call(prompts, options, on_step, max_new_tokens_each, seed_each=None) -
             raise TypeError(f"seed_each must be a list of integers or None, one per prompt, got {seed_each!r}")
         if len(seed_each) != len(prompts):
             raise InputError(f"seed_each needs one seed (or None) per prompt ({len(prompts)}), got {len(seed_each)}")
-        if any(s is not None and not 0 <= s < 2**63 for s in seed_each):
+        if not all(valid_seed(s) for s in seed_each):
             raise InputError(f"seed_each: each seed must be >= 0 (and below 2**63), got {seed_each!r}")
     return prompts
 
