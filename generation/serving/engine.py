@@ -331,12 +331,9 @@ class Engine:
         return True
 
     def _choose(self, live: list[int]) -> None:
-        """Choose the next token of the running rows ``live`` and hand out what they give. The other
-        rows (joining ones) count as free here: nothing of theirs changes (penalties' sequences and
-        counts)."""
+        """Choose the next token of the running rows ``live`` and hand out what they give."""
         b = self.bucket
-        live_slots = set(live)
-        rows = [r if i in live_slots else None for i, r in enumerate(self.rows[:b])]
+        rows = [r if r is not None and r.running else None for r in self.rows[:b]]  # joining rows count as free
         used, steps = self.device_rows.upload([r.prompt_len + len(r.ids) if r else 0 for r in rows],
                                    [len(r.ids) if r else 0 for r in rows])
         flags = RowFlags([self.rows[i].handle.params for i in live])
