@@ -450,7 +450,8 @@ def main(argv=None) -> int:
     print(f"model {m['n_layer']} layers x {m['hidden_size']} hidden, vocab {m['vocab_size']} "
           f"({m['weights_mb']:.1f} MB of weights, {args.dtype}) on {result['machine']['device']}, "
           f"{result['machine']['threads']} threads; batch {args.batch_size}, prompt {args.prompt_len}, "
-          f"new {args.new_tokens}, beams {args.num_beams}{', sampled' if args.do_sample else ''}, max_length {args.max_length}, bucket {args.bucket_width}; "
+          f"new {args.new_tokens}, beams {args.num_beams}{', sampled' if args.do_sample else ''}, "
+          f"max_length {args.max_length}, bucket {args.bucket_width}; "
           f"CPU fast path: {result['machine']['fast_path']}")
     print(f"floor: {f['bytes_per_decode_step'] / 2**20:.1f} MB read per decode step / "
           f"{f['bandwidth_gb_s']:.1f} GB/s measured = {f['floor_ms']:.3f} ms/token")

@@ -7,7 +7,6 @@ It loads a checkpoint into the static-shape model, picks a backend, turns prompt
 from __future__ import annotations
 
 import functools
-
 import time
 from pathlib import Path
 

@@ -115,8 +115,8 @@ class OneCallDecode:
         """The model's ``mixed`` (a decode step with prompt segments [S, C]) as the same one call: each
         real segment token is one more token of the step, in its prompt's cache row at its own slot.
         Returns logits [B + S, V], as the model's, but zeros for a joining row's filler token and the
-        rows at slot 0 (see ``computed_tokens``), which nothing reads. ``taken``: ``computed_tokens`` of these inputs,
-        where the caller has it already (the backend, which routes on its count)."""
+        rows at slot 0 (see ``computed_tokens``), which nothing reads. ``taken``: ``computed_tokens``
+        of these inputs, where the caller has it already (the backend, which routes on its count)."""
         b, (s, c) = tokens.shape[0], chunk.shape
         chunk_slots, keep = segment_layout(b, chunk_start, chunk_len, c, cache)
         if taken is None:

@@ -18,8 +18,9 @@ The operators, the same sources compiled for each ISA into its own library and n
 
 The products and steps take bf16, fp16 or fp32. A build is compiled on first use with
 ``torch.utils.cpp_extension`` (g++ and ninja, 15-30 s, then cached by PyTorch), and checked by one
-probe call against ``F.linear`` before anything uses it. ``load(isa)`` raises ``KernelsUnavailable`` with the reason
-when it cannot be had; callers then keep PyTorch's operations.
+probe call against ``F.linear`` before anything uses it. ``load(isa)`` raises
+``KernelsUnavailable`` with the reason when it cannot be had; callers then keep PyTorch's
+operations.
 """
 
 from __future__ import annotations
