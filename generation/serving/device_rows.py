@@ -10,8 +10,8 @@ own shard, with the collectives inside the steps pairing up.
   rows). Decode runs in the smallest bucket that holds every running row. Separate caches rather
   than views of one: a step's cache must be contiguous (the CPU's one-call step requires it, and a
   captured graph is bound to its tensors), and ``cache[:, :b]`` of a [layers, B, ...] cache is not.
-* ``prefill_caches[k]``: k prompts (k = 1, 2, 4, ... max_prefill) prefilled together as one [k, P]
-  step, P their length bucket, right-padded; each prompt's first P slots are then copied into its
+* ``prefill_caches[k]``: up to k prompts (k = 1, 2, 4, ... max_prefill) prefilled together as one
+  [k, P] step, P their length bucket, right-padded, filler rows making up k; each prompt's first P slots are then copied into its
   rows of the decode cache (``place``). The running rows' cache is never touched by a prefill. The
   engine uses this when no row is running (a burst onto an idle server).
 * ``mixed``: while rows run, prompts are fed inside the decode steps, straight into their rows of
@@ -138,11 +138,18 @@ class DeviceRows:
                 "seconds": time.perf_counter() - start}
 
     @torch.no_grad()
+    def prefill_size(self, prompts: int) -> int:
+        """The prefill bucket k that prefills ``prompts`` prompts together (filler rows make up the rest)."""
+        return next(k for k in self.prefill_sizes if k >= prompts)
+
     def prefill(self, prompts: list[list[int]], adapter: int = 0) -> torch.Tensor:
-        """Prefill k prompts (k one of ``prefill_sizes``) into ``prefill_caches[k]``, right-padded to
-        the length bucket of the longest, all with LoRA ``adapter`` (0: the base model). Returns
-        their last-token logits [k, V]."""
-        k, p = len(prompts), self.length_bucket(max(map(len, prompts)))
+        """Prefill the prompts (at most ``max_prefill``) into ``prefill_caches[k]``, k =
+        ``prefill_size(len(prompts))``, right-padded to the length bucket of the longest, all with
+        LoRA ``adapter`` (0: the base model). Rows past the prompts are fillers (one pad token: the
+        same shape, and a row of the prefill cache that nothing reads). Returns the last-token logits
+        [k, V], row i prompt i's."""
+        k, p = self.prefill_size(len(prompts)), self.length_bucket(max(map(len, prompts)))
+        prompts = prompts + [[self.pad]] * (k - len(prompts))
         padded, lengths = self.upload([ids + [self.pad] * (p - len(ids)) for ids in prompts],
                                       [len(ids) for ids in prompts])
         with self._adapter_only(adapter):

@@ -17,8 +17,8 @@
   ran. A request's other rows (sampled copies) take the prompt's slots from its first row when it
   is complete.
 * **Prefill when idle.** When no row is running, nobody waits: waiting requests are prefilled as
-  before, up to ``max_prefill`` together as one [k, P] step (k a power of two, P the length bucket
-  of the longest) while padding to the longest wastes little, and each prompt's slots are copied
+  before, up to ``max_prefill`` together as one [k, P] step (k a power of two, filler rows making up
+  the rest; P the length bucket of the longest) while the padding wastes little, and each prompt's slots are copied
   into its rows. A request that finds the engine idle first waits for the rest of a burst
   (``burst_wait_ms``), so that all of it is prefilled and its rows start together.
 * **Decode.** Each step chooses every running row's next token (per-row options as tensors:
@@ -81,7 +81,7 @@ class EngineConfig:
     max_length: int = 128
     bucket_width: int = 32  # length buckets (prompt padding, decode windows); 0: max_length only
     max_queue: int = 256
-    max_prefill: int = 4  # prompts prefilled together in one step (when no row is running)
+    max_prefill: int = 8  # prompts prefilled together in one step (when no row is running)
     prefill_chunk: int = 64  # prompt tokens fed per decode step while rows run (in segments)
     burst_wait_ms: float = 8.0  # idle engine: gather arrivals until none came for this long (0: off)
 
@@ -168,9 +168,11 @@ class _Row:
         return self.prompt_len + len(self.ids) if self.running else self.prompt_done
 
 
-# Prompts prefilled together are padded to the longest: a group grows only while its padded
-# tokens stay within this factor of its real (bucketed) tokens.
-PREFILL_WASTE = 1.5
+# Prompts prefilled together are padded to the longest, and to a prefill bucket's rows: a group
+# grows only while the tokens computed stay within this factor of its real (bucketed) tokens. Each
+# prefill call reads every weight once more, which costs as much as some hundred padded prompt
+# tokens on a 2-core CPU (more on a card), so one call padded up to 2x beats two calls.
+PREFILL_WASTE = 2.0
 # An idle engine that receives a request takes what else arrives until nothing has come for
 # EngineConfig.burst_wait_ms (at most BURST_WAIT_S in all): a burst of requests is then prefilled in
 # groups, its rows starting together, where otherwise the first would run alone and the rest join it
@@ -487,8 +489,9 @@ class Engine:
 
     def _next_group(self) -> list[RequestHandle]:
         """The requests at the head of the queue to prefill together: consecutive ones that fit
-        the free slots, at most ``max_prefill``, as many as a prefill bucket holds, while padding
-        them to the longest wastes at most PREFILL_WASTE."""
+        the free slots, at most ``max_prefill``, while the [k, P] step that runs them (k their
+        prefill bucket, filler rows included; P the longest one's length bucket) computes at most
+        PREFILL_WASTE times the tokens of their own length buckets."""
         free = sum(r is None for r in self.rows)
         group, rows, real, longest = [], 0, 0, 0
         for handle in self.waiting:
@@ -497,15 +500,14 @@ class Engine:
             if group and handle.params.adapter != group[0].params.adapter:  # a prefill runs one adapter
                 break
             length = self._length_bucket(len(handle.prompt_ids))
-            padded = (len(group) + 1) * max(longest, length)
-            if rows + handle.params.rows > free or (group and padded > PREFILL_WASTE * (real + length)):
+            computed = self.device_rows.prefill_size(len(group) + 1) * max(longest, length)
+            if rows + handle.params.rows > free or (group and computed > PREFILL_WASTE * (real + length)):
                 break
             group.append(handle)
             rows += handle.params.rows
             real += length
             longest = max(longest, length)
-        # As many as a prefill bucket holds exactly: no filler rows; the rest join next.
-        return group[: max((k for k in self.prefill_sizes if k <= len(group)), default=0)]
+        return group
 
     def _join_group(self, group: list[RequestHandle]) -> None:
         try:
@@ -533,8 +535,9 @@ class Engine:
         self.stats["prefills"] += 1
         self.stats["prompts_prefilled"] += len(group)
         extent = self._length_bucket(max(len(h.prompt_ids) for h in group))
+        k = self.device_rows.prefill_size(len(group))
         for row, (handle, slots) in enumerate(zip(group, seats)):
-            self.device_rows.place(len(group), row, self.bucket, slots, extent, handle.params.adapter)
+            self.device_rows.place(k, row, self.bucket, slots, extent, handle.params.adapter)
             self._seat(handle, slots, logits.index_select(0, host_to_device(torch.tensor([row]), self.device)))
         self.generator.backend.mark_step()
 
