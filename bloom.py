@@ -119,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--max_batch", type=int, default=8, help="--serve: rows generating at once (default 8)")
     serving.add_argument("--bucket_width", type=int, default=32,
                          help="--serve: prompt and attention-window buckets, in tokens (default 32; 0: max_length only)")
-    serving.add_argument("--max_prefill", type=int, default=8,
-                         help="--serve: waiting prompts prefilled together in one step when no row is running (default 8)")
+    serving.add_argument("--max_prefill", type=int, default=4,
+                         help="--serve: waiting prompts prefilled together in one step when no row is running (default 4)")
     serving.add_argument("--prefill_chunk", type=int, default=64,
                          help="--serve: prompt tokens fed per decode step while rows run, in up to 4 segments (default 64)")
     serving.add_argument("--burst_wait_ms", type=float, default=8.0,

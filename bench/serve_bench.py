@@ -275,7 +275,7 @@ def parse_args(argv=None):
     p.add_argument("--max_length", type=int, default=128)
     p.add_argument("--max_batch", type=int, default=32)
     p.add_argument("--bucket_width", type=int, default=32)
-    p.add_argument("--max_prefill", type=int, default=8, help="ours: prompts prefilled together (when idle)")
+    p.add_argument("--max_prefill", type=int, default=4, help="ours: prompts prefilled together (when idle)")
     p.add_argument("--prefill_chunk", type=int, default=64, help="ours: prompt tokens per decode step")
     p.add_argument("--burst_wait_ms", type=float, default=8.0, help="ours: an idle engine gathers a burst (0: off)")
     p.add_argument("--clients", default="1,4,16,32", help="closed-loop client counts")

@@ -81,7 +81,7 @@ class EngineConfig:
     max_length: int = 128
     bucket_width: int = 32  # length buckets (prompt padding, decode windows); 0: max_length only
     max_queue: int = 256
-    max_prefill: int = 8  # prompts prefilled together in one step (when no row is running)
+    max_prefill: int = 4  # prompts prefilled together in one step (when no row is running)
     prefill_chunk: int = 64  # prompt tokens fed per decode step while rows run (in segments)
     burst_wait_ms: float = 8.0  # idle engine: gather arrivals until none came for this long (0: off)
 
