@@ -111,21 +111,24 @@ def run(spec: dict) -> tuple[list[Timing], float]:
     return open_loop(spec["port"], spec["bodies"], float(spec["level"]), spec["seed"])
 
 
-def measure(port: int, bodies: list[dict], kind: str, level: float, seed: int = 0) -> tuple[list[Timing], float]:
+def measure(port: int, bodies: list[dict], kind: str, level: float, seed: int = 0) -> tuple[list[Timing], float, float]:
     """One load level (``kind`` "closed": ``level`` clients; "open": ``level`` requests/s), run by
-    a child process. Returns the timings and the wall time of the whole level."""
+    a child process. Returns the timings, the wall time of the whole level and the CPU seconds the
+    clients used (all their threads: on a machine of few cores, time the server could not have)."""
     spec = {"port": port, "bodies": bodies, "kind": kind, "level": level, "seed": seed}
     done = subprocess.run([sys.executable, "-m", "bench.load_client"], input=json.dumps(spec), text=True,
                           capture_output=True, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"the load generator failed:\n{done.stderr[-3000:]}")
     out = json.loads(done.stdout)
-    return [Timing(**t) for t in out["timings"]], out["wall"]
+    return [Timing(**t) for t in out["timings"]], out["wall"], out["cpu"]
 
 
 def main() -> int:
-    timings, wall = run(json.load(sys.stdin))
-    json.dump({"timings": [asdict(t) for t in timings], "wall": wall}, sys.stdout)
+    spec = json.load(sys.stdin)
+    cpu = time.process_time()
+    timings, wall = run(spec)
+    json.dump({"timings": [asdict(t) for t in timings], "wall": wall, "cpu": time.process_time() - cpu}, sys.stdout)
     return 0
 
 

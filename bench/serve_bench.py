@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import socket
 import statistics
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from math import nan
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -76,7 +78,9 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def summarize(variant: str, load: str, timings: list[Timing], wall: float, new_shapes="") -> dict:
+def summarize(variant: str, load: str, timings: list[Timing], wall: float, new_shapes="",
+              server_cpu: float = nan, client_cpu: float = nan) -> dict:
+    """One row of the table; ``server_cpu`` and ``client_cpu`` are CPU seconds over ``wall``."""
     tokens = sum(t.tokens for t in timings)
     ttft = [(t.chunks[0] - t.sent) * 1e3 for t in timings if t.chunks]
     gaps = [(b - a) * 1e3 for t in timings for a, b in zip(t.chunks, t.chunks[1:])]
@@ -85,7 +89,7 @@ def summarize(variant: str, load: str, timings: list[Timing], wall: float, new_s
             "tok_s": tokens / wall, "req_s": len(timings) / wall,
             "ttft_p50": percentile(ttft, 50), "ttft_p99": percentile(ttft, 99),
             "itl_p50": percentile(itl, 50), "itl_p99": percentile(itl, 99), "gap_p99": percentile(gaps, 99),
-            "new_shapes": new_shapes}
+            "server_cores": server_cpu / wall, "client_cores": client_cpu / wall, "new_shapes": new_shapes}
 
 
 def per_token_gaps(timing: Timing) -> list[float]:
@@ -201,7 +205,6 @@ def offline_run(generator, bodies: list[dict], budget: int) -> dict:
         run_requests(generator, requests, results, budget=budget, progress=False)
         wall = time.perf_counter() - start
         tokens = sum(json.loads(line)["result"]["usage"]["completion_tokens"] for line in results.read_text().splitlines())
-    nan = float("nan")
     return {"variant": "offline", "load": "one job", "requests": len(bodies), "tokens": tokens, "tok_s": tokens / wall,
             "req_s": len(bodies) / wall, "ttft_p50": nan, "ttft_p99": nan, "itl_p50": nan, "itl_p99": nan,
             "new_shapes": ""}
@@ -258,13 +261,18 @@ def ratios(rows: list[dict], steps_ms: dict[int, float]) -> str:
 
 def table(rows: list[dict]) -> str:
     head = f"{'variant':<13} {'load':<11} {'req':>4} {'tokens':>6} {'tok/s':>8} {'req/s':>7} " \
-           f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'gap p99':>8} {'new shapes':>10}"
+           f"{'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'gap p99':>8} {'cores':>9} {'new shapes':>10}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['variant']:<13} {r['load']:<11} {r['requests']:>4} {r['tokens']:>6} {r['tok_s']:>8.1f} "
                      f"{r['req_s']:>7.2f} {r['ttft_p50']:>9.1f} {r['ttft_p99']:>9.1f} {r['itl_p50']:>8.2f} "
-                     f"{r['itl_p99']:>8.2f} {r.get('gap_p99', float('nan')):>8.2f} {str(r['new_shapes']):>10}")
-    return "\n".join(lines) + "\n(times in ms)"
+                     f"{r['itl_p99']:>8.2f} {r.get('gap_p99', nan):>8.2f} {cores(r):>9} {str(r['new_shapes']):>10}")
+    return "\n".join(lines) + "\n(times in ms; cores: the CPU the server's process and the clients' used, in cores)"
+
+
+def cores(row: dict) -> str:
+    server, client = row.get("server_cores", nan), row.get("client_cores", nan)
+    return "" if math.isnan(server) else f"{server:.2f}+{client:.2f}"
 
 
 def parse_args(argv=None):
@@ -324,10 +332,12 @@ def main(argv=None) -> int:
             stream_request(port, bodies[0])  # one untimed request: connections, allocator
             for kind, level in loads:
                 shapes_before = generator.backend.graph_count()
-                timings, wall = measure(port, bodies, kind, level, args.seed)
+                server_cpu = time.process_time()
+                timings, wall, client_cpu = measure(port, bodies, kind, level, args.seed)
+                server_cpu = time.process_time() - server_cpu
                 name = f"{level} clients" if kind == "closed" else f"{level:g} req/s"
                 new = generator.backend.graph_count() - shapes_before if variant == "ours" else ""
-                rows.append(summarize(variant, name, timings, wall, new))
+                rows.append(summarize(variant, name, timings, wall, new, server_cpu, client_cpu))
                 print(table(rows[-1:]).splitlines()[2], flush=True)
         finally:
             stop()
