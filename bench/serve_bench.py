@@ -19,8 +19,10 @@ more: an incomplete UTF-8 character, a possible stop string; the server's
 ``continuous_usage_stats`` counts them) after a gap g counts as k gaps of g / k. The gaps between
 chunks as they are ("chunk gap") are printed too.
 For ours it also prints the step shapes the load added after warm-up (should be 0), and times the
-yardsticks of the latency targets in the same run: the engine's plain decode step of one row, and of
-the batch bucket each closed-loop level runs (min(clients, max_batch) rows).
+yardstick of each level's latency targets, the engine's plain decode step of the rows the level
+runs (a closed loop: min(clients, max_batch) rows; an open loop: one), right before and right after
+the level: a CPU's speed can drift from one minute to the next, so the yardstick is the mean of the
+two, and both are printed.
 
     python bench/serve_bench.py --config tiny --clients 1,4,16,32 --requests 64
     OMP_NUM_THREADS=2 python bench/serve_bench.py --config bloom-560m --dtype bf16 --clients 1,4,16 \\
@@ -229,17 +231,13 @@ def decode_ms(generator, args, rows: int, prompt_tokens: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def running_rows(load: str, args) -> int | None:
-    """Rows a closed-loop level keeps running ("16 clients" -> min(16, max_batch)); None for open loop."""
-    return min(int(load.split()[0]), args.max_batch) if load.endswith("clients") else None
-
-
-def ratios(rows: list[dict], steps_ms: dict[int, float]) -> str:
-    """The issue's targets, per closed-loop level: ours / transformers and ours / offline
-    throughput; ours' inter-token latency p99 and p50 / the decode step of as many running rows."""
+def ratios(rows: list[dict]) -> str:
+    """The issue's targets, per level of ours: ours / transformers and ours / offline throughput;
+    ours' inter-token latency p99 and p50 / the decode step of as many running rows (the row's
+    ``decode_step_ms``: the mean of its timings before and after the level)."""
     by = {(r["variant"], r["load"]): r for r in rows}
     offline = by.get(("offline", "one job"))
-    lines = [f"batch-1 decode step: {steps_ms[1]:.1f} ms"]
+    lines = []
     for (variant, load), r in by.items():
         if variant != "ours":
             continue
@@ -248,10 +246,10 @@ def ratios(rows: list[dict], steps_ms: dict[int, float]) -> str:
             parts.append(f"{r['tok_s'] / by[('transformers', load)]['tok_s']:.2f}x transformers")
         if offline:
             parts.append(f"{r['tok_s'] / offline['tok_s']:.2f}x offline")
-        n = running_rows(load, r["settings"]) if "settings" in r else None
-        step = steps_ms.get(n or 1)
+        step, (before, after) = r["decode_step_ms"], r["decode_step_timed"]
         parts.append(f"p99 inter-token {r['itl_p99'] / step:.2f}x / p50 {r['itl_p50'] / step:.2f}x "
-                     f"the {n or 1}-row decode step ({step:.1f} ms)")
+                     f"the {r['decode_step_rows']}-row decode step ({step:.1f} ms: {before:.1f} before, "
+                     f"{after:.1f} after)")
         lines.append(" ".join(parts[:1]) + " " + ", ".join(parts[1:]))
     return "\n".join(lines)
 
@@ -312,6 +310,7 @@ def main(argv=None) -> int:
     low, high = (int(x) for x in args.prompt_len.split(","))
     high = min(high, args.max_length - args.max_tokens)
     prompts = make_prompts(generator.tokenizer, args.requests, low, high, args.seed)
+    mean_prompt = round(statistics.mean(len(generator.tokenizer.encode(p)) for p in prompts))
     bodies = [{"prompt": p, "max_tokens": args.max_tokens, "temperature": args.temperature}
               | ({"seed": args.seed + i} if args.temperature else {}) for i, p in enumerate(prompts)]
     loads = [("closed", int(c)) for c in args.clients.split(",") if c] + \
@@ -331,6 +330,9 @@ def main(argv=None) -> int:
         try:
             stream_request(port, bodies[0])  # one untimed request: connections, allocator
             for kind, level in loads:
+                running = min(int(level), args.max_batch) if kind == "closed" else 1
+                if variant == "ours":
+                    before = decode_ms(generator, args, running, mean_prompt)
                 shapes_before = generator.backend.graph_count()
                 server_cpu = time.process_time()
                 timings, wall, client_cpu = measure(port, bodies, kind, level, args.seed)
@@ -338,16 +340,15 @@ def main(argv=None) -> int:
                 name = f"{level} clients" if kind == "closed" else f"{level:g} req/s"
                 new = generator.backend.graph_count() - shapes_before if variant == "ours" else ""
                 rows.append(summarize(variant, name, timings, wall, new, server_cpu, client_cpu))
+                if variant == "ours":
+                    after = decode_ms(generator, args, running, mean_prompt)
+                    rows[-1].update(decode_step_rows=running, decode_step_timed=(before, after),
+                                    decode_step_ms=(before + after) / 2)
                 print(table(rows[-1:]).splitlines()[2], flush=True)
         finally:
             stop()
     print(table(rows))
-    mean_prompt = round(statistics.mean(len(generator.tokenizer.encode(p)) for p in prompts))
-    sizes = {1} | {min(level, args.max_batch) for kind, level in loads if kind == "closed"}
-    steps_ms = {n: decode_ms(generator, args, n, mean_prompt) for n in sorted(sizes)}
-    for r in rows:
-        r["decode_step_ms"] = steps_ms.get(running_rows(r["load"], args) or 1) if r["variant"] == "ours" else None
-    print(ratios([dict(r, settings=args) for r in rows], steps_ms))
+    print(ratios(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2) + "\n")
     return 0

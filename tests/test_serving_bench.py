@@ -12,9 +12,9 @@ def test_serve_bench_runs_every_variant(tmp_path, capsys):
             "--max_length", "32", "--bucket_width", "16", "--prompt_len", "2,12", "--json", str(out)]
     assert serve_bench.main(argv) == 0
     printed = capsys.readouterr().out
-    for column in ("tok/s", "TTFT p50", "ITL p99", "cores", "new shapes", "batch-1 decode step:",
+    for column in ("tok/s", "TTFT p50", "ITL p99", "cores", "new shapes",
                    "ours at 3 clients: ", "x transformers, ", "x offline, p99 inter-token ",
-                   "the 3-row decode step ("):
+                   "the 3-row decode step (", "the 1-row decode step (", " before, "):
         assert column in printed
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["load"]) for r in rows] == [
@@ -23,6 +23,10 @@ def test_serve_bench_runs_every_variant(tmp_path, capsys):
         ("offline", "one job")]
     assert all(r["requests"] == 4 and r["tokens"] > 0 and r["tok_s"] > 0 for r in rows)
     assert all(r["new_shapes"] == 0 for r in rows if r["variant"] == "ours")  # nothing after warm-up
+    # Each level of ours has its yardstick, timed before and after it, for the rows it runs.
+    ours = [r for r in rows if r["variant"] == "ours"]
+    assert [r["decode_step_rows"] for r in ours] == [1, 3, 1]
+    assert all(min(r["decode_step_timed"]) > 0 and r["decode_step_ms"] == sum(r["decode_step_timed"]) / 2 for r in ours)
     # The CPU both sides used: the server's process worked; the clients' process counted its own.
     served = [r for r in rows if r["variant"] != "offline"]
     assert all(r["server_cores"] > 0 and r["client_cores"] > 0 for r in served)
