@@ -164,6 +164,33 @@ def test_a_burst_at_an_idle_engine_is_gathered_and_its_rows_start_together(gener
             assert ours == alone(generator, prompt, params), prompt
 
 
+def test_a_request_arriving_during_an_idle_prefill_joins_the_burst(generator):
+    """A client late for the gathering, whose request arrives while the burst's first group is
+    prefilled, is prefilled before any row chooses a token, not fed later through the running rows'
+    steps; every request equals itself alone."""
+    engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH, max_prefill=2,
+                                            burst_wait_ms=0))
+    params = SamplingParams(max_tokens=6)
+    encode = generator.tokenizer.encode
+    late, first_tokens = [], []
+    real_prefill = engine.device_rows.prefill
+
+    def prefill(*args):
+        first_tokens.append(sum(h.first_token_at is not None for h in handles + late))
+        if not late:
+            late.append(engine.submit(encode("on his way to the"), params))
+        return real_prefill(*args)
+
+    engine.device_rows.prefill = prefill
+    handles = [engine.submit(encode(p), params) for p in ("the cat sat", "a dog and a cat")]
+    engine.step()
+    while engine.step():
+        pass
+    assert first_tokens == [0, 0] and engine.stats["prompts_prefilled"] == 3 and engine.stats["mixed_steps"] == 0
+    for prompt, handle in zip(("the cat sat", "a dog and a cat", "on his way to the"), handles + late):
+        assert [s.token_ids for s in handle.result(1)] == alone(generator, prompt, params), prompt
+
+
 @pytest.mark.parametrize("prefill_chunk", [8, 32])
 def test_prompts_join_in_segments_while_rows_run(generator, prefill_chunk):
     """Prompts that arrive while a row runs are fed in segments inside its decode steps (a long one

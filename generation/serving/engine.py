@@ -20,7 +20,8 @@
   before, up to ``max_prefill`` together as one [k, P] step (k a power of two, filler rows making up
   the rest; P the length bucket of the longest) while the padding wastes little, and each prompt's slots are copied
   into its rows. A request that finds the engine idle first waits for the rest of a burst
-  (``burst_wait_ms``), so that all of it is prefilled and its rows start together.
+  (``burst_wait_ms``), so that all of it is prefilled and its rows start together; what arrives
+  during those prefills joins them.
 * **Decode.** Each step chooses every running row's next token (per-row options as tensors:
   ``row_options.py``), copies the [b] tokens to the host (the step's one sync: streaming, EOS,
   stop strings and budgets are decided there), then runs one [b, 1] decode in the bucket's cache
@@ -446,11 +447,7 @@ class Engine:
         if self.config.burst_wait_ms > 0 and all(r is None for r in self.rows) and not self.waiting \
                 and not self.inbox.empty():
             self._await_burst()
-        while True:
-            try:
-                self.waiting.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
+        self._take_arrivals()
         ran = False
         # No row running: no one waits for a prefill, which is faster than chunks for a burst.
         idle = all(r is None for r in self.rows)
@@ -476,7 +473,17 @@ class Engine:
             for _ in group:
                 self.waiting.popleft()
             self._join_group(group)
+            # No row has chosen a token yet: what arrived during that prefill joins the burst too
+            # (a client late by more than burst_wait_ms), rather than the running rows' steps later.
+            self._take_arrivals()
         return ran
+
+    def _take_arrivals(self) -> None:
+        while True:
+            try:
+                self.waiting.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return
 
     def _await_burst(self) -> None:
         """Wait while requests keep arriving (``burst_wait_ms``, ``BURST_WAIT_S``): ``submit`` sets
