@@ -59,6 +59,7 @@ from ..results import make_sequence
 from ..search.sampling import resolve_seed, row_keys
 from ..search.text_ends import IncrementalText
 from .device_rows import DeviceRows
+from .heap import freeze_long_lived
 from .params import Event, SamplingParams, TokenLogprob
 from .row_options import RowFlags, RowOptions, choose_tokens, token_logprobs
 
@@ -291,6 +292,7 @@ class Engine:
     def _run(self, warm_up: bool) -> None:
         if warm_up:
             self.warm_up()
+        freeze_long_lived()  # a full garbage collection over the model's objects would stall a step
         self.ready.set()
         while not self._stopping.is_set():
             # Cleared before looking for work: a submit after this point wakes the wait below.

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from bloom_hpu.runtime.launch import collective_timeout
 
 from .device_rows import DeviceRows
+from .heap import freeze_long_lived
 
 # The DeviceRows calls that touch the model or its caches: every rank makes them.
 FOLLOWED = ("warm_up", "prefill", "decode", "mixed", "place", "move", "resize", "answer_offline", "close")
@@ -95,5 +96,7 @@ def follow(rows: DeviceRows) -> None:
             getattr(rows, name)(*args)
         except Exception as error:  # rank 0 met the same error and answered it; stay in step
             print(f"error: {name}: {error}", file=sys.stderr)
+        if name == "warm_up":
+            freeze_long_lived()  # as rank 0's engine does: a collection's pause would stall a collective
         if name == "close":
             return
