@@ -11,9 +11,10 @@ own shard, with the collectives inside the steps pairing up.
   than views of one: a step's cache must be contiguous (the CPU's one-call step requires it, and a
   captured graph is bound to its tensors), and ``cache[:, :b]`` of a [layers, B, ...] cache is not.
 * ``prefill_caches[k]``: up to k prompts (k = 1, 2, 4, ... max_prefill) prefilled together as one
-  [k, P] step, P their length bucket, right-padded, filler rows making up k; each prompt's first P slots are then copied into its
-  rows of the decode cache (``place``). The running rows' cache is never touched by a prefill. The
-  engine uses this when no row is running (a burst onto an idle server).
+  [k, P] step, P their length bucket, right-padded, filler rows making up k; each prompt's first P
+  slots are then copied into its rows of the decode cache (``place``). The running rows' cache is
+  never touched by a prefill. The engine uses this when no row is running (a burst onto an idle
+  server).
 * ``mixed``: while rows run, prompts are fed inside the decode steps, straight into their rows of
   ``caches[b]`` (``StaticBloom.mixed``): up to ``prefill_chunk`` tokens per step in *segments* of a
   fixed length (``chunk_shape``), each segment a piece of one prompt, so several short prompts (or
@@ -137,11 +138,11 @@ class DeviceRows:
                 "mixed": len(self.batch_sizes) * len(self.lengths) * len(self.segment_counts),
                 "seconds": time.perf_counter() - start}
 
-    @torch.no_grad()
     def prefill_size(self, prompts: int) -> int:
         """The prefill bucket k that prefills ``prompts`` prompts together (filler rows make up the rest)."""
         return next(k for k in self.prefill_sizes if k >= prompts)
 
+    @torch.no_grad()
     def prefill(self, prompts: list[list[int]], adapter: int = 0) -> torch.Tensor:
         """Prefill the prompts (at most ``max_prefill``) into ``prefill_caches[k]``, k =
         ``prefill_size(len(prompts))``, right-padded to the length bucket of the longest, all with

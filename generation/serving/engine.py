@@ -18,10 +18,10 @@
   is complete.
 * **Prefill when idle.** When no row is running, nobody waits: waiting requests are prefilled as
   before, up to ``max_prefill`` together as one [k, P] step (k a power of two, filler rows making up
-  the rest; P the length bucket of the longest) while the padding wastes little, and each prompt's slots are copied
-  into its rows. A request that finds the engine idle first waits for the rest of a burst
-  (``burst_wait_ms``), so that all of it is prefilled and its rows start together; what arrives
-  during those prefills joins them.
+  the rest; P the length bucket of the longest) while the padding wastes little, and each prompt's
+  slots are copied into its rows. A request that finds the engine idle first waits for the rest of a
+  burst (``burst_wait_ms``), so that all of it is prefilled and its rows start together; what
+  arrives during those prefills joins them.
 * **Decode.** Each step chooses every running row's next token (per-row options as tensors:
   ``row_options.py``), copies the [b] tokens to the host (the step's one sync: streaming, EOS,
   stop strings and budgets are decided there), then runs one [b, 1] decode in the bucket's cache
