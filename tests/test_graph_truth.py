@@ -214,7 +214,9 @@ def test_engine_mixed_load_lora_rows_and_cancellation(graph_stand_in, checkpoint
     from generation.serving.params import SamplingParams
 
     adapter = make_adapter(checkpoint, tmp_path / "adapter", seed=2, r=4, lora_alpha=8)
-    config = EngineConfig(max_batch=4, max_length=48, bucket_width=16, max_prefill=2)
+    # max_prefill 4: the first three requests (four rows) are prefilled in the 4-prompt bucket with a
+    # filler row.
+    config = EngineConfig(max_batch=4, max_length=48, bucket_width=16, max_prefill=4)
 
     def serve(generator, threaded=True):
         engine = Engine(generator, config)
@@ -277,7 +279,10 @@ def test_engine_mixed_load_lora_rows_and_cancellation(graph_stand_in, checkpoint
     if graph_stand_in.personality == "hpu":
         expected += len(rows.prefill_sizes) * len(rows.lengths)
     assert graph_stand_in.captures - before == expected
+    prefilled, real_prefill = [], rows.prefill
+    rows.prefill = lambda prompts, *rest: prefilled.append(len(prompts)) or real_prefill(prompts, *rest)
     assert answers(card, threaded=False)[0] == want[0]
+    assert 3 in prefilled  # three prompts in the 4-row prefill: a filler row replayed the same graph
     counts = Counts(graph_stand_in)
     assert answers(card, threaded=False)[0] == want[0]
     assert counts.unchanged(), new_lazy_graphs(graph_stand_in, counts)
