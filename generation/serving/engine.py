@@ -446,13 +446,12 @@ class Engine:
     def _admit(self) -> bool:
         """Move queued requests into free slots, first come first served, prefilling up to
         ``max_prefill`` of them together. Returns whether an offline request ran."""
-        if self.config.burst_wait_ms > 0 and all(r is None for r in self.rows) and not self.waiting \
-                and not self.inbox.empty():
+        # No row running: no one waits for a prefill, which is faster than chunks for a burst.
+        idle = all(r is None for r in self.rows)
+        if idle and self.config.burst_wait_ms > 0 and not self.waiting and not self.inbox.empty():
             self._await_burst()
         self._take_arrivals()
         ran = False
-        # No row running: no one waits for a prefill, which is faster than chunks for a burst.
-        idle = all(r is None for r in self.rows)
         while self.waiting:
             handle = self.waiting[0]
             if handle.cancelled.is_set():
