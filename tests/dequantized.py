@@ -21,7 +21,7 @@ def dequantized_weight(module) -> torch.Tensor:
 
 def dequantized_state(model) -> dict[str, torch.Tensor]:
     """Our quantized model's weights as the checkpoint names them, each ``q * scale`` in fp32."""
-    return {f"{name}.weight": dequantized_weight(module) for name, module in model.named_modules()
+    return {f"{name}.weight": dequantized_weight(module).cpu() for name, module in model.named_modules()
             if getattr(module, "qweight", None) is not None}
 
 

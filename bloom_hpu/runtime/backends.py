@@ -167,15 +167,24 @@ class CudaBackend(Backend):
         self.cuda_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.tensor_parallel = False
         self.captured = 0  # graphs captured so far
+        self.quantized_kernels = False  # whether quantized decode products run our Triton kernels
         # One memory pool for every captured graph: steps replay one after another and each output
         # is consumed before the next replay, so graphs can share their scratch memory instead of
         # each holding its own (the original's HPU graphs multiplied memory this way).
         self._pool = None
 
     def prepare_model(self, model) -> None:
-        """No CPU fast path: a card runs the model's own operations."""
+        """No CPU fast path: a card runs the model's own operations, except that quantized weights'
+        products of a few rows (decode) go through our Triton kernels where Triton is installed and
+        a probe product on the card agrees with the public ops (``cuda_quantized.py``)."""
         self.tensor_parallel = model.parallel.world_size > 1
         dequantize_in_products(model)
+        self.quantized_kernels = False
+        try:
+            from . import cuda_quantized
+        except ImportError:  # no Triton: the public ops serve every product
+            return
+        self.quantized_kernels = cuda_quantized.install(model, model.word_embeddings_layernorm.weight.dtype)
 
     def graph_count(self) -> int:
         return self.captured
