@@ -1,23 +1,20 @@
-"""OpenAI-style completion requests: parse and check one JSONL line, group requests that share
-their hyperparameters, cut groups into batches under a token budget, and build result records.
+"""One request, as OpenAI's completions API shapes it: parsed and range-checked once, for the
+batch runner's request files and the server alike.
 
-A request line is a JSON object in the legacy completions format (``prompt``, ``max_tokens``,
+A request is a JSON object in the legacy completions format (``prompt``, ``max_tokens``,
 ``temperature``, ``top_p``, ``n``, ``best_of``, ``logprobs``, ``echo``, ``stop``, ``seed``), plus
-our search options (``top_k``, ``num_beams``, ``repetition_penalty``...). Its record is
-``{"request": <the line as read>, "result": {"choices", "usage", "request_time"}}``.
+our search options (``top_k``, ``num_beams``, ``repetition_penalty``...). How it is answered:
+``answers.py``; request files (grouping, resume): ``jobs/``.
 """
-
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import dataclass, field
 
-from ..batch import round_up
-from ..logprobs import RowScores, TokenText, clip_pieces, offsets_of
-from ..options import MAX_INT, OPTIONS_BY_NAME, GenerationOptions, OptionError
-from ..results import Sequence
-from ..search.stopping import StopError, normalize_stops
+from .batch import round_up
+from .options import MAX_INT, OPTIONS_BY_NAME, GenerationOptions, OptionError
+from .search.stopping import StopError, normalize_stops
 
 SHAPE_MULTIPLE = 32  # batch lengths (prompt + max_tokens) are padded to a multiple of this
 MAX_LOGPROBS = 5  # as OpenAI's completions endpoint
@@ -221,120 +218,5 @@ def parse_request(text: str, line: int) -> Request:
     return Request(line, raw, prompts, max_tokens, n, best_of, logprobs, echo, stop, search)
 
 
-# --- batching -----------------------------------------------------------------------------------
-
-
-@dataclass
-class RequestBatch:
-    """Requests answered by one generate call: same search options, one static length."""
-
-    requests: list[Request]
-    prompt_lengths: list[list[int]]  # tokens of each request's prompts
-    length: int  # static prompt + new tokens length of the batch (a multiple of SHAPE_MULTIPLE)
-    budget: int  # the token budget it was planned under
-
-    @property
-    def rows(self) -> int:
-        return sum(len(r.prompts) * r.rows_per_prompt for r in self.requests)
-
-    @property
-    def max_tokens(self) -> int:
-        """The largest budget of the batch: its static length makes room for it."""
-        return max(r.max_tokens for r in self.requests)
-
-    def options(self) -> GenerationOptions:
-        extra = {"max_new_tokens": self.max_tokens} if self.max_tokens else {}
-        return GenerationOptions().updated(max_length=self.length, ignore_eos=False, **extra,
-                                           **self.requests[0].shared_search)
-
-    def seeds(self) -> list[int | None]:
-        """Each prompt's seed (None: the request gave none), in the order of its prompts."""
-        return [r.search.get("seed") for r in self.requests for _ in r.prompts]
-
-
 def batch_length(longest_prompt: int, max_tokens: int) -> int:
     return round_up(longest_prompt + max_tokens, SHAPE_MULTIPLE)
-
-
-def plan_batches(requests: list[Request], prompt_lengths: dict[int, list[int]], budget: int) -> list[RequestBatch]:
-    """Group requests by search options, then fill batches in order of prompt length while
-    rows x static length stays within ``budget`` tokens (a request never splits; one that exceeds
-    the budget alone gets a batch of its own)."""
-    groups: dict[tuple, list[Request]] = {}
-    for r in requests:
-        groups.setdefault(r.group, []).append(r)
-    batches = []
-    for members in groups.values():
-        members = sorted(members, key=lambda r: max(prompt_lengths[r.line]))  # stable
-        current: list[Request] = []
-        for r in members:
-            trial = current + [r]
-            longest = max(max(prompt_lengths[q.line]) for q in trial)
-            rows = sum(len(q.prompts) * q.rows_per_prompt for q in trial)
-            if current and rows * batch_length(longest, max(q.max_tokens for q in trial)) > budget:
-                batches.append(_batch(current, prompt_lengths, budget))
-                trial = [r]
-            current = trial
-        if current:
-            batches.append(_batch(current, prompt_lengths, budget))
-    return batches
-
-
-def _batch(requests: list[Request], prompt_lengths: dict[int, list[int]], budget: int) -> RequestBatch:
-    lengths = [prompt_lengths[r.line] for r in requests]
-    longest = max(max(x) for x in lengths)
-    return RequestBatch(requests, lengths, batch_length(longest, max(r.max_tokens for r in requests)), budget)
-
-
-# --- result records -----------------------------------------------------------------------------
-
-OPENAI_FINISH = {"length": "length", "eos": "stop", "stop": "stop"}
-
-
-@dataclass
-class Choice:
-    """One answer to one prompt, before it becomes JSON."""
-
-    prompt: str
-    prompt_ids: list[int]
-    sequence: Sequence | None  # None when max_tokens is 0 (echo only)
-    scores: RowScores | None  # scores of prompt + sequence tokens, when logprobs are asked
-
-
-def choice_record(index: int, choice: Choice, request: Request, text_of: TokenText) -> dict:
-    seq = choice.sequence
-    gen_ids = seq.token_ids if seq is not None else []
-    completion = seq.text if seq is not None else ""
-    text = choice.prompt + completion if request.echo else completion
-    record = {"text": text, "index": index, "logprobs": None,
-              "finish_reason": OPENAI_FINISH[seq.finish_reason] if seq is not None else "length"}
-    if request.logprobs is None:
-        return record
-    n_prompt = len(choice.prompt_ids)
-    shown = (choice.prompt_ids if request.echo else []) + gen_ids
-    first = 0 if request.echo else n_prompt  # index in prompt + generated tokens of shown[0]
-    pieces = clip_pieces(text_of.pieces(shown), len(text))
-    token_logprobs, top_logprobs = [], []
-    for t, token_id in enumerate(shown, start=first):
-        if t == 0:  # the first prompt token has no context to be scored from
-            token_logprobs.append(None)
-            top_logprobs.append(None)
-            continue
-        chosen = choice.scores.token_logprobs[t - 1]
-        alternatives = zip(choice.scores.top_ids[t - 1][: request.logprobs], choice.scores.top_logprobs[t - 1])
-        top = {}
-        for alt_id, alt_lp in alternatives:
-            top[text_of.label(alt_id)] = alt_lp
-        top.setdefault(text_of.label(token_id), chosen)  # the chosen token is always listed
-        token_logprobs.append(chosen)
-        top_logprobs.append(top)
-    record["logprobs"] = {"tokens": pieces, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-                          "text_offset": offsets_of(pieces)}
-    return record
-
-
-
-def result_record(request: Request, choices: list[dict], usage: dict, batch_time: float, batch_size: int) -> dict:
-    return {"request": request.raw,
-            "result": {"choices": choices, "usage": usage,
-                       "request_time": {"batch_time": batch_time, "batch_size": batch_size}}}

@@ -25,6 +25,7 @@ from bloom_hpu.checkpoint import CheckpointError, read_json_object
 from .batch import InputError
 from .memory import MemoryCheckError, agreed_free_bytes, estimate_bytes, human
 from .options import GenerationOptions, OptionError, valid_seed
+from .requests import batch_length
 
 # config.json fields: (type, smallest value). bool is refused where an int is wanted.
 _CONFIG_INTS = {"vocab_size": 1, "hidden_size": 1, "n_layer": 1, "n_head": 1,
@@ -136,10 +137,8 @@ def check_memory(config, dtype: torch.dtype, device: torch.device, rows: int, le
 
 
 def check_request(generator, request, prompt_lengths: list[int]) -> None:
-    """One request line against the model and the memory (see ``jobs/requests.py`` for the line's
+    """One request line against the model and the memory (see ``requests.py`` for the request's
     own checks)."""
-    from .jobs.requests import batch_length
-
     opts = GenerationOptions().updated(**{k: v for k, v in request.search.items()})
     check_against_model(opts, generator.model.config.vocab_size)
     length = batch_length(max(prompt_lengths), request.max_tokens)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import bloom
-from generation.jobs.requests import RequestError, parse_request, plan_batches
+from generation.jobs.batches import plan_batches
 from generation.logprobs import TokenText
+from generation.requests import RequestError, parse_request
 
 P0, P1, P2 = "Hello world", "The cat sat on the mat and then", "A dog"
 

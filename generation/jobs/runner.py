@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..batch import InputError
-from ..logprobs import TokenText, score_rows
+from ..answers import RequestBatch, answer_batch
 from ..options import OptionError
 from ..progress import Progress, log
+from ..requests import Request, RequestError, batch_length, parse_request, request_key
 from ..validate import check_request
+from .batches import plan_batches
 from .files import check_distinct, disk_error, is_regular_or_new, lock_results, read_user_file
-from .requests import (Choice, Request, RequestBatch, RequestError, batch_length, choice_record, parse_request,
-                       plan_batches, request_key, result_record)
 
 DEFAULT_BUDGET = 8192  # tokens (rows x static length) per batch
 
@@ -130,93 +130,6 @@ def answered_keys(results_path: Path) -> Counter:
             raise InputError(f"results file {results_path} line {number} is not a result record; "
                              "fix or remove that line to resume") from None
     return done
-
-
-# --- answering ----------------------------------------------------------------------------------
-
-
-def answer_batch(generator, batch: RequestBatch) -> tuple[list[dict], int]:
-    """Records of every request of the batch (input order within the batch) and the number of
-    completion tokens they hold."""
-    start = time.perf_counter()
-    requests = batch.requests
-    prompts = [p for r in requests for p in r.prompts]
-    owner = [r for r in requests for _ in r.prompts]
-    if requests[0].max_tokens > 0:
-        # Filler rows (copies of the last prompt, dropped after) round the batch up to a standard
-        # size, so that a group's short last batch replays a graph already captured.
-        fill = standard_size(batch, len(prompts)) - len(prompts)
-        stops = [r.stop for r in owner] + [owner[-1].stop] * fill
-        budgets = [r.max_tokens for r in owner] + [owner[-1].max_tokens] * fill
-        seeds = batch.seeds()
-        seeds += seeds[-1:] * fill
-        results = generator.generate(prompts + [prompts[-1]] * fill, batch.options(), stop=stops,
-                                     max_new_tokens_each=budgets, seed_each=seeds)[: len(prompts)]
-        prompt_ids = [res.prompt_token_ids for res in results]
-        candidates = [res.sequences for res in results]
-    else:  # echo with max_tokens 0: score the prompt, generate nothing
-        given = [ids for r in requests for ids in (r.prompt_ids or [None] * len(r.prompts))]
-        prompt_ids = [ids if ids is not None else encoded
-                      for ids, encoded in zip(given, generator.tokenizer.encode_batch(prompts))]
-        candidates = [[None] for _ in prompts]
-
-    # One scoring pass over every candidate that needs log-probs (asked for, or to rank best_of).
-    needs = [r.logprobs is not None or (r.sampling and r.best_of > r.n) for r in owner]
-    rows, where = [], []
-    for i, (ids, seqs) in enumerate(zip(prompt_ids, candidates)):
-        if needs[i]:
-            for j, seq in enumerate(seqs):
-                rows.append(list(ids) + (seq.token_ids if seq is not None else []))
-                where.append((i, j))
-    scores: dict[tuple[int, int], object] = {}
-    if rows:
-        top_k = max((r.logprobs or 0) for r in owner)
-        length = max(batch.length, max(len(r) for r in rows))
-        scores = dict(zip(where, score_rows(generator.runner, rows, top_k, length, generator.tokenizer.pad_token_id)))
-
-    text_of = TokenText(generator.tokenizer)
-    per_request: dict[int, list[dict]] = {id(r): [] for r in requests}
-    usage = {id(r): [0, 0] for r in requests}
-    for i, (request, ids, seqs) in enumerate(zip(owner, prompt_ids, candidates)):
-        picks = _pick(request, seqs, [scores.get((i, j)) for j in range(len(seqs))], len(ids))
-        choices = per_request[id(request)]
-        for seq, score in picks:
-            choice = Choice(prompts[i], ids, seq, score)
-            choices.append(choice_record(len(choices), choice, request, text_of))
-            usage[id(request)][1] += len(seq.token_ids) if seq is not None else 0
-        usage[id(request)][0] += len(ids)
-    seconds = time.perf_counter() - start
-    records, tokens = [], 0
-    for r in requests:
-        p, c = usage[id(r)]
-        tokens += c
-        records.append(result_record(r, per_request[id(r)], {"prompt_tokens": p, "completion_tokens": c,
-                                                            "total_tokens": p + c}, seconds, len(prompts)))
-    return records, tokens
-
-
-def standard_size(batch: RequestBatch, prompts: int) -> int:
-    """The next power of two of ``prompts``, unless that would break the batch's budget."""
-    rows_per_prompt = batch.requests[0].rows_per_prompt
-    fits = max(prompts, batch.budget // (batch.length * rows_per_prompt))
-    return min(1 << (prompts - 1).bit_length(), fits)
-
-
-def _pick(request: Request, seqs: list, scores: list, n_prompt: int) -> list[tuple]:
-    """The n choices of one prompt from its candidates (with their scores)."""
-    pairs = list(zip(seqs, scores))
-    if request.sampling and request.best_of > request.n:
-        # OpenAI's best_of: the candidates with the highest log-probability per token.
-        def mean_logprob(pair):
-            seq, score = pair
-            lps = score.token_logprobs[n_prompt - 1 : n_prompt - 1 + len(seq.token_ids)]
-            return sum(lps) / max(1, len(lps))
-
-        pairs = sorted(pairs, key=mean_logprob, reverse=True)
-    if len(pairs) >= request.n:
-        return pairs[: request.n]
-    # Greedy search gives one answer; its n choices are copies of it.
-    return [pairs[0]] * request.n
 
 
 # --- the run ------------------------------------------------------------------------------------

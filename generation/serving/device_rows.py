@@ -238,9 +238,8 @@ class DeviceRows:
     def answer_offline(self, request, lengths: list[int], length: int, budget: int,
                        adapter: int = 0) -> tuple[list[dict], int]:
         """Beams, best_of, echo with log-probs...: one request through ``Generator.generate``
-        (jobs.runner.answer_batch), in the generator's own shapes, every row with LoRA ``adapter``."""
-        from ..jobs.requests import RequestBatch
-        from ..jobs.runner import answer_batch
+        (answers.answer_batch), in the generator's own shapes, every row with LoRA ``adapter``."""
+        from ..answers import RequestBatch, answer_batch
 
         with self._adapter_only(adapter):
             return answer_batch(self.generator, RequestBatch([request], [lengths], length, budget=budget))

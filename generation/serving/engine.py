@@ -602,7 +602,7 @@ class Engine:
         self._start(slots, logits)
 
     def _answer_offline(self, handle: RequestHandle) -> None:
-        from ..jobs.requests import batch_length
+        from ..requests import batch_length
 
         request = handle.offline
         lengths = [len(ids) for ids in self.tokenizer.encode_batch(request.prompts)]

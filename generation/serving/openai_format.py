@@ -1,7 +1,7 @@
 """The OpenAI API's shapes, without HTTP: request bodies -> checked requests, engine results ->
 response bodies and stream chunks, errors -> ``{"error": {...}}``.
 
-Completion bodies go through the batch runner's own parser (``jobs.requests.parse_request``), so
+Completion bodies go through the batch runner's own parser (``generation/requests.parse_request``), so
 a field means the same in a request file and over HTTP; the server adds what only it serves
 (``stream``, ``stream_options``, ``presence_penalty``, ``frequency_penalty``). Chat bodies become a
 completion request on the prompt that the chat template makes of the messages.
@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..jobs.requests import MAX_LOGPROBS, Request, RequestError, parse_request
+from ..requests import MAX_LOGPROBS, Request, RequestError, parse_request
 from ..logprobs import TokenText, clip_pieces, offsets_of
 from ..options import MAX_INT
 from .params import SamplingParams

@@ -18,7 +18,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WithJsonSchema
 
-from ..jobs.requests import MAX_CHOICES, MAX_LOGPROBS
+from ..requests import MAX_CHOICES, MAX_LOGPROBS
 from ..options import MAX_INT
 
 Number = float  # strict mode: an int or a float, never a string
@@ -26,7 +26,7 @@ Number = float  # strict mode: an int or a float, never a string
 
 def ranged(**bounds):
     """An optional field whose documented range (JSON schema's ``minimum``...) says what our own
-    checks accept: clients and fuzzers read it; the checks (``openai_format``, ``jobs.requests``)
+    checks accept: clients and fuzzers read it; the checks (``openai_format``, ``generation/requests``)
     still give the error, with their message."""
     return Field(None, json_schema_extra=bounds)
 
