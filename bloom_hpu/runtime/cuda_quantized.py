@@ -28,10 +28,16 @@ import triton
 import triton.language as tl
 
 KERNEL_ROWS = 16  # a product of at most this many rows goes through the kernels (tl.dot's smallest M)
-BLOCK_N = 32  # output columns per program: enough programs to fill the card for a 4096-wide layer
-BLOCK_K = 256  # weights of a row per loop step (a multiple of 32: whole int4 blocks)
+BLOCK_K = 256  # int8: weights of a row per loop step
+
+# Output columns per program and the pipeline's depth, chosen per weight shape on its first product
+# (outside any graph capture: at load, by ``install``'s probe): a narrow layer needs narrow tiles to
+# give every multiprocessor work, a wide one fewer, larger loads.
+CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s)
+           for n, w, s in ((16, 2, 4), (32, 4, 4), (64, 4, 3), (32, 4, 2))]
 
 
+@triton.autotune(configs=CONFIGS, key=["N", "K"])
 @triton.jit
 def _int8_rows(x_ptr, q_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_qn, stride_om,
                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -53,35 +59,35 @@ def _int8_rows(x_ptr, q_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, strid
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
+@triton.autotune(configs=CONFIGS, key=["N", "K"])
 @triton.jit
 def _int4_rows(x_ptr, p_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_pn, stride_sn, stride_om,
-               GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # One loop step per group of GROUP weights (a whole number of 32-weight blocks), so each row of
+    # the tile has one scale there, broadcast rather than gathered.
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.arange(0, BLOCK_M)
-    half = tl.arange(0, BLOCK_K // 2)  # byte t of the tile: block t // 16, position t % 16 in it
+    in_n = cols < N
+    half = tl.arange(0, GROUP // 2)  # byte t of the group: block t // 16, position t % 16 in it
     low_k = (half // 16) * 32 + half % 16  # the weight in the byte's low nibble; +16: the high one
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + low_k
-        in_k = ks < K
+    for g in range(0, K // GROUP):
+        k0 = g * GROUP
         packed = tl.load(p_ptr + cols[:, None] * stride_pn + (k0 // 2 + half)[None, :],
-                         mask=(cols[:, None] < N) & in_k[None, :], other=0x88).to(tl.int32)
-        scale = tl.load(s_ptr + cols[:, None] * stride_sn + (ks // GROUP)[None, :],
-                        mask=(cols[:, None] < N) & in_k[None, :], other=0.0)
-        x_low = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                        mask=(rows[:, None] < M) & in_k[None, :], other=0.0)
-        x_high = tl.load(x_ptr + rows[:, None] * stride_xm + (ks + 16)[None, :],
-                         mask=(rows[:, None] < M) & in_k[None, :], other=0.0)
+                         mask=in_n[:, None], other=0x88).to(tl.int32)
+        scale = tl.load(s_ptr + cols * stride_sn + g, mask=in_n, other=0.0)[:, None]
+        x_low = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + low_k)[None, :],
+                        mask=rows[:, None] < M, other=0.0)
+        x_high = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + 16 + low_k)[None, :],
+                         mask=rows[:, None] < M, other=0.0)
         w_low = (((packed & 0x0F) - 8).to(tl.float32) * scale).to(x_low.dtype)
         w_high = (((packed >> 4) - 8).to(tl.float32) * scale).to(x_low.dtype)
         acc += tl.dot(x_low, tl.trans(w_low))
         acc += tl.dot(x_high, tl.trans(w_high))
     out = acc.to(out_ptr.dtype.element_ty)
     if HAS_BIAS:
-        out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out,
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
+        out += tl.load(bias_ptr + cols, mask=in_n, other=0.0)[None, :]
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out, mask=(rows[:, None] < M) & in_n[None, :])
 
 
 def quantized_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
@@ -92,17 +98,16 @@ def quantized_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     rows, k = flat.shape
     n = q.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, BLOCK_N),)
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
     has_bias = bias is not None
     bias_arg = bias if has_bias else out
     if q.dtype == torch.uint8:
         _int4_rows[grid](flat, q, scales, bias_arg, out, rows, n, k, flat.stride(0), q.stride(0),
                          scales.stride(0), out.stride(0), GROUP=k // scales.shape[1], HAS_BIAS=has_bias,
-                         BLOCK_M=KERNEL_ROWS, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                         BLOCK_M=KERNEL_ROWS)
     else:
         _int8_rows[grid](flat, q, scales.to(x.dtype), bias_arg, out, rows, n, k, flat.stride(0), q.stride(0),
-                         out.stride(0), HAS_BIAS=has_bias, BLOCK_M=KERNEL_ROWS, BLOCK_N=BLOCK_N,
-                         BLOCK_K=BLOCK_K)
+                         out.stride(0), HAS_BIAS=has_bias, BLOCK_M=KERNEL_ROWS, BLOCK_K=BLOCK_K)
     return out.view(*x.shape[:-1], n)
 
 
