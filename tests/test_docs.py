@@ -10,8 +10,10 @@ The Layout rule, chosen to be simple to follow and to check:
   whose first cell names a top-level part (`` `generation/` ``, `` `bloom.py` ``);
 * a file is named when its file name, in backticks (`` `engine.py` ``), appears in the row of its
   top-level part, or its whole path (`` `generation/serving/engine.py` ``) appears anywhere in the
-  section. A name that several files of one part share (``generation/requests.py`` and
-  ``generation/jobs/requests.py``) must appear in the row once per file.
+  section. A name that several files of one part share (say ``generation/requests.py`` and
+  ``generation/jobs/requests.py``) must appear in the row once per file;
+* the other way round, every code file name in a part's row must be a file somewhere under that
+  part's folder (on disk, so that a file about to be committed may already be named).
 
 Links: every ``[text](target)`` in a tracked markdown file whose target is not a URL must name a
 tracked file or folder (relative to the markdown file), and an ``#anchor`` on a markdown target
@@ -86,6 +88,22 @@ def test_layout_names_every_code_file():
     assert not missing, (
         "README.md's Layout does not name these files (add the file name, in backticks, to its "
         f"part's row, or its whole path): {missing}")
+
+
+def test_layout_names_only_files_that_exist():
+    """The other way round: every code file name the Layout gives (`` `name.py` ``, `` `name.h` ``)
+    is a file of its part, so a file moved or removed does not live on in the README."""
+    section = layout_section((ROOT / "README.md").read_text(encoding="utf-8"))
+    stale = []
+    for part, row in layout_rows(section).items():
+        folder = ROOT / part
+        if not folder.is_dir():
+            continue
+        present = {path.name for path in folder.rglob("*") if path.is_file()}
+        for name in re.findall(r"`([\w.-]+\.(?:py|cpp|h))`", row):
+            if name not in present:
+                stale.append(f"{part}/…/{name}")
+    assert not stale, f"README.md's Layout names files that do not exist: {stale}"
 
 
 def github_slug(heading: str) -> str:
