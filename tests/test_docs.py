@@ -7,13 +7,15 @@ The Layout rule, chosen to be simple to follow and to check:
   ``generation/``, ``bench/`` and ``utils/``, and ``bloom.py``; package markers (``__init__.py``)
   are left out, as they hold no code of their own worth a line;
 * the Layout section is the README's text from ``## Layout`` to the next ``## `` heading, a table
-  whose first cell names a top-level part (`` `generation/` ``, `` `bloom.py` ``);
-* a file is named when its file name, in backticks (`` `engine.py` ``), appears in the row of its
-  top-level part, or its whole path (`` `generation/serving/engine.py` ``) appears anywhere in the
-  section. A name that several files of one part share (say ``generation/requests.py`` and
-  ``generation/jobs/requests.py``) must appear in the row once per file;
-* the other way round, every code file name in a part's row must be a file somewhere under that
-  part's folder (on disk, so that a file about to be committed may already be named).
+  whose first cell names a folder (`` `generation/` ``, `` `generation/serving/` ``) or a file
+  (`` `bloom.py` ``);
+* each file belongs to the row of the nearest folder above it that has a row (its own folder's,
+  else a parent's: ``csrc/`` files belong to ``bloom_hpu/runtime/cpu/``); it is named when its file
+  name, in backticks (`` `engine.py` ``), appears in that row, or its whole path
+  (`` `generation/serving/engine.py` ``) anywhere in the section. A name that several files of one
+  row share must appear in it once per file;
+* the other way round, every code file name in a folder's row must be a file somewhere under that
+  folder (on disk, so that a file about to be committed may already be named).
 
 Links: every ``[text](target)`` in a tracked markdown file whose target is not a URL must name a
 tracked file or folder (relative to the markdown file), and an ``#anchor`` on a markdown target
@@ -59,7 +61,7 @@ def layout_section(readme: str) -> str:
 
 
 def layout_rows(section: str) -> dict[str, str]:
-    """Top-level part ('generation', 'bloom.py') -> the text of its table row."""
+    """Folder or file ('generation', 'generation/serving', 'bloom.py') -> the text of its row."""
     rows = {}
     for line in section.splitlines():
         cell = re.match(r"\|\s*`([^`]+?)/?`\s*\|", line)
@@ -68,26 +70,47 @@ def layout_rows(section: str) -> dict[str, str]:
     return rows
 
 
-def test_layout_names_every_code_file():
-    section = layout_section((ROOT / "README.md").read_text(encoding="utf-8"))
+def unnamed_files(section: str, files: list[str]) -> list[str]:
+    """The files of ``files`` that the Layout ``section`` does not name (the rule above)."""
     rows = layout_rows(section)
-    files = code_files(tracked_files())
-    assert files, "no code files found"
+
+    def row_of(path: str) -> str | None:  # the nearest folder above the file that has a row
+        keys = [key for key in rows if path.startswith(key + "/")]
+        return max(keys, key=len) if keys else None
+
+    shared = Counter((row_of(path), Path(path).name) for path in files)
     missing = []
-    shared = Counter((path.split("/")[0], Path(path).name) for path in files)
     for path in files:
-        if f"`{path}`" in section:
+        if f"`{path}`" in section or path in rows:
             continue
-        part, name = path.split("/")[0], Path(path).name
-        row = rows.get(part, "")
-        if path == "bloom.py" and "bloom.py" in rows:
-            continue
-        if row.count(f"`{name}`") >= shared[(part, name)]:
+        key, name = row_of(path), Path(path).name
+        if key is not None and rows[key].count(f"`{name}`") >= shared[(key, name)]:
             continue
         missing.append(path)
+    return missing
+
+
+def test_layout_rule():
+    section = ("| part | owns |\n| --- | --- |\n| `bloom.py` | the CLI |\n"
+               "| `generation/` | `requests.py`, `jobs/`: `requests.py` |\n"
+               "| `generation/serving/` | `engine.py` |\n")
+    files = ["bloom.py", "generation/requests.py", "generation/jobs/requests.py",
+             "generation/serving/engine.py", "generation/serving/app.py", "generation/serving/x/deep.py",
+             "bench/run.py"]
+    assert unnamed_files(section, files) == ["generation/serving/app.py", "generation/serving/x/deep.py",
+                                             "bench/run.py"]
+    assert unnamed_files(section.replace("`jobs/`: `requests.py`", "`jobs/`"), files[:3]) == [
+        "generation/requests.py", "generation/jobs/requests.py"]
+
+
+def test_layout_names_every_code_file():
+    section = layout_section((ROOT / "README.md").read_text(encoding="utf-8"))
+    files = code_files(tracked_files())
+    assert files, "no code files found"
+    missing = unnamed_files(section, files)
     assert not missing, (
         "README.md's Layout does not name these files (add the file name, in backticks, to its "
-        f"part's row, or its whole path): {missing}")
+        f"folder's row, or its whole path): {missing}")
 
 
 def test_layout_names_only_files_that_exist():
