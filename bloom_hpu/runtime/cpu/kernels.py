@@ -17,18 +17,17 @@ The operators, the same sources compiled for each ISA into its own library and n
   (``generation/search/sampling.py``), bit for bit, in one pass instead of some forty.
 
 The products and steps take bf16, fp16 or fp32. A build is compiled on first use with
-``torch.utils.cpp_extension`` (g++ and ninja, 15-30 s, then cached by PyTorch), and checked by one
-probe call against ``F.linear`` before anything uses it. ``load(isa)`` raises
-``KernelsUnavailable`` with the reason when it cannot be had; callers then keep PyTorch's
-operations.
+``torch.utils.cpp_extension`` (g++ and ninja, about a minute on 2 cores, once) into a folder named
+by a hash of its sources, flags and torch build, so that a killed build never hangs a later run
+(``build.py``), and checked by one probe call against ``F.linear`` before anything uses it.
+``load(isa)`` raises ``KernelsUnavailable`` with the reason when it cannot be had; callers then
+keep PyTorch's operations.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -37,6 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from ...int4 import dequantized_int4
+from .build import BuildError, Recipe, load_library
+from .capability import ISA_NAMES
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("few_rows_linear.cpp", "decode_step.cpp", "prompt_attention.cpp",
@@ -50,6 +51,7 @@ FLAGS = {
 AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-DBLOOM_AMX"]
 NAMESPACE = {"avx512_bf16": "bloom_avx512", "avx2": "bloom_avx2"}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BUILD_TIME = "about a minute"  # g++ -O3 of csrc/ on 2 cores: what a first run says it will wait
 
 
 class KernelsUnavailable(Exception):
@@ -96,30 +98,26 @@ def load(isa: str) -> Kernels:
     return result
 
 
+def recipe(isa: str) -> Recipe:
+    """How ``isa``'s library is built (its folder is named by a hash of all of it: ``build.py``)."""
+    namespace = NAMESPACE[isa]
+    common = ("-O3", "-fopenmp", f"-DBLOOM_OPS={namespace}")
+    flag_sets = [FLAGS[isa] + AMX_FLAGS, FLAGS[isa]] if isa == "avx512_bf16" else [FLAGS[isa]]
+    return Recipe(f"bloom_cpu_{namespace.removeprefix('bloom_')}", tuple(SOURCES),
+                  tuple((*common, *flags) for flags in flag_sets), headers=tuple(sorted(CSRC.glob("*.h"))),
+                  ldflags=("-fopenmp",))
+
+
 def _build_and_probe(isa: str) -> Kernels:
     if not compiler_found():
         raise KernelsUnavailable("no C++ compiler to build them (install g++, or set CXX)")
-    from torch.utils import cpp_extension
-
     namespace = NAMESPACE[isa]
-    started = time.perf_counter()
-    flag_sets = [FLAGS[isa] + AMX_FLAGS, FLAGS[isa]] if isa == "avx512_bf16" else [FLAGS[isa]]
-    for flags in flag_sets:
-        try:
-            cpp_extension.load(
-                name=f"bloom_cpu_{namespace.removeprefix('bloom_')}", sources=[str(p) for p in SOURCES],
-                extra_cflags=["-O3", "-fopenmp", *flags, f"-DBLOOM_OPS={namespace}"],
-                extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False,
-            )
-            break
-        except Exception as error:  # a compiler error, old torch headers...: PyTorch's operations serve
-            last_line = (str(error).strip().splitlines() or [""])[-1]
-            failure = KernelsUnavailable(f"could not be built ({type(error).__name__}: {last_line})")
-    else:
-        raise failure from None
-    elapsed = time.perf_counter() - started
-    if elapsed > 5:  # a real compilation, not a load from the cache: say why the wait
-        print(f"built the {isa} CPU kernels in {elapsed:.0f} s (cached from now on)", file=sys.stderr)
+    try:
+        load_library(recipe(isa), f"the {ISA_NAMES[isa]} CPU kernels", BUILD_TIME)
+    except BuildError as error:
+        raise KernelsUnavailable(str(error)) from None
+    except OSError as error:  # the build folder cannot be written or locked
+        raise KernelsUnavailable(f"could not be built ({error})") from None
     ops = getattr(torch.ops, namespace)
     try:
         kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention, ops.int8_rows_linear,
