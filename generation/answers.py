@@ -37,8 +37,7 @@ class RequestBatch:
 
     def options(self) -> GenerationOptions:
         extra = {"max_new_tokens": self.max_tokens} if self.max_tokens else {}
-        return GenerationOptions().updated(max_length=self.length, ignore_eos=False, **extra,
-                                           **self.requests[0].shared_search)
+        return self.requests[0].to_options(max_length=self.length, **extra)
 
     def seeds(self) -> list[int | None]:
         """Each prompt's seed (None: the request gave none), in the order of its prompts."""

@@ -18,13 +18,44 @@ MAX_INT = 2**31 - 1  # integer options beyond this cannot index a tensor on ever
 MIN_TEMPERATURE = 1e-4  # logits / 1e-4 stay finite in fp32 for any logit a model produces
 
 
-def valid_seed(seed: int | None) -> bool:
-    """A seed the sampling keys take (None: one drawn at the call)."""
-    return seed is None or 0 <= seed < 2**63
-
-
 class OptionError(ValueError):
     """A bad option value; the message is meant for the user as is."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a number may take: the one place its check, its message and the range the
+    server's schema documents come from (``RANGES`` here; a request's own fields in
+    ``requests.py``)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # the low end itself is out (top_p > 0)
+    text: str = ""  # what the message says instead of the bounds
+
+    def holds(self, value) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def message(self, name: str, value) -> str:
+        return f"{name} must be {self.text or self._bounds()}, got {value}"
+
+    def _bounds(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in ({self.low}, {self.high}]" if self.low_open else f"between {self.low} and {self.high}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        return f"at most {self.high}"
+
+    def schema(self) -> dict:
+        """JSON schema's words for the range (``minimum``...)."""
+        bounds = {}
+        if self.low is not None:
+            bounds["exclusiveMinimum" if self.low_open else "minimum"] = self.low
+        if self.high is not None:
+            bounds["maximum"] = self.high
+        return bounds
 
 
 @dataclass(frozen=True)
@@ -58,6 +89,37 @@ OPTIONS: tuple[Option, ...] = (
     Option("bucket_width", int, 0, "pad prompts and size the cache/attention window in multiples of this (0: off)"),
 )
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
+# The range of each numeric option (an integer option also stays at most MAX_INT).
+RANGES = {
+    "max_length": Range(1),
+    "max_new_tokens": Range(1),
+    "min_new_tokens": Range(0),
+    "num_beams": Range(1),
+    "temperature": Range(MIN_TEMPERATURE, text=f"> 0, at least {MIN_TEMPERATURE} (smaller values overflow the logits; "
+                         "for greedy search leave do_sample off, or send temperature 0 in a request)"),
+    "top_k": Range(0, text=">= 0 (0 turns it off)"),
+    "top_p": Range(0, 1, low_open=True),
+    "repetition_penalty": Range(0, low_open=True),
+    "no_repeat_ngram_size": Range(0),
+    "num_return_sequences": Range(1),
+    "bucket_width": Range(0, text=">= 0 (0 turns it off)"),
+    "seed": Range(0, 2**63 - 1, text=">= 0 (and below 2**63)"),
+}
+FLOATS = tuple(o.name for o in OPTIONS if o.type is float)
+INTS = tuple(o.name for o in OPTIONS if o.type is int and o.name != "seed")
+
+
+def valid_seed(seed: int | None) -> bool:
+    """A seed the sampling keys take (None: one drawn at the call)."""
+    return seed is None or RANGES["seed"].holds(seed)
+
+
+def documented_range(name: str) -> dict:
+    """An option's range as JSON schema says it (what the server's schema documents)."""
+    bounds = RANGES[name].schema() if name in RANGES else {}
+    if name in INTS and "maximum" not in bounds:
+        bounds["maximum"] = MAX_INT
+    return bounds
 
 
 @dataclass(frozen=True)
@@ -95,32 +157,20 @@ class GenerationOptions:
             if not ok:
                 raise OptionError(message)
 
-        for name in ("temperature", "top_p", "repetition_penalty", "length_penalty"):
+        for name in FLOATS:
             value = getattr(self, name)
             need(math.isfinite(value), f"{name} must be a finite number, got {value}")
-        for name in ("max_length", "max_new_tokens", "min_new_tokens", "num_beams", "top_k", "num_return_sequences",
-                     "no_repeat_ngram_size", "bucket_width"):
+        for name in INTS:
             value = getattr(self, name)
             # Python ints have no bound; torch's and the memory's do. Memory is checked later, per
             # model; this only keeps numbers in the range a tensor index can hold.
             need(value is None or value <= MAX_INT, f"{name} must be at most {MAX_INT}, got {value}")
-        need(self.max_length >= 1, f"max_length must be >= 1, got {self.max_length}")
-        need(self.max_new_tokens is None or self.max_new_tokens >= 1,
-             f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        need(self.min_new_tokens >= 0, f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
-        need(self.num_beams >= 1, f"num_beams must be >= 1, got {self.num_beams}")
-        need(MIN_TEMPERATURE <= self.temperature, f"temperature must be > 0, at least {MIN_TEMPERATURE} (smaller "
-             f"values overflow the logits; for greedy search leave do_sample off), got {self.temperature}")
-        need(self.top_k >= 0, f"top_k must be >= 0 (0 turns it off), got {self.top_k}")
-        need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        need(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        need(self.no_repeat_ngram_size >= 0, f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
-        need(self.num_return_sequences >= 1, f"num_return_sequences must be >= 1, got {self.num_return_sequences}")
+        for name, allowed in RANGES.items():
+            value = getattr(self, name)
+            need(value is None or allowed.holds(value), allowed.message(name, value))
         need(self.do_sample or self.num_return_sequences <= self.num_beams,
              f"num_return_sequences ({self.num_return_sequences}) must be <= num_beams ({self.num_beams}) "
              "unless do_sample is true")
-        need(self.bucket_width >= 0, f"bucket_width must be >= 0 (0 turns it off), got {self.bucket_width}")
-        need(valid_seed(self.seed), f"seed must be >= 0 (and below 2**63), got {self.seed}")
         return self
 
 

@@ -139,8 +139,7 @@ def check_memory(config, dtype: torch.dtype, device: torch.device, rows: int, le
 def check_request(generator, request, prompt_lengths: list[int]) -> None:
     """One request line against the model and the memory (see ``requests.py`` for the request's
     own checks)."""
-    opts = GenerationOptions().updated(**{k: v for k, v in request.search.items()})
-    check_against_model(opts, generator.model.config.vocab_size)
+    check_against_model(request.to_options(), generator.model.config.vocab_size)
     length = batch_length(max(prompt_lengths), request.max_tokens)
     rows = len(request.prompts) * request.rows_per_prompt
     check_memory(generator.model.config, generator.dtype, generator.device, rows, length, max(prompt_lengths),

@@ -23,6 +23,7 @@ from ..logprobs import TokenText
 from .engine import EngineError, QueueFull
 from .loop_handoff import Mailbox, drain
 from .metrics import PrometheusMetrics
+from .params import SamplingParams
 from .openai_format import (OPENAI_FINISH, ApiError, Completion, bad_request, chat_choice, chat_logprobs,
                             completion_logprobs, envelope, new_id, parse_chat, parse_completion, sse)
 from .schema import ChatBody, CompletionBody, as_sent
@@ -66,11 +67,11 @@ class Answer:
         self.handles = []
         request = completion.request
         tokenizer = engine.tokenizer
-        prompts = len(completion.prompt_ids or request.prompts)
+        prompts = len(request.prompt_ids or request.prompts)
         if prompts > engine.config.max_queue:
             raise bad_request(f"the request has {prompts} prompts; this server queues at most "
                               f"{engine.config.max_queue} (--max_queue): send fewer at a time", "prompt")
-        self.prompt_ids = completion.prompt_ids or tokenizer.encode_batch(request.prompts)
+        self.prompt_ids = request.prompt_ids or tokenizer.encode_batch(request.prompts)
 
         def sink(prompt: int):
             return lambda event: mailbox.post(self.events, (prompt, event))
@@ -85,19 +86,18 @@ class Answer:
             # Its search options against the model, on this thread (no collective: under tensor
             # parallelism only rank 0 answers HTTP; the memory is checked inside the offline
             # answer, which every rank makes).
-            from ..options import GenerationOptions, OptionError
+            from ..options import OptionError
             from ..validate import check_against_model
 
             try:
-                check_against_model(GenerationOptions().updated(**request.search), engine.generator.model.config.vocab_size)
+                check_against_model(request.to_options(), engine.generator.model.config.vocab_size)
             except (OptionError, ValueError) as error:
                 raise bad_request(str(error)) from None
         try:
             if completion.offline:
                 self.handles.append(engine.submit_offline(request, self.prompt_ids, sink(0), adapter))
             else:
-                params = completion.params()
-                params.adapter = adapter
+                params = SamplingParams.of(request, adapter)
                 for p, ids in enumerate(self.prompt_ids):
                     self.handles.append(engine.submit(ids, params, sink(p)))
         except EngineError as error:
@@ -262,7 +262,7 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
         choices = []
         for index in sorted(sequences):
             p, seq = sequences[index]
-            lps = logprobs.get(index) if c.params().logprobs is not None else None
+            lps = logprobs.get(index) if c.request.logprobs is not None else None
             reason = OPENAI_FINISH[seq.finish_reason]
             if c.chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": seq.text},

@@ -1,32 +1,27 @@
 """The OpenAI API's shapes, without HTTP: request bodies -> checked requests, engine results ->
 response bodies and stream chunks, errors -> ``{"error": {...}}``.
 
-Completion bodies go through the batch runner's own parser (``generation/requests.parse_request``), so
-a field means the same in a request file and over HTTP; the server adds what only it serves
-(``stream``, ``stream_options``, ``presence_penalty``, ``frequency_penalty``). Chat bodies become a
-completion request on the prompt that the chat template makes of the messages.
+A body's fields are checked by the request core (``generation/requests.py``), the one parser of
+request files and the server, so a field means the same in both. Here is only what the server alone
+deals with: the model a body names, ``stream`` and ``stream_options``, vLLM's extensions, prompts
+given as token ids, the chat template, and what the engine can run.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ..requests import MAX_LOGPROBS, Request, RequestError, parse_request
 from ..logprobs import TokenText, clip_pieces, offsets_of
-from ..options import MAX_INT
-from .params import SamplingParams
+from ..requests import Request, RequestError, from_body, from_chat
 
 OPENAI_FINISH = {"length": "length", "eos": "stop", "stop": "stop"}
-SERVING_KEYS = ("stream", "stream_options", "presence_penalty", "frequency_penalty")
 # The default turn format when the tokenizer has no chat template: one "Role: content" line per
 # message, then "Assistant:"; generation stops where the model starts the next turn.
 DEFAULT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 TURN_STOPS = ["\nUser:", "\nSystem:"]
-CHAT_MAX_TOKENS = 1 << 30
 
 
 class ApiError(Exception):
@@ -47,19 +42,13 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 @dataclass
 class Completion:
-    """A checked completion request: the batch runner's Request plus what the server adds."""
+    """A checked request and what only the server does with it."""
 
     request: Request
     stream: bool = False
     include_usage: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     chat: bool = False
-    chat_logprobs: int | None = None  # chat: top_logprobs when logprobs is true
-    prompt_ids: list[list[int]] | None = None  # prompts given as token ids
-    extra_stops: list[str] = field(default_factory=list)
     model: str = ""  # the served model it asked for (the base model or a LoRA adapter's name)
-    ignore_eos: bool = False  # vLLM's: rows do not stop at EOS
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
 
     @property
@@ -69,15 +58,6 @@ class Completion:
         return (search.get("num_beams", 1) > 1 or (r.sampling and r.best_of > r.n) or r.max_tokens == 0
                 or (r.echo and r.logprobs is not None) or search.get("no_repeat_ngram_size", 0) > 0
                 or search.get("min_new_tokens", 0) > 0)
-
-    def params(self) -> SamplingParams:
-        r, s = self.request, self.request.search
-        return SamplingParams(
-            max_tokens=r.max_tokens, temperature=s.get("temperature", 1.0) if r.sampling else 0.0,
-            top_p=s.get("top_p", 1.0), top_k=s.get("top_k", 0), repetition_penalty=s.get("repetition_penalty", 1.0),
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=s.get("seed"),
-            stop=r.stop, logprobs=r.logprobs if not self.chat else self.chat_logprobs, n=r.n,
-            ignore_eos=self.ignore_eos)
 
 
 # vLLM's extensions to the OpenAI bodies, as load generators (guidellm...) and vLLM's clients send
@@ -102,43 +82,41 @@ VLLM_EXTENSIONS = {
 # The value that means "off" for the extensions that are accepted only off.
 _OFF = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
         "min_p": 0, "stop_token_ids": [], "priority": 0, "return_tokens_as_token_ids": False}
+_UNSUPPORTED = ("truncate_prompt_tokens", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar", "response_format")
 
 
-@dataclass
-class Extensions:
-    ignore_eos: bool = False
-    continuous_usage: bool = False
-    min_tokens: int | None = None  # as sent (vLLM refuses more than max_tokens, and so do we)
-
-
-def vllm_extensions(body: dict) -> tuple[dict, Extensions]:
-    """``body`` without vLLM's extensions (mapped onto our fields where they mean the same), and
-    those the server itself honours; a 400 naming any that asks for what we cannot do."""
+def vllm_extensions(body: dict) -> dict:
+    """``body`` without the vLLM extensions that only switch something off (``use_beam_search``
+    made into our fields; ``ignore_eos`` and ``min_tokens`` stay, for the request core); a 400
+    naming any that asks for what we cannot do."""
     body = dict(body)
-    extensions = Extensions(ignore_eos=bool(body.pop("ignore_eos", False)))
     body.pop("add_special_tokens", None)
     for name, off in _OFF.items():
         if name in body and body.pop(name) != off:
             raise bad_request(f"{name} is not supported by this server (only {off!r}); see docs/serving.md", name)
-    for name in ("truncate_prompt_tokens", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
-                 "guided_grammar", "response_format"):
+    for name in _UNSUPPORTED:
         if name in body:
             raise bad_request(f"{name} is not supported by this server; see docs/serving.md", name)
-    min_tokens = extensions.min_tokens = body.pop("min_tokens", None)
-    if min_tokens is not None and (not _is_id(min_tokens) or not 0 <= min_tokens <= MAX_INT):
-        raise bad_request(f"min_tokens must be between 0 and {MAX_INT}, got {min_tokens}", "min_tokens")
-    if min_tokens and not extensions.ignore_eos:
-        body["min_new_tokens"] = min_tokens
     if body.pop("use_beam_search", False):
         body["num_beams"] = max(2, body.get("best_of") or body.get("n") or 1)
         body.pop("best_of", None)
         body["temperature"] = 0
-    options = body.get("stream_options")
-    if isinstance(options, dict) and "continuous_usage_stats" in options:
-        options = dict(options)
-        extensions.continuous_usage = bool(options.pop("continuous_usage_stats"))
-        body["stream_options"] = options
-    return body, extensions
+    return body
+
+
+def streaming(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, stream_options.include_usage, vLLM's stream_options.continuous_usage_stats)."""
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request(f"stream must be true or false, got {stream!r}", "stream")
+    options = body.get("stream_options") or {}
+    if (not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}
+            or not all(isinstance(v, bool) for v in options.values())):
+        raise bad_request("stream_options must be an object with a boolean include_usage", "stream_options")
+    return stream, options.get("include_usage", False), options.get("continuous_usage_stats", False)
 
 
 def _param_of(message: str, keys) -> str | None:
@@ -147,15 +125,6 @@ def _param_of(message: str, keys) -> str | None:
         if message.startswith(key + " ") or f"'{key}'" in message:
             return key
     return None
-
-
-def _number(body: dict, name: str, low: float, high: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise bad_request(f"{name} must be a number between {low} and {high}, got {value!r}", name)
-    return float(value)
 
 
 def _is_id(x) -> bool:
@@ -181,49 +150,53 @@ def token_prompts(prompt, tokenizer) -> list[list[int]] | None:
 
 def parse_completion(body, model: str | list[str], tokenizer=None) -> Completion:
     """``model``: the name the server serves, or its names (the base model first, then LoRA adapters)."""
+    return _parse(body, model, tokenizer)
+
+
+def parse_chat(body, model: str | list[str], tokenizer) -> Completion:
+    if not isinstance(body, dict):
+        raise bad_request(f"the body must be a JSON object, got {type(body).__name__}")
+    for key in sorted(set(body) - CHAT_KEYS):
+        raise bad_request(f"unknown key {key!r}", key)
+    return _parse(body, model, tokenizer, chat=chat_prompt(body.get("messages"), tokenizer))
+
+
+def _parse(body, model, tokenizer, chat: tuple[str, list[str]] | None = None) -> Completion:
+    """A body -> a checked Completion; ``chat``: the prompt and turn stops a chat body's messages make."""
     if not isinstance(body, dict):
         raise bad_request(f"the body must be a JSON object, got {type(body).__name__}")
     chosen = check_model(body, model)
-    body, extensions = vllm_extensions(body)
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise bad_request(f"stream must be true or false, got {stream!r}", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"} or not isinstance(
-            options.get("include_usage", False), bool):
-        raise bad_request("stream_options must be an object with a boolean include_usage", "stream_options")
-    presence = _number(body, "presence_penalty", -2.0, 2.0)
-    frequency = _number(body, "frequency_penalty", -2.0, 2.0)
-    rest = {k: v for k, v in body.items() if k not in SERVING_KEYS}
-    ids = token_prompts(rest.get("prompt"), tokenizer) if tokenizer is not None else None
+    body = vllm_extensions(body)
+    stream, include_usage, continuous_usage = streaming(body)
+    rest = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    ids = token_prompts(rest.get("prompt"), tokenizer) if tokenizer is not None and chat is None else None
     if ids is not None:
-        # The batch runner's parser checks text; the ids stay what is generated from and scored.
+        # The request core checks text; the ids stay what is generated from and scored.
         rest["prompt"] = [tokenizer.decode(p) or " " for p in ids]  # (ids of special tokens only: no text)
-    for name, value in rest.items():  # JSON has no NaN or Infinity, though Python's parser reads them
-        if isinstance(value, float) and not math.isfinite(value):
-            raise bad_request(f"{name} must be a finite number, got {value}", name)
-    if isinstance(rest.get("top_p"), (int, float)) and not 0 < rest["top_p"] <= 1:
-        raise bad_request(f"top_p must be in (0, 1], got {rest['top_p']}", "top_p")
     try:
-        request = parse_request(json.dumps(rest), 0)
+        request = from_chat(rest, *chat) if chat is not None else from_body(rest, serving=True)
     except (RequestError, ValueError, TypeError, OverflowError) as error:
         raise bad_request(str(error), _param_of(str(error), sorted(body, key=len, reverse=True))) from None
     request.prompt_ids = ids
-    completion = Completion(request, stream, options.get("include_usage", False), presence, frequency, prompt_ids=ids,
-                            model=chosen, ignore_eos=extensions.ignore_eos,
-                            continuous_usage=extensions.continuous_usage)
-    if extensions.min_tokens is not None and extensions.min_tokens > request.max_tokens:
-        raise bad_request(f"min_tokens ({extensions.min_tokens}) must be at most max_tokens ({request.max_tokens})",
-                          "min_tokens")
-    if completion.offline and extensions.ignore_eos:
+    completion = Completion(request, stream, include_usage, chat is not None, chosen, continuous_usage)
+    check_servable(completion)
+    return completion
+
+
+def check_servable(completion: Completion) -> None:
+    """What the batch runner's path (``Completion.offline``) cannot add to its search: a 400."""
+    r = completion.request
+    if not completion.offline:
+        return
+    if r.ignore_eos:
         raise bad_request("ignore_eos works with greedy search and sampling (not with beams, best_of > n, "
                           "echo with logprobs, min_tokens or max_tokens 0)", "ignore_eos")
-    if completion.offline and (presence or frequency):
+    if r.presence_penalty or r.frequency_penalty:
         raise bad_request("presence_penalty and frequency_penalty work with greedy search and sampling "
                           "(not with beams, best_of > n, echo with logprobs or max_tokens 0)", "presence_penalty")
-    return completion
+    if completion.chat and r.logprobs is not None:
+        raise bad_request("logprobs in chat work with greedy search and sampling (not with beams, best_of > n "
+                          "or min_tokens)", "logprobs")
 
 
 def check_model(body: dict, model: str | list[str]) -> str:
@@ -265,43 +238,6 @@ def chat_prompt(messages, tokenizer) -> tuple[str, list[str]]:
         return prompt, []
     lines = [f"{DEFAULT_ROLES[m['role']]}: {m['content']}\n" for m in messages]
     return "".join(lines) + "Assistant:", list(TURN_STOPS)
-
-
-def parse_chat(body, model: str | list[str], tokenizer) -> Completion:
-    if not isinstance(body, dict):
-        raise bad_request(f"the body must be a JSON object, got {type(body).__name__}")
-    for key in sorted(set(body) - CHAT_KEYS):
-        raise bad_request(f"unknown key {key!r}", key)
-    prompt, stops = chat_prompt(body.get("messages"), tokenizer)
-    logprobs = body.get("logprobs", False)
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise bad_request(f"logprobs must be true or false, got {logprobs!r}", "logprobs")
-    top = body.get("top_logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
-        raise bad_request(f"top_logprobs must be an integer between 0 and {MAX_LOGPROBS}", "top_logprobs")
-    if top and not logprobs:  # as OpenAI and vLLM: alternatives without logprobs would be silently dropped
-        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    completion_body = {k: v for k, v in body.items()
-                       if k not in ("messages", "max_completion_tokens", "logprobs", "top_logprobs")}
-    completion_body["prompt"] = prompt
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    # No max_tokens: the rest of the server's max_length (the engine caps every budget at it).
-    completion_body["max_tokens"] = CHAT_MAX_TOKENS if max_tokens is None else max_tokens
-    user_stops = body.get("stop")
-    if isinstance(user_stops, str):
-        user_stops = [user_stops]
-    if user_stops is not None and not isinstance(user_stops, list):
-        raise bad_request("stop must be a string or a list of strings", "stop")
-    completion_body["stop"] = (user_stops or []) + stops
-    completion = parse_completion(completion_body, model)
-    if completion.request.max_tokens < 1:
-        raise bad_request("max_tokens must be at least 1", "max_tokens")
-    completion.chat = True
-    completion.chat_logprobs = (top or 0) if logprobs else None
-    if completion.offline and logprobs:
-        raise bad_request("logprobs in chat work with greedy search and sampling (not with beams, best_of > n "
-                          "or min_tokens)", "logprobs")
-    return completion
 
 
 # --- responses ----------------------------------------------------------------------------------

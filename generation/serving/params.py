@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..requests import Request
+
 
 @dataclass
 class SamplingParams:
@@ -23,6 +25,17 @@ class SamplingParams:
     n: int = 1  # choices
     adapter: int = 0  # the LoRA adapter its rows use (the engine's generator.lora; 0: the base model)
     ignore_eos: bool = False  # vLLM's: the row does not stop at EOS (it runs to max_tokens)
+
+    @classmethod
+    def of(cls, request: Request, adapter: int = 0) -> "SamplingParams":
+        """A checked request (greedy search or sampling: what the engine runs row by row) as its
+        rows' options."""
+        s = request.search
+        return cls(max_tokens=request.max_tokens, temperature=s.get("temperature", 1.0) if request.sampling else 0.0,
+                   top_p=s.get("top_p", 1.0), top_k=s.get("top_k", 0),
+                   repetition_penalty=s.get("repetition_penalty", 1.0), presence_penalty=request.presence_penalty,
+                   frequency_penalty=request.frequency_penalty, seed=s.get("seed"), stop=request.stop,
+                   logprobs=request.logprobs, n=request.n, adapter=adapter, ignore_eos=request.ignore_eos)
 
     @property
     def sampling(self) -> bool:

@@ -1,10 +1,12 @@
 """The request bodies as pydantic models: what ``/openapi.json`` documents and FastAPI checks first.
 
-FastAPI validates a body against these types before our code runs (a wrong type, a missing prompt,
-an unknown key: a 400 naming the field, see ``app.py``); the ranges, the model name and what the
-engine can run are then checked by ``openai_format.py``, which gets the body as the client sent it
-(``model_dump(exclude_unset=True)``). Types are strict: a number is not accepted as a string, nor
-the other way round, as OpenAI's own API does not.
+FastAPI checks a body's types against these before our code runs (a wrong type, a missing prompt,
+an unknown key: a 400 naming the field, see ``errors.py``); the values are then checked by the
+request core (``generation/requests.py``), which gets the body as the client sent it
+(``model_dump(exclude_unset=True)``). The ranges documented here (JSON schema's ``minimum``...)
+are read from the core's, so what clients and fuzzers read is what the core accepts; these models
+check no range themselves. Types are strict: a number is not accepted as a string, nor the other
+way round, as OpenAI's own API does not.
 
 Besides OpenAI's fields, each body takes our search options (``top_k``, ``num_beams``,
 ``repetition_penalty``...) and the extensions vLLM's server accepts and load generators send
@@ -18,17 +20,14 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WithJsonSchema
 
-from ..requests import MAX_CHOICES, MAX_LOGPROBS
-from ..options import MAX_INT
+from ..requests import documented_range
 
 Number = float  # strict mode: an int or a float, never a string
 
 
-def ranged(**bounds):
-    """An optional field whose documented range (JSON schema's ``minimum``...) says what our own
-    checks accept: clients and fuzzers read it; the checks (``openai_format``, ``generation/requests``)
-    still give the error, with their message."""
-    return Field(None, json_schema_extra=bounds)
+def ranged(name: str, chat: bool = False):
+    """An optional field, documented with the range the request core accepts for it."""
+    return Field(None, json_schema_extra=documented_range(name, chat))
 
 
 def only(value):
@@ -56,29 +55,29 @@ class _Options(_Body):
     """What completions and chat share: sampling, search, streaming, vLLM's extensions."""
 
     model: StrictStr | None = None
-    max_tokens: StrictInt | None = ranged(minimum=0, maximum=MAX_INT)
-    temperature: Number | None = ranged(minimum=0)
-    top_p: Number | None = ranged(exclusiveMinimum=0, maximum=1)
-    n: StrictInt | None = ranged(minimum=1, maximum=MAX_CHOICES)
+    max_tokens: StrictInt | None = ranged("max_tokens")
+    temperature: Number | None = ranged("temperature")
+    top_p: Number | None = ranged("top_p")
+    n: StrictInt | None = ranged("n")
     stop: Union[Text, list[Text], None] = None
-    seed: StrictInt | None = ranged(minimum=0, maximum=MAX_INT)
+    seed: StrictInt | None = ranged("seed")
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    presence_penalty: Number | None = ranged(minimum=-2, maximum=2)
-    frequency_penalty: Number | None = ranged(minimum=-2, maximum=2)
+    presence_penalty: Number | None = ranged("presence_penalty")
+    frequency_penalty: Number | None = ranged("frequency_penalty")
     logit_bias: dict[str, Number] | None = None
     user: StrictStr | None = None
     # Our search options (docs/generation-options.md).
-    top_k: StrictInt | None = ranged(minimum=0, maximum=MAX_INT)
-    num_beams: StrictInt | None = ranged(minimum=1, maximum=MAX_INT)
-    repetition_penalty: Number | None = ranged(exclusiveMinimum=0)
-    length_penalty: Number | None = None
-    no_repeat_ngram_size: StrictInt | None = ranged(minimum=0, maximum=MAX_INT)
+    top_k: StrictInt | None = ranged("top_k")
+    num_beams: StrictInt | None = ranged("num_beams")
+    repetition_penalty: Number | None = ranged("repetition_penalty")
+    length_penalty: Number | None = ranged("length_penalty")
+    no_repeat_ngram_size: StrictInt | None = ranged("no_repeat_ngram_size")
     early_stopping: Union[StrictBool, Literal["never"], None] = None
-    min_new_tokens: StrictInt | None = ranged(minimum=0, maximum=MAX_INT)
+    min_new_tokens: StrictInt | None = ranged("min_new_tokens")
     # vLLM's extensions (openai_format.VLLM_EXTENSIONS says which are honoured).
     ignore_eos: StrictBool | None = None
-    min_tokens: StrictInt | None = ranged(minimum=0, maximum=MAX_INT)
+    min_tokens: StrictInt | None = ranged("min_tokens")
     skip_special_tokens: StrictBool | None = only(True)
     spaces_between_special_tokens: StrictBool | None = only(True)
     include_stop_str_in_output: StrictBool | None = only(False)
@@ -101,8 +100,8 @@ class CompletionBody(_Options):
     """``POST /v1/completions``."""
 
     prompt: Union[Text, list[Text], list[StrictInt], list[list[StrictInt]]] = Field(json_schema_extra={"minItems": 1})
-    best_of: StrictInt | None = ranged(minimum=1, maximum=MAX_CHOICES)
-    logprobs: StrictInt | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
+    best_of: StrictInt | None = ranged("best_of")
+    logprobs: StrictInt | None = ranged("logprobs")
     echo: StrictBool | None = None
     suffix: StrictStr | None = unsupported("not supported by this server")
     engine: StrictStr | None = None
@@ -125,11 +124,11 @@ class ChatBody(_Options):
     """``POST /v1/chat/completions``."""
 
     messages: list[Message] = Field(json_schema_extra={"minItems": 1})
-    max_tokens: StrictInt | None = ranged(minimum=1, maximum=MAX_INT)  # chat: at least one token
-    max_completion_tokens: StrictInt | None = ranged(minimum=1, maximum=MAX_INT)
+    max_tokens: StrictInt | None = ranged("max_tokens", chat=True)  # chat: at least one token
+    max_completion_tokens: StrictInt | None = ranged("max_completion_tokens", chat=True)
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = ranged(minimum=0, maximum=MAX_LOGPROBS)
-    best_of: StrictInt | None = ranged(minimum=1, maximum=MAX_CHOICES)
+    top_logprobs: StrictInt | None = ranged("top_logprobs", chat=True)
+    best_of: StrictInt | None = ranged("best_of")
 
 
 def as_sent(body: _Body) -> dict:
