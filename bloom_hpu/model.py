@@ -9,6 +9,8 @@ The entry points, all with shapes fixed in advance:
   cache at the row's own slot; attends over the first ``window`` slots ([B, V] logits).
 * ``mixed(tokens, positions, chunk [1, C], chunk_row, chunk_start, chunk_len, cache, window)``: a
   decode step that also carries C tokens of one row's prompt (the server's prefill in chunks).
+* ``extend(input_ids [B, R], starts [B], lengths [B], cache, window)``: prompts continued after
+  slots already in the cache (copied there by the prefix cache); [B, V] logits, as ``prefill``.
 
 Module and parameter names follow the transformers checkpoints (``h.0.self_attention.dense``...), so
 weights load by name. Tensor parallelism enters through ``parallel`` and the two parallel layers of
@@ -130,6 +132,19 @@ class Attention(nn.Module):
         values = cache.values[layer][:, :, :window]
         return self.dense(self._attend(q, keys, values, masked_alibi))
 
+
+    def extend(self, x, layer: int, cache: KVCache, slots, window: int, bias, last=None):
+        """Prompts continued in every row of the cache: x [B, R, hidden], row b's tokens going to
+        ``slots[b]`` [R] and attending its first ``window`` slots with ``bias`` [B*H, R, W] (ALiBi
+        with the causal mask folded in). ``last`` [B]: only those positions' queries, and so the
+        output [B, 1, hidden]."""
+        q, k, v = self._split_heads(self.query_key_value(x))  # [B, H, R, D]
+        b = q.shape[0]
+        cache.write_span(layer, cache.rows[:b], slots, k, v)
+        if last is not None:
+            q = q[cache.rows[:b], :, last][:, :, None]  # [B, H, 1, D]
+            bias = bias.view(b, self.n_head, -1, window)[cache.rows[:b], :, last].reshape(b * self.n_head, 1, window)
+        return self.dense(self._attend(q, cache.keys[layer][:, :, :window], cache.values[layer][:, :, :window], bias))
 
     def mixed(self, x, layer: int, cache: KVCache, positions, window: int, masked_alibi, chunk_rows, chunk_slots,
               chunk_bias):
@@ -279,6 +294,29 @@ class StaticBloom(nn.Module):
         # masking the scores afterwards (seen slots get the very same bias), minus one op per layer.
         alibi = cache.alibi[:, :, :window]
         return alibi.masked_fill(hidden[:, None, :], torch.finfo(alibi.dtype).min)  # [B*H, 1, W], row b*H+h
+
+    def extend(self, input_ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, cache: KVCache,
+               window: int) -> torch.Tensor:
+        """Prompts whose first ``starts[b]`` slots are already in the cache (a prefix cache's hit),
+        continued: input_ids [B, R] right-padded after ``lengths[b]`` real tokens go to slots
+        starts[b] .. and attend every slot below ``window`` up to their own. Returns the logits
+        [B, V] of each row's last real token, as ``prefill`` does for the whole prompt.
+
+        Pad tokens write the slots after the real ones (clamped to the cache), which nothing
+        attends before the row writes them again."""
+        b, r, heads = input_ids.shape[0], input_ids.shape[1], self.local_heads
+        slots = (starts[:, None] + cache.slots[None, :r]).clamp(max=cache.length - 1)  # [B, R]
+        hidden = cache.slots[None, None, :window] > slots[:, :, None]  # [B, R, W]: not yet seen
+        alibi = cache.alibi[:heads, :, :window]  # [H, 1, W]: the same for every row
+        bias = alibi[None].masked_fill(hidden[:, None], torch.finfo(alibi.dtype).min).reshape(b * heads, r, window)
+        last = lengths - 1
+        h = self.embed(input_ids)
+        for i, block in enumerate(self.h):
+            keep_last = i == len(self.h) - 1
+            h = block(h, lambda x, i=i, block=block, keep_last=keep_last: block.self_attention.extend(
+                x, i, cache, slots, window, bias, last if keep_last else None),
+                (lambda t: t[cache.rows[:b], last][:, None]) if keep_last else None)
+        return self.lm_head(h[:, 0])
 
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, chunk: torch.Tensor, chunk_rows: torch.Tensor,
               chunk_start: torch.Tensor, chunk_len: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:

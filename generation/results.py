@@ -21,6 +21,7 @@ class GenerationResult:
     prompt: str
     prompt_token_ids: list[int]
     sequences: list[Sequence] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
 
     # The first (best) sequence, which is all there is unless num_return_sequences > 1.
     @property
@@ -55,6 +56,7 @@ class BatchStats:
     seconds: float
     new_tokens: int
     graph_count: int
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
 
     @property
     def tokens_per_second(self) -> float:

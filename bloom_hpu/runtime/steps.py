@@ -6,7 +6,8 @@ object always touches the same memory. ``StepRunner`` keeps one cache per (batch
 one step module per (kind, cache, window), so repeated calls reuse both and never re-capture.
 
 Steps: ``prefill`` (prompts -> logits of each row's last token), ``decode`` (one token per row),
-``mixed`` (a decode with segments of joining prompts in it: the server),
+``mixed`` (a decode with segments of joining prompts in it: the server), ``extend`` (prompts
+continued after a prefix copied from the prefix cache),
 and for scoring prompts (log-probs, evaluation) ``hidden`` (final hidden states at every position)
 and ``head`` (logits of a slice of them). Every one goes through the backend, which records its
 shape signature and, on a Gaudi, captures it and ends it with ``mark_step``.
@@ -89,6 +90,28 @@ class MixedStep(DecodeStep):
         return self.model.mixed(tokens, positions, chunk, chunk_row, chunk_start, chunk_len, self.cache, self.window)
 
 
+class ExtendStep(nn.Module):
+    """Prompts continued after slots a prefix cache copied in (``StaticBloom.extend``): its shape
+    is (rows, cache length, rest length R); the window is the whole cache."""
+
+    runs_prompts = True  # a first token, as the prefill's
+
+    def __init__(self, model: StaticBloom, cache: KVCache, backend: Backend):
+        super().__init__()
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+
+    @property
+    def static_shape(self) -> tuple:
+        return (self.cache.batch_size, self.cache.length)
+
+    def forward(self, input_ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        if self.backend.trim_prefill:  # eager: no compute for pad columns past the longest rest
+            input_ids = real_span(input_ids, lengths)
+        return self.model.extend(input_ids, starts, lengths, self.cache, self.cache.length)
+
+
 class HeadStep(nn.Module):
     """Logits [R, S, V] of final hidden states [R, S, hidden] (a slice of a scoring pass)."""
 
@@ -109,6 +132,7 @@ class StepRunner:
         backend.prepare_model(model)
         self._caches: dict[tuple[int, int], KVCache] = {}
         self._steps: dict[tuple, nn.Module] = {}
+        self.prefix = None  # a PrefixCache (bloom_hpu/prefix_cache.py) when one is enabled
 
     def cache(self, batch_size: int, length: int) -> KVCache:
         """The cache for this shape, allocated on first use and then reused."""
@@ -129,6 +153,7 @@ class StepRunner:
                 "hidden": lambda: PrefillStep(self.model, cache, self.backend, hidden_only=True),
                 "decode": lambda: DecodeStep(self.model, cache, window),
                 "mixed": lambda: MixedStep(self.model, cache, window),
+                "extend": lambda: ExtendStep(self.model, cache, self.backend),
                 "head": lambda: HeadStep(self.model),
             }[kind]()
             self._steps[key] = self.backend.prepare(step)
@@ -139,16 +164,30 @@ class StepRunner:
         return self.backend.run("prefill", self._step("prefill", cache), input_ids, lengths)
 
     @torch.no_grad()
-    def prefill_shared(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache, copies: int) -> torch.Tensor:
+    def prefill_shared(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache, copies: int,
+                       prompt_ids: list[list[int]] | None = None, namespace: str = "") -> torch.Tensor:
         """Prefill B prompts [B, P] once each for a cache of B * ``copies`` rows, prompt-major
         (beams, sampled copies): the prompts run in a B-row cache of length P, whose slots every
-        copy then takes. Logits [B * copies, V]. transformers runs all B * copies rows instead."""
+        copy then takes. Logits [B * copies, V]. transformers runs all B * copies rows instead.
+
+        ``prompt_ids``: the prompts' token ids on the host; with them, and a prefix cache, what
+        the cache holds of each prompt is copied rather than computed (``prefixed.py``)."""
+        if self.prefix is not None and prompt_ids is not None:
+            from .prefixed import prefill_with_prefixes
+            prefill = lambda ids, n, c: prefill_with_prefixes(self, ids, n, c, prompt_ids, namespace)  # noqa: E731
+        else:
+            prefill = self.prefill
         if copies == 1:
-            return self.prefill(input_ids, lengths, cache)
+            return prefill(input_ids, lengths, cache)
         prompts = self.cache(input_ids.shape[0], input_ids.shape[1])
-        logits = self.prefill(input_ids, lengths, prompts)
+        logits = prefill(input_ids, lengths, prompts)
         cache.copy_prompts(prompts, copies)
         return logits.repeat_interleave(copies, dim=0)
+
+    @torch.no_grad()
+    def extend(self, input_ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Rests of prompts [B, R] after ``starts`` [B] slots already in ``cache``: logits [B, V]."""
+        return self.backend.run("extend", self._step("extend", cache), input_ids, starts, lengths)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:

@@ -1,0 +1,205 @@
+"""The prefix cache: keys and values of prompt prefixes seen before, kept in a preallocated pool of
+fixed-size blocks, so that a prompt that starts like an earlier one copies them instead of
+computing them again.
+
+* **Blocks.** A prompt's tokens are cut into blocks of ``block`` tokens; only whole blocks are
+  kept. Block i of a prompt is named by a digest of everything up to its end (the namespace, then
+  every token of blocks 0..i), so a block matches only where the whole prefix before it matches: in
+  BLOOM a position's keys and values depend on every earlier token and on nothing after it (ALiBi
+  adds position only to the scores, never to the keys), so the same prefix has the same keys and
+  values at the same slots, whatever follows.
+* **Namespace.** What else changes the keys and values of the same tokens: the LoRA adapter a row
+  runs with. The weights' dtype and quantization are the generator's, fixed for the pool's life.
+* **Pool.** Keys and values of ``capacity`` blocks, allocated once, in the layout of the KV cache
+  (``kv_cache.py``): stacked [n_layer, blocks*H*block, D] on the CPU and CUDA, one flat
+  [blocks*H*block, D] tensor per layer on a Gaudi. A block is [H, block, D] there, so copying
+  blocks into cache rows, and back, is one ``index_select`` and one ``index_copy_`` of whole
+  tensors per layer (or for all layers at once): no view is written, so HPU graphs captured on the
+  cache stay valid, and the copies never run inside a captured step.
+* **Eviction.** Least recently used first. A lookup touches a prefix's blocks deepest first, so a
+  block is always used more recently than its descendants and the leaves go before the trunk.
+* **Static shapes.** On a backend that compiles each new shape of eager ops (a Gaudi's lazy mode),
+  the number of blocks in one copy is rounded up to a power of two by repeating the last block's
+  copy (the same values to the same place again), so a few shapes serve every prompt.
+
+The pool knows nothing of prompts beyond token ids; what to look up and when to copy is the
+runtime's (``runtime/prefixed.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import KVCache
+from .runtime.transfer import host_to_device
+
+DEFAULT_BLOCK = 32  # tokens per block: the shape multiple of request batches (jobs) too
+
+
+def block_bytes(config, dtype: torch.dtype, world_size: int = 1, block: int = DEFAULT_BLOCK) -> int:
+    """Bytes one block takes in a rank's pool (its share of the heads): keys and values of every layer."""
+    item = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.n_layer * (config.hidden_size // world_size) * block * item
+
+
+@dataclass
+class PrefixStats:
+    """Counters since the pool was made (the server exports them on /metrics)."""
+
+    lookups: int = 0  # prompts looked up
+    hits: int = 0  # prompts that found at least one block
+    cached_tokens: int = 0  # prompt tokens copied from the pool instead of computed
+    looked_up_tokens: int = 0  # prompt tokens of every lookup
+    stored_blocks: int = 0
+    evicted_blocks: int = 0
+    per_call: list[int] = field(default_factory=list)  # cached tokens of each prompt of the last prefill
+
+
+class PrefixCache:
+    def __init__(self, n_layer: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device | str, per_layer: bool = False, block: int = DEFAULT_BLOCK,
+                 fixed_copy_shapes: bool = False):
+        if capacity < 1:
+            raise ValueError("a prefix cache needs at least one block")
+        self.block = block
+        self.capacity = capacity
+        self.heads = heads
+        self.fixed_copy_shapes = fixed_copy_shapes
+        self.device = torch.device(device)
+        flat = capacity * heads * block
+        if per_layer:
+            self.keys = tuple(torch.zeros(flat, head_dim, dtype=dtype, device=device) for _ in range(n_layer))
+            self.values = tuple(torch.zeros(flat, head_dim, dtype=dtype, device=device) for _ in range(n_layer))
+        else:
+            self.keys = torch.zeros(n_layer, flat, head_dim, dtype=dtype, device=device)
+            self.values = torch.zeros(n_layer, flat, head_dim, dtype=dtype, device=device)
+        self.per_layer = per_layer
+        self._blocks: OrderedDict[bytes, int] = OrderedDict()  # digest -> block, least recently used first
+        self._free = list(range(capacity - 1, -1, -1))
+        self.stats = PrefixStats()
+
+    @classmethod
+    def for_model(cls, model, capacity: int, per_layer: bool, fixed_copy_shapes: bool,
+                  block: int = DEFAULT_BLOCK) -> "PrefixCache":
+        p = model.ln_f.weight  # the activations' dtype and device, as the KV cache's
+        return cls(model.config.n_layer, model.local_heads, model.config.head_dim, capacity, p.dtype, p.device,
+                   per_layer, block, fixed_copy_shapes)
+
+    @property
+    def used_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = self.keys + self.values if self.per_layer else (self.keys, self.values)
+        return sum(t.nbytes for t in tensors)
+
+    # ------------------------------------------------------------------ the index (host only)
+
+    def digests(self, ids: list[int], namespace: str = "", upto: int | None = None) -> list[bytes]:
+        """The digest of each whole block of ``ids[:upto]``, in order."""
+        end = len(ids) if upto is None else min(upto, len(ids))
+        h = hashlib.blake2b(namespace.encode(), digest_size=16)
+        out = []
+        for start in range(0, end - self.block + 1, self.block):
+            h.update(b"".join(t.to_bytes(4, "little") for t in ids[start:start + self.block]))
+            out.append(h.copy().digest())
+        return out
+
+    def match(self, ids: list[int], namespace: str = "", limit: int | None = None, count: bool = True) -> list[int]:
+        """Pool blocks of the longest cached prefix of ``ids`` of at most ``limit`` tokens, in
+        order (touched as used). ``count``: one lookup of ``len(ids)`` tokens in the stats."""
+        found = []
+        for digest in self.digests(ids, namespace, limit):
+            block = self._blocks.get(digest)
+            if block is None:
+                break
+            found.append((digest, block))
+        for digest, _ in reversed(found):  # deepest first: the trunk ends up the most recent
+            self._blocks.move_to_end(digest)
+        if count:
+            self.stats.lookups += 1
+            self.stats.looked_up_tokens += len(ids)
+            self.stats.hits += bool(found)
+            self.stats.cached_tokens += len(found) * self.block
+        return [block for _, block in found]
+
+    def peek(self, ids: list[int], namespace: str = "", limit: int | None = None) -> int:
+        """Tokens of ``ids`` the pool holds as a prefix (at most ``limit``), without touching or counting."""
+        count = 0
+        for digest in self.digests(ids, namespace, limit):
+            if digest not in self._blocks:
+                break
+            count += 1
+        return count * self.block
+
+    def _claim(self, protected: set[int]) -> int | None:
+        """A free block, evicting the least recently used one if need be (never one in ``protected``)."""
+        if self._free:
+            return self._free.pop()
+        oldest_digest, oldest = next(iter(self._blocks.items()))
+        if oldest in protected:
+            return None
+        del self._blocks[oldest_digest]
+        self.stats.evicted_blocks += 1
+        return oldest
+
+    # ------------------------------------------------------------------ copies (device)
+
+    def copy_into(self, cache: KVCache, placements: list[tuple[int, int, int]]) -> None:
+        """Pool block j into cache row r at block position i (slots i*block ..), for each (r, i, j)."""
+        if not placements:
+            return
+        take, put = self._indices(cache, placements)
+        if self.per_layer:
+            for mine, pool in zip(cache.flat_keys + cache.flat_values, self.keys + self.values):
+                mine.index_copy_(0, put, pool.index_select(0, take))
+            return
+        for mine, pool in ((cache.keys, self.keys), (cache.values, self.values)):
+            flat = mine.view(mine.shape[0], -1, mine.shape[-1])  # [L, B*H*K, D], the same storage
+            flat.index_copy_(1, put, pool.index_select(1, take))
+
+    def store(self, cache: KVCache, row: int, ids: list[int], upto: int, namespace: str = "") -> int:
+        """Keep the whole blocks of ``ids[:upto]`` whose keys and values cache row ``row`` holds in
+        slots 0..upto-1 and the pool does not hold yet. Returns how many blocks were stored."""
+        placements, protected = [], set()
+        for i, digest in enumerate(self.digests(ids, namespace, upto)):
+            known = self._blocks.get(digest)
+            if known is not None:
+                self._blocks.move_to_end(digest)
+                protected.add(known)
+                continue
+            block = self._claim(protected)
+            if block is None:  # the pool is smaller than this prefix: keep what fits
+                break
+            self._blocks[digest] = block
+            protected.add(block)
+            placements.append((row, i, block))
+        if placements:
+            take, put = self._indices(cache, placements)  # (pool, cache) roles swapped below
+            if self.per_layer:
+                for mine, pool in zip(cache.flat_keys + cache.flat_values, self.keys + self.values):
+                    pool.index_copy_(0, take, mine.index_select(0, put))
+            else:
+                for mine, pool in ((cache.keys, self.keys), (cache.values, self.values)):
+                    pool.index_copy_(1, take, mine.view(mine.shape[0], -1, mine.shape[-1]).index_select(1, put))
+        self.stats.stored_blocks += len(placements)
+        return len(placements)
+
+    def _indices(self, cache: KVCache, placements: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat pool rows and flat cache rows of each placement's [H, block] slots."""
+        if self.fixed_copy_shapes:  # a power of two of placements, the last one repeated
+            count = 1 << (len(placements) - 1).bit_length()
+            placements = placements + [placements[-1]] * (count - len(placements))
+        rows, positions, blocks = (torch.tensor(column, dtype=torch.long) for column in zip(*placements))
+        heads = torch.arange(self.heads)[None, :, None]
+        slots = torch.arange(self.block)[None, None, :]
+        length = cache.length
+        put = ((rows[:, None, None] * self.heads + heads) * length + positions[:, None, None] * self.block + slots)
+        take = (blocks[:, None, None] * self.heads + heads) * self.block + slots
+        device = cache.slots.device
+        return host_to_device(take.reshape(-1), device), host_to_device(put.reshape(-1), device)

@@ -1,0 +1,119 @@
+"""A prefill that copies what the prefix cache holds of each prompt and computes only the rest.
+
+For a batch of B prompts right-padded to P (``StepRunner.prefill_shared`` with the prompts' ids):
+
+1. **Shared within the batch.** Whole blocks that two or more prompts of the batch start with, and
+   that the pool does not hold yet, are computed once first: each such prefix is prefilled alone
+   in a one-row cache of length P and stored. (A few-shot job's first batch then computes its
+   examples once, not once per row.)
+2. **Lookup.** Each prompt takes the longest run of its blocks the pool holds, short of its last
+   token (a prompt's first token needs the logits of its last token, so at least that one is
+   computed).
+3. **Copy and extend.** If any prompt found blocks, they are copied into its cache row and every
+   row's rest (right-padded to R, a power of two of at least ``MIN_REST``, below P) runs as one
+   ``extend`` step of shape [B, R] attending to its copied slots. Otherwise, or when the longest
+   rest would need R = P anyway, the batch is prefilled as usual.
+4. **Store.** Every prompt's whole blocks that the pool lacks are copied from its cache row into it.
+
+The numerics are those of the prefill: every key and value is one the same prompt computes alone
+(a block is named by all the tokens before it: ``prefix_cache.py``), and ``extend`` attends with
+the same ALiBi bias and mask. Shapes: (B, K) prefill, (B, K, R) extend for the few R buckets, and
+(1, P) for shared prefixes; nothing depends on how much was found.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from ..kv_cache import KVCache
+from .transfer import host_to_device
+
+MIN_REST = 16  # the smallest rest bucket R
+PAD = 0  # the id right-padding a rest (never attended, as any pad)
+
+
+def rest_bucket(rest: int, prompt_len: int) -> int:
+    """R for a longest rest of ``rest`` tokens: a power of two of at least MIN_REST, at most P."""
+    return min(prompt_len, max(MIN_REST, 1 << (max(rest, 1) - 1).bit_length()))
+
+
+def rest_buckets(prompt_len: int) -> list[int]:
+    """Every R below P an extend of prompts padded to P can take (warm-up runs them)."""
+    out, r = [], MIN_REST
+    while r < prompt_len:
+        out.append(r)
+        r *= 2
+    return out
+
+
+def cacheable(length: int, block: int) -> int:
+    """Tokens of a prompt of ``length`` the pool may serve: whole blocks, its last token left out."""
+    return (length - 1) // block * block
+
+
+def prefill_with_prefixes(runner, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache,
+                          prompt_ids: list[list[int]], namespace: str = "") -> torch.Tensor:
+    """Logits [B, V] of each prompt's last token, as ``runner.prefill(input_ids, lengths, cache)``
+    gives them, with what the prefix cache holds copied instead of computed."""
+    pool = runner.prefix
+    prompt_len = input_ids.shape[1]
+    _compute_shared_prefixes(runner, prompt_ids, prompt_len, namespace)
+    limits = [cacheable(len(ids), pool.block) for ids in prompt_ids]
+    found = [pool.peek(ids, namespace, limit) for ids, limit in zip(prompt_ids, limits)]
+    rest = rest_bucket(max(len(ids) - n for ids, n in zip(prompt_ids, found)), prompt_len)
+    if not any(found) or rest >= prompt_len:
+        for ids in prompt_ids:
+            pool.match(ids, namespace, 0)  # counted as a lookup that found nothing used
+        logits = runner.prefill(input_ids, lengths, cache)
+        starts = [0] * len(prompt_ids)
+    else:
+        blocks = [pool.match(ids, namespace, n) for ids, n in zip(prompt_ids, found)]
+        pool.copy_into(cache, [(row, i, j) for row, chain in enumerate(blocks) for i, j in enumerate(chain)])
+        starts = [len(chain) * pool.block for chain in blocks]
+        logits = _extend(runner, prompt_ids, starts, rest, cache)
+    for row, ids in enumerate(prompt_ids):
+        pool.store(cache, row, ids, len(ids), namespace)
+    pool.stats.per_call = starts
+    return logits
+
+
+def _extend(runner, prompt_ids: list[list[int]], starts: list[int], rest: int, cache: KVCache) -> torch.Tensor:
+    """One extend step over every row's tokens after ``starts``, right-padded to ``rest``."""
+    device = cache.slots.device
+    rows = [ids[start:] + [PAD] * (rest - len(ids) + start) for ids, start in zip(prompt_ids, starts)]
+    lengths = [len(ids) - start for ids, start in zip(prompt_ids, starts)]
+    return runner.extend(host_to_device(torch.tensor(rows, dtype=torch.long), device),
+                         host_to_device(torch.tensor(starts, dtype=torch.long), device),
+                         host_to_device(torch.tensor(lengths, dtype=torch.long), device), cache)
+
+
+def _compute_shared_prefixes(runner, prompt_ids: list[list[int]], prompt_len: int, namespace: str) -> None:
+    """Store the whole blocks two or more of the prompts start with, each such prefix computed once."""
+    pool = runner.prefix
+    if len(prompt_ids) < 2:
+        return
+    chains = [pool.digests(ids, namespace, cacheable(len(ids), pool.block)) for ids in prompt_ids]
+    shared = Counter(digest for chain in chains for digest in chain)
+    prefixes = {}  # the deepest shared digest of each prompt -> (prompt, tokens up to it)
+    for row, chain in enumerate(chains):
+        depth = max((i for i, digest in enumerate(chain) if shared[digest] > 1), default=None)
+        if depth is not None:
+            prefixes.setdefault(chain[depth], (row, (depth + 1) * pool.block))
+    for row, upto in sorted(prefixes.values(), key=lambda p: -p[1]):  # the longest first: it stores the others' blocks
+        ids = prompt_ids[row][:upto]
+        if pool.peek(ids, namespace) >= upto:
+            continue
+        one = runner.cache(1, prompt_len)
+        held = pool.match(ids, namespace, cacheable(upto, pool.block), count=False)
+        pool.copy_into(one, [(0, i, j) for i, j in enumerate(held)])
+        start = len(held) * pool.block
+        rest = rest_bucket(upto - start, prompt_len)
+        if start == 0 and rest >= prompt_len:
+            padded = ids + [PAD] * (prompt_len - upto)
+            runner.prefill(host_to_device(torch.tensor([padded], dtype=torch.long), one.slots.device),
+                           host_to_device(torch.tensor([upto], dtype=torch.long), one.slots.device), one)
+        else:
+            _extend(runner, [ids], [start], rest, one)
+        pool.store(one, 0, ids, upto, namespace)

@@ -1,0 +1,164 @@
+"""The prefix cache (bloom_hpu/prefix_cache.py, bloom_hpu/runtime/prefixed.py, generation/prefix.py):
+with it, prompts that share whole blocks with earlier ones (or with each other) copy their keys and
+values instead of computing them, and every result is transformers' on the same weights: greedy
+tokens, beams and log-probs (fp32, 1e-5); seeded samples those of the same generator without it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from bloom_hpu.prefix_cache import PrefixCache
+from dequantized import write_dequantized
+from generation.generator import Generator
+from generation.prefix import PrefixCacheError, parse_size
+from utils.random_checkpoint import make_random_checkpoint
+
+SHARED = "Question: what comes after one? Answer: two. Question: and after two? Answer: three. " * 3
+PROMPTS = [SHARED + "Question: after three?", SHARED + "Question: before one? Answer:", SHARED + "Q"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_random_checkpoint(tmp_path_factory.mktemp("prefix"), hidden_size=64, n_layer=3, n_head=4, seed=7)
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    return transformers.BloomForCausalLM.from_pretrained(folder).eval()
+
+
+def hf_greedy(model, ids: list[int], new: int) -> tuple[list[int], list[float]]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=3)
+    tokens = out.sequences[0, len(ids):].tolist()
+    return tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
+
+
+def check_against(reference, generator, prompts, new=10, **options):
+    results = generator.generate(prompts, max_length=max(len(generator.tokenizer.encode(p)) for p in prompts) + new,
+                                 ignore_eos=True, logprobs=True, **options)
+    for prompt, result in zip(prompts, results):
+        ids = generator.tokenizer.encode(prompt)
+        tokens, logprobs = hf_greedy(reference, ids, len(result.token_ids))
+        assert result.token_ids == tokens, prompt
+        assert result.sequences[0].token_logprobs == pytest.approx(logprobs, abs=1e-5)
+    return results
+
+
+def test_a_batch_sharing_a_prefix_computes_it_once_and_gives_transformers_results(folder, reference):
+    generator = Generator.from_pretrained(folder, prefix_cache="16MB")
+    first = check_against(reference, generator, PROMPTS)
+    block = generator.runner.prefix.block
+    shared_blocks = min(len(generator.tokenizer.encode(p)) - 1 for p in PROMPTS) // block
+    # The first batch: the shared prefix computed once (each prompt then copies it).
+    assert all(r.cached_tokens >= block for r in first)
+    assert generator.last_stats.cached_tokens == sum(r.cached_tokens for r in first)
+    # A later batch: every whole block short of each prompt's last token comes from the pool.
+    again = check_against(reference, generator, PROMPTS, new=6)
+    for prompt, r in zip(PROMPTS, again):
+        assert r.cached_tokens == (len(generator.tokenizer.encode(prompt)) - 1) // block * block
+    assert min(r.cached_tokens for r in again) >= shared_blocks * block
+
+
+def test_partial_block_matches_and_prompts_past_their_last_block(folder, reference):
+    generator = Generator.from_pretrained(folder, prefix_cache="16MB")
+    block = generator.runner.prefix.block
+    base = generator.tokenizer.encode(SHARED)
+    check_against(reference, generator, [SHARED])
+    # Diverging inside the second block: only the first block can match.
+    text = generator.tokenizer.decode(base[: block + 5]) + " something else entirely, and more words here"
+    result = check_against(reference, generator, [text])[0]
+    assert result.cached_tokens == block
+    # Exactly a whole number of blocks long: the last token is still computed, so one block fewer.
+    whole = generator.tokenizer.decode(base[: 2 * block])
+    if len(generator.tokenizer.encode(whole)) == 2 * block:
+        assert check_against(reference, generator, [whole])[0].cached_tokens == block
+
+
+def test_eviction_under_a_tiny_pool_keeps_results_exact(folder, reference):
+    generator = Generator.from_pretrained(folder, prefix_cache=0)
+    per_block = generator.model.config.n_layer * 2 * generator.model.config.hidden_size * 32 * 4
+    from generation.prefix import enable_prefix_cache
+
+    pool = enable_prefix_cache(generator, 3 * per_block)  # three blocks
+    assert pool.capacity == 3
+    others = ["A completely different prompt that shares nothing with the others, long enough for blocks "
+              "of its own and then some more words to be sure " * 2]
+    for prompts in (PROMPTS, others, PROMPTS, others):
+        check_against(reference, generator, prompts, new=4)
+    assert pool.stats.evicted_blocks > 0 and pool.used_blocks <= 3
+
+
+def test_beams_and_seeded_samples_with_the_cache(folder, reference):
+    cached = Generator.from_pretrained(folder, prefix_cache="16MB")
+    plain = Generator.from_pretrained(folder)
+    ids = cached.tokenizer.encode(PROMPTS[0])
+    for _ in range(2):  # a miss, then a hit
+        ours = cached.generate(PROMPTS[0], max_length=len(ids) + 6, num_beams=3, num_return_sequences=2,
+                               ignore_eos=True)
+        with torch.no_grad():
+            theirs = reference.generate(torch.tensor([ids]), max_new_tokens=6, num_beams=3, num_return_sequences=2,
+                                        do_sample=False, pad_token_id=3)
+        assert [s.token_ids for s in ours[0].sequences] == [row[len(ids):].tolist() for row in theirs]
+    options = dict(max_length=len(ids) + 12, do_sample=True, seed=5, top_k=20, num_return_sequences=2)
+    for _ in range(2):
+        assert [[s.token_ids for s in r.sequences] for r in cached.generate(PROMPTS, **options)] == \
+            [[s.token_ids for s in r.sequences] for r in plain.generate(PROMPTS, **options)]
+    assert cached.runner.prefix.stats.hits > 0
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_weights_with_the_cache_are_transformers_on_the_dequantized_weights(folder, tmp_path, mode):
+    generator = Generator.from_pretrained(folder, quantize=mode, group_size=32 if mode == "int4" else None,
+                                          prefix_cache="16MB")
+    reference = transformers.BloomForCausalLM.from_pretrained(
+        write_dequantized(folder, generator.model, tmp_path / "dq")).eval()
+    for _ in range(2):
+        results = generator.generate(PROMPTS, max_length=max(len(generator.tokenizer.encode(p)) for p in PROMPTS) + 8,
+                                     ignore_eos=True)
+        for prompt, r in zip(PROMPTS, results):
+            ids = generator.tokenizer.encode(prompt)
+            assert r.token_ids == hf_greedy(reference, ids, len(r.token_ids))[0]
+    assert all(r.cached_tokens > 0 for r in results)
+
+
+def test_a_conversation_turn_finds_the_previous_turns_generated_tokens(tiny_checkpoint):
+    # The embedded default writes words, which tokenize back to the ids it generated (random
+    # weights write token soup that need not).
+    generator = Generator.from_pretrained(tiny_checkpoint, prefix_cache="16MB")
+    reference = transformers.BloomForCausalLM.from_pretrained(tiny_checkpoint).eval()
+    prompt_ids = generator.tokenizer.encode(SHARED)
+    first = generator.generate(SHARED, max_length=len(prompt_ids) + 80, ignore_eos=True)[0]
+    turn = prompt_ids + first.token_ids
+    follow = generator.tokenizer.decode(turn) + " And then?"
+    ids = generator.tokenizer.encode(follow)
+    common = next((i for i, (a, b) in enumerate(zip(ids, turn)) if a != b), min(len(ids), len(turn)))
+    result = check_against(reference, generator, [follow])[0]
+    # Every whole block of the first turn that the second repeats came from the pool: those of
+    # its generated tokens too (the reply tokenizes back the same for at least a block here).
+    assert common >= len(prompt_ids) + 32
+    assert result.cached_tokens == min(common, len(turn) - 1, len(ids) - 1) // 32 * 32
+
+
+def test_prefix_cache_sizes_are_parsed_and_refused_clearly(folder):
+    assert parse_size("512MB") == 512 * 1000**2 and parse_size("1GiB") == 1 << 30 and parse_size("2") == 2 << 20
+    assert parse_size(0) == 0 and parse_size(None) == 0
+    for bad in ("lots", "-1GB", "5 parsecs", 1.5):
+        with pytest.raises(PrefixCacheError):
+            parse_size(bad)
+    with pytest.raises(PrefixCacheError, match="holds no block"):
+        Generator.from_pretrained(folder, prefix_cache="10B")
+    assert Generator.from_pretrained(folder, prefix_cache=0).runner.prefix is None
+
+
+def test_block_digests_name_the_whole_prefix_and_the_namespace():
+    pool = PrefixCache(n_layer=1, heads=1, head_dim=2, capacity=2, dtype=torch.float32, device="cpu", block=4)
+    a = pool.digests(list(range(12)))
+    b = pool.digests([99] + list(range(1, 12)))
+    assert len(a) == 3 and all(x != y for x, y in zip(a, b))  # a different first token changes every block
+    assert pool.digests(list(range(12)), namespace="adapter-1") != a
+    assert pool.digests(list(range(8)) + [0, 0, 0, 0])[:2] == a[:2]
