@@ -145,7 +145,7 @@ def test_each_row_stops_at_its_own_eos(eos_folder):
 def test_argmax_rows_gives_torch_argmax_indices(vocab, dtype):
     """The two-pass argmax every chooser uses gives torch's own indices: the first of tied maxima,
     NaN as the largest, rows of -inf, and views whose rows are not dense."""
-    from generation.search.token_loop import argmax_rows
+    from generation.search.choose import argmax_rows
 
     g = torch.Generator().manual_seed(vocab)
     for trial in range(40):

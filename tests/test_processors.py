@@ -14,7 +14,7 @@ from transformers.generation import logits_process as hf
 from generation.search import processors as ours
 from generation.options import build_options
 from generation.search.processors import LogitsProcessors
-from generation.search.token_loop import LoopState
+from generation.search.state import LoopState
 
 EOS, PAD, VOCAB = 2, 3, 50
 PROMPTS = ["It was the best of times", "a", "The quick brown fox jumps over", "Hello, world"]

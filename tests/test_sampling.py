@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 
 from generation.search import processors as procs
 from generation.search.sampling import row_keys, uniform
-from generation.search.token_loop import LoopState
+from generation.search.state import LoopState
 from isas import KERNEL_ISAS
 
 EOS = 2

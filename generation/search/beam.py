@@ -30,7 +30,8 @@ from bloom_hpu.runtime.steps import StepRunner, step_input
 
 from ..batch import Batch
 from .sampling import UniformKernel, gumbel
-from .token_loop import EOS_CHECK_EVERY, LoopState
+from .state import LoopState
+from .token_loop import EOS_CHECK_EVERY
 
 NEG = -1.0e9  # transformers' "impossible" score; kept identical so ties behave the same
 

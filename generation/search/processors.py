@@ -11,7 +11,7 @@ token history ``sequence`` [R, K] (prompt + generated, pad beyond each row's end
 how many slots of each row hold real tokens. Nothing reads a value back to the host.
 
 The option of a processor is one value for every row (a generate call) or a per-row tensor (the
-server's engine, ``serving/row_options.py``, where each row is a request of its own): the same
+server's rows, ``choose.choose_rows``, where each row is a request of its own): the same
 functions serve both, so a row chooses the same token offline and served.
 """
 
@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ..options import GenerationOptions
-from .token_loop import LoopState
+from .state import LoopState
 
 NEG_INF = float("-inf")
 

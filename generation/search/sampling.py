@@ -1,4 +1,5 @@
-"""Seeded sampling on the device, reproducible per row.
+"""Seeded randomness on the device, reproducible per row: the noise and the keys of sampling (the
+draw itself is ``choose.draw``; beam sampling's is in ``beam.py``).
 
 Why not ``torch.multinomial`` with a generator: one generator is shared by the whole batch, so a
 row's draws would depend on which rows come before it, and a generator per row is a host object
@@ -28,8 +29,6 @@ import hashlib
 from typing import Callable
 
 import torch
-
-from .token_loop import LoopState, TokenChooser, argmax_rows
 
 _MASK = (1 << 31) - 1
 _MULT = 0x6B43  # odd and below 2**15: a 16-bit half times it stays below 2**31
@@ -88,13 +87,6 @@ def gumbel(keys: torch.Tensor, step: torch.Tensor | int, n: int, kernel: Uniform
     return uniform(keys, step, n, kernel).log_().neg_().log_().neg_()
 
 
-def draw(scores: torch.Tensor, keys: torch.Tensor, step: torch.Tensor | int,
-         kernel: UniformKernel | None = None) -> torch.Tensor:
-    """Each row's token drawn from ``softmax(scores)`` [R, V] with its own key (Gumbel-max): the one
-    draw of generate's sampling and the server's sampled rows."""
-    return argmax_rows(gumbel(keys, step, scores.shape[-1], kernel).add_(scores))
-
-
 def resolve_seed(seed: int | None) -> int:
     """The user's seed, or one drawn from torch's global generator (so torch.manual_seed works)."""
     if seed is not None:
@@ -130,23 +122,6 @@ def row_keys(prompt_ids: list[list[int]], seed: int | list[int], copies: int, de
             text = f"{own}|{occurrence}|{copy}|{','.join(map(str, ids))}".encode()
             keys.append(int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & _MASK)
     return torch.tensor(keys, dtype=torch.long, device=device)
-
-
-def sampling_chooser(processors, keys: torch.Tensor, kernel: UniformKernel | None = None) -> TokenChooser:
-    """Process the logits, then draw each row's token with its own key (Gumbel-max)."""
-
-    def choose(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
-        scores = processors(logits, state)
-        return draw(scores, keys, state.step_tensor, kernel)
-
-    return choose
-
-
-def greedy_with(processors) -> TokenChooser:
-    def choose(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
-        return argmax_rows(processors(logits, state))
-
-    return choose
 
 
 def repeat_rows(batch, copies: int):

@@ -1,10 +1,11 @@
 """The device-side token loop shared by greedy search and sampling.
 
-One prefill, then one decode step per new token. Everything that changes per token lives in device
-tensors (the next token, each row's slot, done flags, finish reasons, the output buffer); the host
-only counts steps. The loop asks the device whether every row is done at most once every
-``EOS_CHECK_EVERY`` steps, and never when EOS cannot end rows (``ignore_eos``), so there is no host
-round-trip per token.
+One prefill, then one decode step per new token, each picked by the chooser the loop is given
+(``choose.chooser``: the options' processors, then greedy or a draw). Everything that changes per
+token lives in device tensors (the next token, each row's slot, done flags, finish reasons, the
+output buffer); the host only counts steps. The loop asks the device whether every row is done at
+most once every ``EOS_CHECK_EVERY`` steps, and never when EOS cannot end rows (``ignore_eos``), so
+there is no host round-trip per token.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from bloom_hpu.runtime.steps import StepRunner, step_input
 
 from ..batch import Batch
+from .state import LoopState, TokenChooser
 
 EOS_CHECK_EVERY = 8
 
@@ -35,45 +37,6 @@ class LoopHooks:
 
 
 NO_HOOKS = LoopHooks()
-
-
-@dataclass
-class LoopState:
-    """What a token chooser may look at. Shapes: B rows, K cache slots."""
-
-    sequence: torch.Tensor  # [B, K] prompt + generated ids so far (pad beyond each row's end)
-    lengths: torch.Tensor  # [B] prompt tokens per row
-    positions: torch.Tensor  # [B] slot of the token being chosen now = lengths + step (capped at the cache's end)
-    step: int  # host int: how many tokens each row has generated so far
-    step_tensor: torch.Tensor | None = None  # [1] the same on the device (what ops should use)
-
-
-# (logits [B, V] float, state) -> next tokens [B] long
-TokenChooser = Callable[[torch.Tensor, LoopState], torch.Tensor]
-
-
-ARGMAX_BLOCK = 128  # elements per block of argmax_rows: BLOOM pads its vocabulary to a multiple of 128
-
-
-def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
-    """``scores.argmax(dim=-1)`` ([..., V] -> [...] long), the same indices (each row's first
-    maximum; NaN counts as the largest, as in argmax), in two passes: the largest value of each
-    block of ``ARGMAX_BLOCK``, then argmax within the first block that holds the maximum. On the
-    CPU, PyTorch's argmax over a whole vocabulary compares one element at a time and its max
-    reduction runs 16 lanes at a time, so for [16, 250880] this takes 0.6 ms where argmax takes
-    4.5 (2 cores), at every step of greedy and sampled search. A vocabulary that is not a multiple
-    of the block uses argmax itself."""
-    V = scores.shape[-1]
-    if V % ARGMAX_BLOCK or V < 2 * ARGMAX_BLOCK:
-        return scores.argmax(dim=-1)
-    blocks = scores.reshape(*scores.shape[:-1], V // ARGMAX_BLOCK, ARGMAX_BLOCK)  # a view where rows are dense
-    block = blocks.amax(dim=-1).argmax(dim=-1, keepdim=True)  # [..., 1]: amax and argmax agree on NaN
-    inside = blocks.gather(-2, block[..., None].expand(*block.shape, ARGMAX_BLOCK)).argmax(dim=-1)  # [..., 1]
-    return (block * ARGMAX_BLOCK + inside)[..., 0]
-
-
-def greedy_chooser(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
-    return argmax_rows(logits)
 
 
 @dataclass

@@ -56,12 +56,13 @@ from bloom_hpu.runtime.transfer import host_to_device
 
 from ..logprobs import TokenText
 from ..results import make_sequence
+from ..search.choose import RowFlags, choose_rows
 from ..search.sampling import resolve_seed, row_keys
 from ..search.text_ends import IncrementalText
 from .device_rows import DeviceRows
 from .heap import freeze_long_lived
 from .params import Event, SamplingParams, TokenLogprob
-from .row_options import RowFlags, RowOptions, choose_tokens, token_logprobs
+from .row_options import RowOptions, token_logprobs
 
 
 class EngineError(ValueError):
@@ -341,30 +342,28 @@ class Engine:
         rows = [r if r is not None and r.running else None for r in self.rows[:b]]  # joining rows count as free
         used, steps = self.device_rows.upload([r.prompt_len + len(r.ids) if r else 0 for r in rows],
                                    [len(r.ids) if r else 0 for r in rows])
-        flags = RowFlags([self.rows[i].handle.params for i in live])
+        params = [self.rows[i].handle.params for i in live]
+        flags = RowFlags(params)
         if self.generator.backend.compiles_eager_ops:
             flags.every_processor()
         logits = self.logits[:b]
-        tokens = choose_tokens(logits, self.opts, b, used, steps, flags, self.generator.noise_kernel)  # [b]
-        if flags.repetition:
-            self.opts.sequence[:b].scatter_(1, used.clamp(max=self.config.max_length - 1)[:, None], tokens[:, None])
-        if flags.openai_penalties:
-            running = (used > 0).float()  # free rows hold nothing
-            self.opts.counts[:b].scatter_add_(1, tokens[:, None], running[:, None])
-        if flags.logprobs is None:
+        tokens = choose_rows(logits, self.opts, b, used, steps, flags, self.generator.noise_kernel)  # [b]
+        self.opts.record(b, used, tokens, flags.repetition, flags.openai_penalties)
+        top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        if top is None:
             host = [[t] for t in tokens.tolist()]  # the step's one host sync
         else:
             # Tokens and log-probs in one transfer: [b, 2 + 2k] float64 (ids < 2**53 stay exact).
-            chosen, values, ids = token_logprobs(logits, tokens, flags.logprobs)
+            chosen, values, ids = token_logprobs(logits, tokens, top)
             host = torch.cat([tokens[:, None].double(), chosen[:, None].double(), values.double(), ids.double()],
                              dim=1).tolist()
         self.generator.backend.mark_step()
-        k = flags.logprobs or 0
+        k = top or 0
         now = time.perf_counter()
         for i in live:
             token = int(host[i][0])
             lp = None
-            if flags.logprobs is not None:
+            if top is not None:
                 top = [(int(t), v) for t, v in zip(host[i][2 + k :], host[i][2 : 2 + k])]
                 lp = TokenLogprob(token, host[i][1], top)
             self._advance(i, token, lp, now)

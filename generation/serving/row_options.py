@@ -1,14 +1,10 @@
-"""Per-row options as device tensors, and the token choice of a whole batch of mixed requests.
+"""Per-row options as device tensors, indexed by slot: what ``search/choose.choose_rows`` reads to
+choose the next token of a whole batch of mixed requests.
 
 Every option a request may set is one entry of a [max_batch] tensor, so a batch that mixes greedy
 and sampled rows, temperatures, top-k/top-p and penalties runs the very same ops on the same
-shapes; nothing splits the batch. Whole processors are skipped when no running row uses them (a
-host-known fact from admission, not a read-back from the device).
-
-The processors and the draw are those of ``search/processors.py`` and ``search/sampling.py``, given
-per-row tensors, so a row chooses exactly what ``Generator.generate`` chooses for it alone: a
-neutral value leaves a row's scores bit-identical (x * 1.0, x / 1.0), and the sampling noise of a
-row is a pure function of (row key, its own step, token), whichever rows share the batch.
+shapes; nothing splits the batch. Whole processors are skipped when no running row uses them
+(``choose.RowFlags``: a host-known fact from admission, not a read-back from the device).
 """
 
 from __future__ import annotations
@@ -16,10 +12,6 @@ from __future__ import annotations
 import torch
 
 from bloom_hpu.runtime.transfer import host_to_device
-
-from ..search.processors import repetition_penalty, temperature, top_k, top_p
-from ..search.sampling import UniformKernel, draw
-from ..search.token_loop import argmax_rows
 
 
 class RowOptions:
@@ -74,54 +66,15 @@ class RowOptions:
         for t in self._tensors:
             t.index_copy_(0, dst_at, t.index_select(0, src_at))
 
-
-class RowFlags:
-    """Which processors any running row uses (host booleans, from the rows' host params)."""
-
-    def __init__(self, params_list):
-        self.sample = any(p.sampling for p in params_list)
-        self.repetition = any(p.repetition_penalty != 1.0 for p in params_list)
-        self.openai_penalties = any(p.presence_penalty or p.frequency_penalty for p in params_list)
-        self.top_k = any(p.sampling and p.top_k for p in params_list)
-        # The largest k of the sampled rows, for processors.top_k's top-k in place of a sort; None
-        # keeps the sort (every_processor: one shape whatever the mix of requests).
-        self.top_k_most = max((p.top_k for p in params_list if p.sampling), default=0)
-        self.top_p = any(p.sampling and p.top_p < 1.0 for p in params_list)
-        self.logprobs = max((p.logprobs for p in params_list if p.logprobs is not None), default=None)
-
-    def every_processor(self) -> "RowFlags":
-        """Every processor on (neutral values leave a row's choice bit-identical): the ops of a
-        choice then depend on the batch bucket alone, not on the mix of requests, which lazy mode
-        on a Gaudi would otherwise compile once per mix."""
-        self.sample = self.repetition = self.openai_penalties = self.top_k = self.top_p = True
-        self.top_k_most = None
-        return self
-
-
-def choose_tokens(logits: torch.Tensor, opts: RowOptions, b: int, used: torch.Tensor, steps: torch.Tensor,
-                  flags: RowFlags, noise_kernel: UniformKernel | None = None) -> torch.Tensor:
-    """Next token of rows 0..b-1. logits [b, V] float (raw); used [b]: tokens the row holds
-    (prompt + generated, = the slot of the token chosen now); steps [b]: tokens the row has
-    generated (its sampling step). Returns [b] long. The processors and the draw are
-    ``search/processors.py``'s and ``search/sampling.py``'s, given per-row tensors (the noise by
-    ``noise_kernel`` where the runtime has one: ``Generator.noise_kernel``)."""
-    scores = logits
-    if flags.repetition:
-        scores = repetition_penalty(scores, opts.sequence[:b], used, opts.repetition[:b, None])
-    if flags.openai_penalties:  # OpenAI's, over the generated tokens only: the server's alone
-        counts = opts.counts[:b]
-        scores = scores - opts.frequency[:b, None] * counts - opts.presence[:b, None] * (counts > 0)
-    greedy = argmax_rows(scores)
-    if not flags.sample:
-        return greedy
-    sampled_rows = opts.temperature[:b] > 0
-    # Greedy rows divide by 1 (exact) and their draw is thrown away below.
-    scores = temperature(scores, torch.where(sampled_rows, opts.temperature[:b], 1.0)[:, None])
-    if flags.top_k:
-        scores = top_k(scores, opts.top_k[:b], 1, flags.top_k_most)
-    if flags.top_p:
-        scores = top_p(scores, opts.top_p[:b, None], 1, tail=opts.top_p_tail[:b, None])
-    return torch.where(sampled_rows, draw(scores, opts.keys[:b], steps, noise_kernel), greedy)
+    def record(self, b: int, used: torch.Tensor, tokens: torch.Tensor, repetition: bool, counts: bool) -> None:
+        """Rows 0..b-1 chose ``tokens`` [b] at slots ``used`` [b]: the token history the repetition
+        penalty reads, and the counts of OpenAI's penalties (free rows, ``used`` 0, count nothing),
+        each kept only while some running row uses it (``choose.RowFlags``)."""
+        if repetition:
+            self.sequence[:b].scatter_(1, used.clamp(max=self.sequence.shape[1] - 1)[:, None], tokens[:, None])
+        if counts:
+            running = (used > 0).float()
+            self.counts[:b].scatter_add_(1, tokens[:, None], running[:, None])
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, ...]:
