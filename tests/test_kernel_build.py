@@ -263,3 +263,7 @@ def test_a_real_build_killed_then_run_again_gives_the_tokens_of_pytorch_ops(tiny
     assert run.returncode == 0, f"{why}: {run.stderr}"
     assert "CPU kernels in" in run.stderr and "CPU fast path: AVX" in run.stderr, f"{why}: {run.stderr}"
     assert run.stdout == plain.stdout and run.stdout.strip(), why
+    ahead = subprocess.run([sys.executable, str(ROOT / "utils" / "build_kernels.py"), "--isa", isa], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert ahead.returncode == 0 and "building" not in ahead.stderr, ahead.stderr  # built once, found by the tool
+    assert ahead.stdout.startswith(f"{isa}: {tmp_path / 'root'}"), ahead.stdout
