@@ -1,5 +1,5 @@
-"""The OpenAI API's shapes, without HTTP: request bodies -> checked requests, engine results ->
-response bodies and stream chunks, errors -> ``{"error": {...}}``.
+"""The OpenAI API's request side, without HTTP: bodies -> checked requests, errors ->
+``{"error": {...}}`` (the answers' shapes: ``responses.py``).
 
 A body's fields are checked by the request core (``generation/requests.py``), the one parser of
 request files and the server, so a field means the same in both. Here is only what the server alone
@@ -9,15 +9,10 @@ given as token ids, the chat template, and what the engine can run.
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
 from dataclasses import dataclass
 
-from ..logprobs import TokenText, clip_pieces, offsets_of
 from ..requests import Request, RequestError, from_body, from_chat
 
-OPENAI_FINISH = {"length": "length", "eos": "stop", "stop": "stop"}
 # The default turn format when the tokenizer has no chat template: one "Role: content" line per
 # message, then "Assistant:"; generation stops where the model starts the next turn.
 DEFAULT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
@@ -238,61 +233,3 @@ def chat_prompt(messages, tokenizer) -> tuple[str, list[str]]:
         return prompt, []
     lines = [f"{DEFAULT_ROLES[m['role']]}: {m['content']}\n" for m in messages]
     return "".join(lines) + "Assistant:", list(TURN_STOPS)
-
-
-# --- responses ----------------------------------------------------------------------------------
-
-
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-
-
-def token_pieces(text_of: TokenText, token_ids: list[int], text: str, before: list[int] = ()) -> list[str]:
-    """The text each of ``token_ids`` adds after the ids ``before`` it (a stream's earlier chunks:
-    a UTF-8 character may straddle two chunks), cut to ``text`` (a stop string may start inside the
-    last token)."""
-    return clip_pieces(text_of.pieces(list(before) + list(token_ids))[len(before):], len(text))
-
-
-def completion_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list, text: str, start: int = 0,
-                        before: list[int] = ()) -> dict:
-    """The legacy completions' logprobs object of generated tokens (engine path); ``start``: where
-    ``text`` begins in the choice's text."""
-    pieces = token_pieces(text_of, token_ids, text, before)
-    top = []
-    for lp in logprobs:
-        alternatives = {text_of.label(i): v for i, v in lp.top}
-        alternatives.setdefault(text_of.label(lp.token_id), lp.logprob)
-        top.append(alternatives)
-    return {"tokens": pieces, "token_logprobs": [lp.logprob for lp in logprobs], "top_logprobs": top,
-            "text_offset": offsets_of(pieces, start)}
-
-
-def chat_logprobs(text_of: TokenText, token_ids: list[int], logprobs: list, text: str, before: list[int] = ()) -> dict:
-    pieces = token_pieces(text_of, token_ids, text, before)
-
-    def entry(token_id, value, piece=None):
-        label = piece if piece is not None else text_of.label(token_id)
-        return {"token": label, "logprob": value, "bytes": list(text_of.token_bytes(token_id))}
-
-    content = [dict(entry(lp.token_id, lp.logprob, piece), top_logprobs=[entry(i, v) for i, v in lp.top])
-               for piece, lp in zip(pieces, logprobs)]
-    return {"content": content}
-
-
-def chat_choice(choice: dict) -> dict:
-    """A choice of the batch runner's record (the offline path: beams, min_tokens...) as a chat
-    choice. Chat asks for no log-probs there (``parse_chat`` refuses them)."""
-    return {"index": choice["index"], "message": {"role": "assistant", "content": choice["text"]}, "logprobs": None,
-            "finish_reason": choice["finish_reason"]}
-
-
-def envelope(kind: str, response_id: str, model: str, choices: list, usage: dict | None = None) -> dict:
-    body = {"id": response_id, "object": kind, "created": int(time.time()), "model": model, "choices": choices}
-    if usage is not None:
-        body["usage"] = usage
-    return body
-
-
-def sse(data) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
