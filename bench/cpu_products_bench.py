@@ -12,11 +12,19 @@ Three measurements, the evidence behind docs/performance.md's "why" paragraphs:
    beside the read bandwidth.
 2. **Prefill products** (compute-bound): a 128-token prompt through the four linears of a block,
    ``F.linear`` (oneDNN) in GFLOP/s.
-3. **The bf16 dot-product peak**: VDPBF16PS on registers only, no memory, on every thread (built
+3. **Prompts per weight format** (``--prompt``): a ``--prompt_tokens`` prompt's prefill of a
+   bloom-560m-shaped random model through the CPU path ``--cpu_path`` chooses, in fp32, bf16, and
+   bf16 activations over int8 and int4 (G=32) weights, each also with ``CpuOptions(widen=False)``
+   (where this CPU's bf16 products are emulated, the products of many rows through PyTorch's
+   emulated bf16 instead of fp32 on the widened weight); ms and the ratio to fp32, one run. Run it
+   as an AVX2 CPU with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ... --cpu_path avx2``.
+4. **The bf16 dot-product peak**: VDPBF16PS on registers only, no memory, on every thread (built
    with ``torch.utils.cpp_extension``, a few seconds), in GFLOP/s; and where the CPU has AMX, the
    same for TDPBF16PS on tiles loaded once. Our kernels cannot beat them.
 
     OMP_NUM_THREADS=2 python bench/cpu_products_bench.py --threads 2
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=2 python bench/cpu_products_bench.py \
+        --threads 2 --prompt --cpu_path avx2 --skip_products
 """
 
 from __future__ import annotations
@@ -169,6 +177,47 @@ def prefill_products(repeats: int, tokens: int = 128) -> None:
           f"{flop / ms / 1e6:.1f} GFLOP/s")
 
 
+PROMPT_FORMATS = (("fp32", torch.float32, None), ("bf16", torch.bfloat16, None),
+                  ("int8", torch.bfloat16, "int8"), ("int4 G=32", torch.bfloat16, "int4"))
+
+
+def prompt_times(repeats: int, tokens: int, path: str) -> None:
+    """One ``tokens`` prompt's prefill per weight format, with and without the widened products."""
+    import copy
+
+    from bloom_hpu.config import BloomConfig
+    from bloom_hpu.model import StaticBloom
+    from bloom_hpu.quantize import quantize
+    from bloom_hpu.runtime.cpu import CpuOptions, accelerate
+    from utils.random_checkpoint import random_weights
+
+    config = BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=16)
+    base = StaticBloom(config)
+    base.load_state_dict(random_weights(config, live_vocab=VOCAB, seed=0, weight_scale=1.0))
+    base = base.eval().requires_grad_(False)
+    ids = torch.randint(4, 50000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([tokens])
+    print(f"prompt of {tokens} tokens, bloom-560m shape, --cpu_path {path} ({capability.detect().why}): ms")
+    fp32_ms = None
+    for label, dtype, mode in PROMPT_FORMATS:
+        cells = []
+        for widen in (True, False):
+            model = copy.deepcopy(base).to(dtype)
+            if mode is not None:
+                quantize(model, mode, 32 if mode == "int4" else None)
+            plan = accelerate(model, CpuOptions(path=path, widen=widen))
+            cache = model.allocate_cache(1, tokens + 8)
+            with torch.no_grad():
+                ms = median_ms(lambda: model.prefill(ids, lengths, cache), repeats)
+            fp32_ms = fp32_ms or ms
+            widened = "in fp32, weights widened" in plan.description
+            cells.append(f"{ms:8.1f} ({ms / fp32_ms:4.2f}x fp32{', widened' if widened else ''})")
+            del model, cache
+            if dtype == torch.float32:
+                break
+        print(f"{label:>10s}  " + "   widen off: ".join(cells))
+
+
 def build_probe(name: str, source: str, cflags: list[str]):
     """``source`` (a peak probe above) built with ``torch.utils.cpp_extension`` in a fresh folder."""
     from torch.utils import cpp_extension
@@ -222,14 +271,22 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rows", default="1,4,8,16", help="input rows of the decode products, e.g. 1,4,16,32,80,128")
+    parser.add_argument("--prompt", action="store_true", help="also time a prompt's prefill per weight format")
+    parser.add_argument("--prompt_tokens", type=int, default=128)
+    parser.add_argument("--cpu_path", default="auto", help="the prompts' CPU path (auto, avx512_bf16, avx2, onednn, plain)")
+    parser.add_argument("--skip_products", action="store_true", help="only the prompts (with --prompt)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"{torch.get_num_threads()} threads; read bandwidth {read_bandwidth(torch.device('cpu')) / 1e9:.1f} GB/s")
-    decode_products(args.repeats, [int(r) for r in args.rows.split(",")])
-    prefill_products(args.repeats)
-    dot_peak()
-    tile_peak()
+    if not args.skip_products:
+        decode_products(args.repeats, [int(r) for r in args.rows.split(",")])
+        prefill_products(args.repeats)
+    if args.prompt:
+        prompt_times(args.repeats, args.prompt_tokens, args.cpu_path)
+    if not args.skip_products:
+        dot_peak()
+        tile_peak()
     return 0
 
 

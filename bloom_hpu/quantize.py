@@ -144,9 +144,12 @@ def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, int8_mm
 def routed_product(module, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """The product of a quantized ``module`` (a linear, or the tied head) as its runtime routes it:
-    the CPU runtime's kernel for the rows it serves, else ``int8_product`` / ``int4_product``."""
+    the CPU runtime's kernel for the rows it serves, else its fp32 product of many rows (``wide``,
+    on a CPU whose bf16 products are emulated), else ``int8_product`` / ``int4_product``."""
     if module.kernel is not None and x.numel() <= module.kernel_rows * x.shape[-1]:
         return module.kernel(x, q, scales, bias)
+    if module.wide is not None and module.wide.takes(x):
+        return module.wide.quantized(x, q, scales, bias)
     if q.dtype == torch.uint8:  # int4, packed
         out = int4_product(x, q, scales, module.int4_dequantize)
     else:
@@ -163,6 +166,7 @@ class _QuantProduct:
     int4_dequantize = None  # int4: the CPU runtime's dequantization into its scratch memory, when it has one
     kernel = None  # the CPU runtime's own product of a few rows, when it has one
     kernel_rows = INT8_KERNEL_ROWS  # the most rows it serves (set with it)
+    wide = None  # the CPU runtime's fp32 products of many rows (runtime/cpu/layers.WidenedProducts), if any
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return routed_product(self, x, self.qweight, self.scales, bias)

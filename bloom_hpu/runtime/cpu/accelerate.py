@@ -8,6 +8,8 @@
   the whole decode step and a prefill's attention as one call each;
 * oneDNN (PyTorch's private mkldnn operations, used only where a probe call showed they work):
   bf16 weights packed in oneDNN's layout, the MLP's GELU inside its product;
+* on a CPU whose bf16 products are emulated (AVX2, AVX-512 without BF16), the products of many rows
+  over bf16/fp16, int8 and int4 weights as fp32 products, the weight widened (``WidenedProducts``);
 * PyTorch's public operations alone (other architectures, or ``path='plain'``).
 
 It swaps the model's layers for their CPU variants (``layers.py``) and returns a ``CpuPlan``: what
@@ -27,7 +29,7 @@ from ...quantize import INT8_KERNEL_MANY_ROWS, INT8_KERNEL_ROWS, quantized_mode,
 from . import capability
 from .kernels import Kernels, KernelsUnavailable, load
 from .layers import (AMX_MIN_ROWS, AMX_TILE_ROWS, CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead,
-                     OneCallPromptAttention, kernel_suits, swap, unswap)
+                     OneCallPromptAttention, WidenedProducts, kernel_suits, swap, unswap)
 
 PATHS = ("auto", "avx512_bf16", "avx2", "onednn", "plain")
 
@@ -44,12 +46,15 @@ class CpuOptions:
     ``pack_weights``: without kernels, bf16 weights packed for oneDNN.
     ``amx``: with the AVX-512 kernels on a CPU with AMX-BF16, their bf16 products of 4 rows or
     more on AMX tiles (off: the AVX-512 loop, as on other CPUs; a setting of the process, as the
-    kernels are loaded once per process)."""
+    kernels are loaded once per process).
+    ``widen``: on a CPU whose bf16 products are emulated, the products of many rows over bf16/fp16
+    and quantized weights in fp32 on the widened weight (off: PyTorch's emulated ones, to compare)."""
 
     path: str = "auto"
     one_call_steps: bool = True
     pack_weights: bool = True
     amx: bool = True
+    widen: bool = True
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -274,12 +279,41 @@ class DequantizeScratch:
         return out
 
 
+# With the fp32 products of many rows (``widen_many_rows``), the int8 and int4 kernels serve up to
+# this many rows (a decode's, as before), the widened weight's fp32 products the rest: on the AVX2
+# build, 32 rows and more of bloom-560m's linears took less time widened than in either kernel.
+WIDE_QUANTIZED_KERNEL_ROWS = FEW_ROWS
+
+
+def widen_many_rows(model: StaticBloom, linears: list, kernels: Kernels | None) -> str:
+    """On a CPU whose bf16 products are emulated: the products of more than ``FEW_ROWS`` rows (a
+    prompt) of every float linear, the head and the quantized linears as fp32 products on the weight
+    widened (``WidenedProducts``, one scratch for all); the few rows of a decode keep their kernel.
+    Returns the line for the plan's description."""
+    wide = WidenedProducts(kernels.int4_dequantize if kernels is not None else None)
+    for linear in linears:
+        linear.wide = wide
+    if not getattr(model.head, "quantized", False):
+        if not isinstance(model.head, CpuTiedHead):
+            swap(model.head, CpuTiedHead, kernel=None, few_rows_limit=0)
+        model.head.wide = wide
+    for module in quantized_products(model):
+        if hasattr(module, "embeddings") and module.embeddings.qweight.dtype == torch.uint8 and module.kernel:
+            continue  # int4's head keeps its kernel for any rows (see ``accelerate``)
+        module.wide = wide
+        if module.kernel is not None:
+            module.kernel_rows = min(module.kernel_rows, WIDE_QUANTIZED_KERNEL_ROWS)
+    return f"products of over {wide.min_rows} rows in fp32, weights widened (bf16 products emulated here)"
+
+
 def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_steps: bool = False) -> CpuPlan:
     """Apply the CPU fast path to ``model`` (on the CPU, its weights loaded); see the module doc.
     With ``compile_steps`` torch.compile builds the decode step (and packs the weights) itself."""
     dtype = model.word_embeddings.weight.dtype
     cap = capability.detect()
     kernels, why = choose_kernels(options.path, cap)
+    for module in model.modules():  # a choice of an earlier call is undone: it is made again below
+        module.__dict__.pop("wide", None)
     # Quantized layers (bloom_hpu/quantize.py) keep their own int8 product.
     linears = [m for m in model.modules() if isinstance(m, tuple(CPU_LINEAR)) and not getattr(m, "quantized", False)]
     for linear in linears:
@@ -317,13 +351,17 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
                 module.kernel_rows = many if q.shape[1] % 32 == 0 else INT8_KERNEL_ROWS
         if quantized:
             used.append(f"{quantized_mode(model)} few-rows products")
+    widened = options.widen and options.path != "plain" and not compile_steps and dtype in (torch.bfloat16, torch.float16) \
+        and cap.emulates_bf16
+    if widened:
+        used.append(widen_many_rows(model, linears, kernels))
     onednn = options.path != "plain" and not compile_steps and dtype == torch.bfloat16
     if onednn and capability.onednn_fuses_gelu(dtype) and all(b.mlp.dense_h_to_4h in linears for b in model.h):
         for block in model.h:
             block.mlp.dense_h_to_4h.fused_gelu = True
             block.mlp.gelu = torch.nn.Identity()
         used.append("oneDNN GELU in the prefill's MLP")
-    if kernels is None and onednn and options.pack_weights and capability.onednn_packs(dtype):
+    if kernels is None and onednn and not widened and options.pack_weights and capability.onednn_packs(dtype):
         for linear in linears:
             linear.pack()
         used.append("oneDNN packed weights")
@@ -333,7 +371,7 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         if quantized:  # every weight quantized, each served by its kernel: the quantized one-call step
             all_kernel = all(m.kernel is not None for m in quantized)
         else:
-            all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
+            all_kernel = getattr(model.head, "kernel", None) is not None and all(m.kernel is not None for m in linears)
         if not compile_steps and model.parallel.world_size == 1 and all_kernel:
             plan.decode = OneCallDecode(model, kernels.decode_step,
                                         kernels.decode_step_quantized if quantized else None)

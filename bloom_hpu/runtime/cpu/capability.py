@@ -11,6 +11,7 @@ and its result compared with ``F.linear``'s.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,25 @@ class Capability:
     @property
     def name(self) -> str:
         return ISA_NAMES[self.isa]
+
+    @property
+    def emulates_bf16(self) -> bool:
+        """PyTorch's bf16 products of many rows are emulated here: an x86 CPU with AVX2 but without
+        AVX512-BF16 (or oneDNN capped below it by ``ONEDNN_MAX_CPU_ISA``), where oneDNN and ATen
+        widen each operand and multiply at a fraction of their fp32 products' speed. Elsewhere
+        (another architecture) nothing is assumed: False."""
+        if self.isa in ("avx2", "avx512"):
+            return True
+        return self.isa == "avx512_bf16" and onednn_capped_below_bf16()
+
+
+# oneDNN's ISA caps (``ONEDNN_MAX_CPU_ISA``) below its first with bf16 products (AVX512_CORE_BF16).
+ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+def onednn_capped_below_bf16() -> bool:
+    """``ONEDNN_MAX_CPU_ISA`` (oneDNN's own switch, read when it starts) rules out its bf16 products."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_ISAS_WITHOUT_BF16
 
 
 def cpu_flags() -> set[str] | None:

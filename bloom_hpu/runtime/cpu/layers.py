@@ -5,8 +5,10 @@ quantized linears): the model's own classes stay plain PyTorch.
   the weight) goes to our kernel; larger inputs (a prefill) to oneDNN, with the weight packed once
   in the layout its kernels read fastest where no kernel serves it, and with the MLP's GELU
   applied inside oneDNN's product where it can.
-* ``CpuTiedHead``: the LM head's product of a few rows through the kernel.
+* ``CpuTiedHead``: the LM head's product of a few rows through the kernel (of many, ``wide``'s).
 * ``OneCallPromptAttention``: a prefill's attention in one C++ call (``csrc/prompt_attention.cpp``).
+* ``WidenedProducts``: on a CPU without native bf16 products, the products of many rows (a prompt)
+  over bf16, int8 and int4 weights as fp32 products on the weight widened to fp32.
 
 ``swap(module, cls, **attributes)`` turns a module into its CPU variant in place: same parameters,
 same name in the model, only the class and a few attributes change; ``unswap`` turns it back.
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...int4 import dequantized_int4
 from ...model import Attention, Linear, TiedHead
 from ...tp import RowParallelLinear
 
@@ -34,6 +37,9 @@ FEW_ROWS_AMX = 8
 # at 128 rows 247-299 against 176: there oneDNN wins.
 AMX_MIN_ROWS = 4
 AMX_TILE_ROWS = 80
+# The most fp32 weights one panel of ``WidenedProducts`` holds (64 MiB): every weight of bloom-560m to
+# bloom-7b1 at once (one fp32 product per layer call), panels of a few thousand rows beyond.
+WIDE_PANEL_ELEMENTS = 1 << 24
 
 
 def kernel_suits(weight: torch.Tensor) -> bool:
@@ -55,9 +61,96 @@ def unswap(module: nn.Module) -> None:
     module.__class__ = module.plain_class
 
 
+class WidenedProducts:
+    """Products of more than ``min_rows`` rows as fp32 products, for a CPU whose bf16 products are
+    emulated (``Capability.emulates_bf16``: there PyTorch's bf16 product of a 128-token prompt takes
+    several times its fp32 one). The weight is widened into fp32 scratch memory, reused by every
+    layer in turn, a panel of at most ``panel_elements`` at a time (each panel's product over before
+    the next is made); x is widened once per product; the product is ``torch.mm`` in fp32 (MKL's or
+    oneDNN's sgemm), rounded once to x's dtype at the end.
+
+    The numerics are the reference's, products of the bf16 (or dequantized) weights with float
+    sums: bf16 weights and int8 values are exact in fp32; an int4 weight is dequantized into x's
+    dtype first (as ``int4_product`` does, ``stage``) and then widened. int8's scales multiply the
+    product's columns (``int8_product``'s order); bias and the MLP's GELU are applied to the fp32
+    sums, as oneDNN's fused product does, before the one rounding."""
+
+    def __init__(self, int4_dequantize: Callable | None = None, min_rows: int = FEW_ROWS,
+                 panel_elements: int = WIDE_PANEL_ELEMENTS):
+        self.int4_dequantize = int4_dequantize  # the kernels' (q, scales, out), else public ops
+        self.min_rows, self.panel_elements = min_rows, panel_elements
+        self.buffer = torch.empty(0)  # the fp32 panel
+        self.stage = torch.empty(0)  # int4: a panel in x's dtype
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether a product with input ``x`` [..., K] is one of many rows, which this serves."""
+        return x.numel() > self.min_rows * x.shape[-1]
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               gelu: bool = False) -> torch.Tensor:
+        """x [..., K] @ weight [N, K].T + bias, then gelu_tanh with ``gelu``, in x's dtype."""
+        return self._product(x, weight.shape[0], lambda panel, rows: panel.copy_(weight[rows]), None, bias, gelu)
+
+    def quantized(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., K] @ the dequantized weight .T + bias in x's dtype: int8 q [N, K] with scales [N],
+        or int4 packed q [N, K / 2] with scales [N, K / G] (``bloom_hpu/int4.py``)."""
+        if q.dtype != torch.uint8:
+            return self._product(x, q.shape[0], lambda panel, rows: panel.copy_(q[rows]), scales, bias)
+
+        def fill(panel: torch.Tensor, rows: slice) -> None:
+            if x.dtype == torch.float32:
+                self._dequantize_int4(q[rows], scales[rows], panel)
+            else:
+                panel.copy_(self._dequantize_int4(q[rows], scales[rows], self._staged(panel.shape, x.dtype)))
+
+        return self._product(x, q.shape[0], fill, None, bias)
+
+    def _dequantize_int4(self, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.int4_dequantize is not None:
+            self.int4_dequantize(q, scales, out)
+        else:
+            out.copy_(dequantized_int4(q, scales, out.dtype))
+        return out
+
+    def _staged(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        size = shape[0] * shape[1]
+        if self.stage.numel() < size or self.stage.dtype != dtype:
+            self.stage = torch.empty(size, dtype=dtype)
+        return self.stage[:size].view(shape)
+
+    def _product(self, x: torch.Tensor, n: int, fill: Callable, column_scales: torch.Tensor | None,
+                 bias: torch.Tensor | None, gelu: bool = False) -> torch.Tensor:
+        """The product with an [n, K] weight, ``fill(panel, rows)`` writing its ``rows`` (a slice)
+        widened to fp32 into ``panel``."""
+        k = x.shape[-1]
+        x32 = x.reshape(-1, k).float()
+        out = torch.empty(x32.shape[0], n)
+        step = max(1, min(n, self.panel_elements // k))
+        if self.buffer.numel() < step * k:
+            self.buffer = torch.empty(step * k)
+        for start in range(0, n, step):
+            rows = slice(start, min(n, start + step))
+            panel = self.buffer[: (rows.stop - start) * k].view(-1, k)
+            fill(panel, rows)
+            target = out if step == n else out[:, rows]
+            if bias is None or column_scales is not None:
+                torch.mm(x32, panel.t(), out=target)
+            else:
+                torch.addmm(bias[rows].float(), x32, panel.t(), out=target)
+        if column_scales is not None:
+            out.mul_(column_scales)
+            if bias is not None:
+                out.add_(bias.float())
+        if gelu:
+            out = F.gelu(out, approximate="tanh")
+        return out.to(x.dtype).view(*x.shape[:-1], n)
+
+
 class CpuProducts:
     """The product of ``Linear``, by input size: ``kernel`` for at most ``few_rows_limit``
-    elements, else oneDNN's ``packed`` weight, else ``F.linear``. With ``fused_gelu`` the result
+    elements, else ``wide`` (``WidenedProducts``) for the many rows it takes, else oneDNN's
+    ``packed`` weight, else ``F.linear``. With ``fused_gelu`` the result
     is gelu_tanh(product), inside oneDNN's product for large inputs (the model's ``MLP.gelu`` is
     then swapped for an identity)."""
 
@@ -65,11 +158,14 @@ class CpuProducts:
     few_rows_limit = 0
     packed: torch.Tensor | None = None
     fused_gelu = False
+    wide: WidenedProducts | None = None
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.kernel is not None and x.numel() <= self.few_rows_limit:
             out = self.kernel(x, self.weight, bias)
             return F.gelu(out, approximate="tanh") if self.fused_gelu else out
+        if self.wide is not None and self.wide.takes(x):
+            return self.wide.linear(x, self.weight, bias, self.fused_gelu)
         if self.packed is None and not self.fused_gelu:
             return F.linear(x, self.weight, bias)
         weight = self.packed if self.packed is not None else self.weight
@@ -101,10 +197,13 @@ class CpuTiedHead(TiedHead):
     plain_class = TiedHead
     kernel: Callable | None = None
     few_rows_limit = 0
+    wide: WidenedProducts | None = None
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= self.few_rows_limit:
+        if self.kernel is not None and x.numel() <= self.few_rows_limit:
             return self.kernel(x, weight, None)
+        if self.wide is not None and self.wide.takes(x):
+            return self.wide.linear(x, weight, None)
         return F.linear(x, weight)
 
 
