@@ -11,7 +11,8 @@ principle 13), compiled with ``torch.utils.cpp_extension`` and loaded into the p
   then raises ``BuildBusy`` so that its caller goes on without the library.
 * **Appears whole or not at all.** Each build runs in a fresh ``build-*`` folder (PyTorch's own
   ``lock`` baton and the objects of a killed build die with that folder, removed by the next
-  builder) and its library is renamed into place: a library at the final path is always complete.
+  builder); its library is renamed into place, then the digest of its bytes beside it, and a
+  library is loaded only where that digest agrees (else it is built again).
 
 Folders live under ``$BLOOM_KERNELS_DIR``, else ``$TORCH_EXTENSIONS_DIR``, else PyTorch's default
 (``~/.cache/torch_extensions``).
