@@ -289,6 +289,44 @@ def test_engine_mixed_load_lora_rows_and_cancellation(graph_stand_in, checkpoint
     assert card_generator.backend.graph_count() == graph_stand_in.captures
 
 
+def test_engine_prefill_groups_of_one_bucket_back_to_back(graph_stand_in, checkpoint, eager):
+    """A burst onto an idle engine of more requests than max_prefill, every prompt in one length
+    bucket: three [2, 16] prefills in a row, replaying one graph on the HPU, where each replay
+    overwrites the outputs of the last. The tokens equal the eager CPU engine's and, greedy,
+    each request alone: no group's first token is read from a later group's logits."""
+    from generation.serving.engine import Engine, EngineConfig
+    from generation.serving.params import SamplingParams
+
+    config = EngineConfig(max_batch=8, max_length=48, bucket_width=16, max_prefill=2)
+    prompts = PROMPTS + ["The quick brown fox", "once upon a time"]
+    params = [SamplingParams(max_tokens=6 + i % 3) if i % 2 == 0 else
+              SamplingParams(max_tokens=7, temperature=0.8, top_k=20, seed=i) for i in range(len(prompts))]
+
+    def answers(generator) -> tuple[list, list]:
+        engine = Engine(generator, config)
+        engine.warm_up()
+        prefills, real_prefill = [], engine.device_rows.prefill
+        engine.device_rows.prefill = lambda group, *rest: prefills.append(
+            (len(group), engine.device_rows.length_bucket(max(map(len, group))))) or real_prefill(group, *rest)
+        tok = engine.tokenizer
+        handles = [engine.submit(tok.encode(p), s) for p, s in zip(prompts, params)]
+        while engine.step() or engine.queue_length:
+            pass
+        return [[s.token_ids for s in h.result(1)] for h in handles], prefills
+
+    card = on_card(graph_stand_in, checkpoint)  # first: it imports the bridge, which off_card reads
+    with graph_stand_in.off_card():
+        want, cpu_prefills = answers(eager)
+    got, prefills = answers(card)
+    assert prefills == cpu_prefills == [(2, 16)] * 3  # one bucket, back to back, before any row ran
+    assert got == want
+    for prompt, s, tokens in zip(prompts, params, got):
+        if not s.sampling:
+            alone = reference(graph_stand_in, eager, [prompt], max_length=48, max_new_tokens=s.max_tokens,
+                              bucket_width=16, ignore_eos=False)
+            assert tokens == alone[0], prompt
+
+
 def new_lazy_graphs(runtime, counts) -> str:
     """What a lazy graph compiled after ``counts`` holds (for a failing test's message)."""
     if runtime.lazy is None:
