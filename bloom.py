@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit_hpu_graphs", type=flag_bool,
                    help="hpu: run the prefill without a graph, so its scores are not kept (default: t under "
                         "tensor parallelism, f on one card)")
+    p.add_argument("--prefix_cache", default=None, metavar="SIZE",
+                   help="keys and values of prompt prefixes seen before are copied, not computed: the pool's "
+                        "size, e.g. 512MB, 2GB (default 1GB; 0: off; see docs/prefix-cache.md)")
     p.add_argument("--options", default="", help='generation options "k=v,k:int=3,flag,!flag" (see --help_options)')
     p.add_argument("--help_options", action="store_true", help="list every generation option and exit")
     p.add_argument("--compile", action="store_true", help="cpu: run the decode step through torch.compile")
@@ -251,15 +254,19 @@ def make_generator(args, opts):
 
         if args.peft_weights:
             raise UsageError("--peft_weights runs in --mode optimized only")
+        if args.prefix_cache is not None:
+            raise UsageError("--prefix_cache runs in --mode optimized only")
         folder = resolve_checkpoint(weights, args.model)  # weights None: checkpoints/
         return VanillaGenerator(folder, parse_dtype(args.dtype), str(make_backend(args.device, use_graphs=False).device))
     from bloom_hpu.runtime.cpu import CpuOptions
+    from generation.prefix import DEFAULT_SIZE as PREFIX_CACHE_DEFAULT
 
     generator = Generator.from_pretrained(
         weights, args.model, dtype=args.dtype, device=args.device, use_graphs=opts.use_graphs,
         compile_steps=args.compile, parallel=PARALLEL, cpu=CpuOptions(path=args.cpu_path),
         peft_weights=args.peft_weights, lora=lora_adapters(args) or None, limit_hpu_graphs=args.limit_hpu_graphs,
         quantize=args.quantize, group_size=args.group_size,
+        prefix_cache=PREFIX_CACHE_DEFAULT if args.prefix_cache is None else args.prefix_cache,
     )
     if generator.adapter is not None:
         log(f"{generator.adapter.describe()}, merged")
@@ -493,8 +500,9 @@ def run(args) -> int:
             writer.finish()  # a device or FIFO gets the whole list now, before the last stats line
         stats = generator.last_stats
         if not args.quiet:
+            cached = f", cached prompt tokens: {stats.cached_tokens}" if generator.runner.prefix is not None else ""
             print(f"batch {first // args.batch_size + 1}: {stats.seconds:.3f} s, {stats.new_tokens} tokens, "
-                  f"{stats.tokens_per_second:.1f} tokens/s, graphs: {stats.graph_count}", flush=True)
+                  f"{stats.tokens_per_second:.1f} tokens/s, graphs: {stats.graph_count}{cached}", flush=True)
     return 0
 
 

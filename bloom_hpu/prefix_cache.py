@@ -19,8 +19,9 @@ computing them again.
 * **Eviction.** Least recently used first. A lookup touches a prefix's blocks deepest first, so a
   block is always used more recently than its descendants and the leaves go before the trunk.
 * **Static shapes.** On a backend that compiles each new shape of eager ops (a Gaudi's lazy mode),
-  the number of blocks in one copy is rounded up to a power of two by repeating the last block's
-  copy (the same values to the same place again), so a few shapes serve every prompt.
+  a copy always moves as many blocks as its caller's shape can hold (``pad_to``: the rows times the
+  blocks of the padded prompt), the last block's copy repeated (the same values to the same place
+  again): the ops' shapes then follow the prefill's shape, never what was found.
 
 The pool knows nothing of prompts beyond token ids; what to look up and when to copy is the
 runtime's (``runtime/prefixed.py``).
@@ -150,11 +151,12 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ copies (device)
 
-    def copy_into(self, cache: KVCache, placements: list[tuple[int, int, int]]) -> None:
-        """Pool block j into cache row r at block position i (slots i*block ..), for each (r, i, j)."""
+    def copy_into(self, cache: KVCache, placements: list[tuple[int, int, int]], pad_to: int = 0) -> None:
+        """Pool block j into cache row r at block position i (slots i*block ..), for each (r, i, j).
+        ``pad_to``: the most placements the caller's shape holds (see Static shapes)."""
         if not placements:
             return
-        take, put = self._indices(cache, placements)
+        take, put = self._indices(cache, placements, pad_to)
         if self.per_layer:
             for mine, pool in zip(cache.flat_keys + cache.flat_values, self.keys + self.values):
                 mine.index_copy_(0, put, pool.index_select(0, take))
@@ -163,9 +165,11 @@ class PrefixCache:
             flat = mine.view(mine.shape[0], -1, mine.shape[-1])  # [L, B*H*K, D], the same storage
             flat.index_copy_(1, put, pool.index_select(1, take))
 
-    def store(self, cache: KVCache, row: int, ids: list[int], upto: int, namespace: str = "") -> int:
+    def store(self, cache: KVCache, row: int, ids: list[int], upto: int, namespace: str = "",
+              pad_to: int = 0) -> int:
         """Keep the whole blocks of ``ids[:upto]`` whose keys and values cache row ``row`` holds in
-        slots 0..upto-1 and the pool does not hold yet. Returns how many blocks were stored."""
+        slots 0..upto-1 and the pool does not hold yet. Returns how many blocks were stored.
+        ``pad_to``: the most blocks of a row the caller's shape holds (see Static shapes)."""
         placements, protected = [], set()
         for i, digest in enumerate(self.digests(ids, namespace, upto)):
             known = self._blocks.get(digest)
@@ -180,7 +184,7 @@ class PrefixCache:
             protected.add(block)
             placements.append((row, i, block))
         if placements:
-            take, put = self._indices(cache, placements)  # (pool, cache) roles swapped below
+            take, put = self._indices(cache, placements, pad_to)  # (pool, cache) roles swapped below
             if self.per_layer:
                 for mine, pool in zip(cache.flat_keys + cache.flat_values, self.keys + self.values):
                     pool.index_copy_(0, take, mine.index_select(0, put))
@@ -190,10 +194,11 @@ class PrefixCache:
         self.stats.stored_blocks += len(placements)
         return len(placements)
 
-    def _indices(self, cache: KVCache, placements: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _indices(self, cache: KVCache, placements: list[tuple[int, int, int]],
+                 pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Flat pool rows and flat cache rows of each placement's [H, block] slots."""
-        if self.fixed_copy_shapes:  # a power of two of placements, the last one repeated
-            count = 1 << (len(placements) - 1).bit_length()
+        if self.fixed_copy_shapes:  # ``pad_to`` placements (else a power of two), the last one repeated
+            count = max(pad_to, len(placements)) if pad_to else 1 << (len(placements) - 1).bit_length()
             placements = placements + [placements[-1]] * (count - len(placements))
         rows, positions, blocks = (torch.tensor(column, dtype=torch.long) for column in zip(*placements))
         heads = torch.arange(self.heads)[None, :, None]

@@ -26,14 +26,15 @@ from bloom_hpu.runtime.steps import StepRunner
 
 from .batch import Batch, BloomTokenizer, make_batch  # noqa: F401 (BloomTokenizer: re-exported)
 from .options import GenerationOptions, build_options
+from .prefix import cached_counts, enable_prefix_cache, parse_size, store_generated
 from .progress import Progress
 from .results import BatchStats, GenerationResult, Sequence, make_sequence
 from .search.beam import beam_search
+from .search.choose import chooser
 from .search.processors import LogitsProcessors
-from .search.sampling import (UniformKernel, checked_uniform_kernel, greedy_with, repeat_rows, row_keys, sampling_chooser,
-                              sampling_seeds)
+from .search.sampling import UniformKernel, checked_uniform_kernel, repeat_rows, row_keys, sampling_seeds
 from .search.stopping import StopChecker, stops_per_prompt
-from .search.token_loop import FINISH_REASONS, LoopHooks, greedy_chooser, run_token_loop
+from .search.token_loop import FINISH_REASONS, LoopHooks, run_token_loop
 from .validate import (check_against_model, check_call, check_checkpoint, check_dtype, check_memory,
                        load_tokenizer, rows_per_prompt)
 
@@ -80,6 +81,7 @@ class Generator:
         limit_hpu_graphs: bool | None = None,
         quantize: str | None = None,
         group_size: int | None = None,
+        prefix_cache: int | str | None = None,
     ) -> "Generator":
         """``cpu``: the CPU fast path (``CpuOptions``: which kernels, one-call steps, packing);
         by default the fastest this CPU can run. ``peft_weights``: a PEFT LoRA adapter folder,
@@ -90,7 +92,11 @@ class Generator:
         ``--limit_hpu_graphs``; None: only under tensor parallelism). ``quantize``: "int8", the
         weights kept as int8 with a scale per output row, or "int4", packed with a scale per
         ``group_size`` weights of a row (default 64; ``bloom_hpu/quantize.py``; activations and the
-        cache stay in ``dtype``). A checkpoint saved quantized loads as it is stored."""
+        cache stay in ``dtype``). A checkpoint saved quantized loads as it is stored.
+        ``prefix_cache``: the size of the prefix cache's pool (bytes, or a string such as "1GB";
+        None or 0: none): the keys and values of prompt prefixes seen before are copied instead
+        of computed (``generation/prefix.py``)."""
+        parse_size(prefix_cache)  # a bad size is named before anything is loaded
         if quantize is not None and quantize not in QUANTIZE_MODES:
             raise QuantizeError(f"unknown quantization {quantize!r}: choose {', '.join(QUANTIZE_MODES)}")
         group_size = resolve_group_size(quantize, group_size)
@@ -126,6 +132,7 @@ class Generator:
             generator.lora = ServedAdapters(names, {n: a.folder for n, a in served.items()}, rows)
             if backend.cpu_plan is not None:  # its one-call decode step knows no adapters
                 backend.cpu_plan.drop_one_call_decode("LoRA adapters are served")
+        enable_prefix_cache(generator, prefix_cache)
         return generator
 
     @property
@@ -190,11 +197,14 @@ class Generator:
 
             fill_token_logprobs(self, batch, sequences)
         self.backend.synchronize()
+        cached = cached_counts(self, batch.size)
         results = [
-            GenerationResult(prompt, ids, seqs) for prompt, ids, seqs in zip(prompts, batch.prompt_ids, sequences)
+            GenerationResult(prompt, ids, seqs, cached_tokens=n)
+            for prompt, ids, seqs, n in zip(prompts, batch.prompt_ids, sequences, cached)
         ]
         new_tokens = sum(len(s.token_ids) for r in results for s in r.sequences)
-        self.last_stats = BatchStats(time.perf_counter() - start, new_tokens, self.backend.graph_count())
+        self.last_stats = BatchStats(time.perf_counter() - start, new_tokens, self.backend.graph_count(),
+                                     cached_tokens=sum(cached))
         return results
 
     def check_fits(self, prompts: list[str], opts: GenerationOptions) -> None:
@@ -219,11 +229,8 @@ class Generator:
         # Sampling draws num_return_sequences independent rows per prompt; greedy has one.
         copies = opts.num_return_sequences if opts.do_sample else 1
         rows = repeat_rows(batch, copies)
-        if opts.do_sample:
-            choose = sampling_chooser(processors, row_keys(batch.prompt_ids, seed, copies, self.device),
-                                      self.noise_kernel)
-        else:
-            choose = greedy_with(processors) if processors.steps else greedy_chooser
+        keys = row_keys(batch.prompt_ids, seed, copies, self.device) if opts.do_sample else None
+        choose = chooser(processors, keys, self.noise_kernel)
         loop = run_token_loop(
             self.runner,
             rows,
@@ -238,6 +245,9 @@ class Generator:
         limits = rows.new_limits.tolist()
         flat = [self.make_sequence(row[:min(limit, loop.steps_run)], FINISH_REASONS[reason], stops=stops[i // copies])
                 for i, (row, limit, reason) in enumerate(zip(tokens, limits, finish))]
+        if opts.use_kv_cache:  # a conversation's next turn repeats these tokens
+            store_generated(self, self.runner.cache(rows.size, rows.plan.cache_len), rows.prompt_ids,
+                            [s.token_ids for s in flat])
         return [flat[i * copies : (i + 1) * copies] for i in range(batch.size)]
 
     def _beam_search(self, batch: Batch, opts: GenerationOptions, processors, seed,

@@ -6,7 +6,9 @@ length we ask ``plan_shapes`` (the very function requests use) for its plan and 
 
 * one prefill per (rows, padded prompt length P, cache length K) (for beams and sampled copies:
   per (prompts, P, P), the prompts run once each), and
-* one decode per (rows, K, window) for every window its steps can use.
+* one decode per (rows, K, window) for every window its steps can use;
+* with a prefix cache, one extend per (rows, K, rest bucket R) beside each prefill, and the one-row
+  prefill and extends that compute a batch's shared prefixes (``runtime/prefixed.py``).
 
 Running each once captures its graph (HPU/CUDA), compiles it (``torch.compile`` on CPU) and
 allocates its cache, so no request ever pays a first-time compile. Its inputs are made exactly as
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from bloom_hpu.runtime.prefixed import rest_buckets
 from bloom_hpu.runtime.steps import step_input
 
 from .batch import plan_shapes
@@ -31,9 +34,9 @@ from .progress import Progress
 
 @dataclass(frozen=True)
 class StepShape:
-    kind: str  # "prefill" or "decode"
+    kind: str  # "prefill", "extend" or "decode"
     rows: int
-    prompt_len: int  # P (prefill only; 0 for decode)
+    prompt_len: int  # P (prefill), R (extend); 0 for decode
     cache_len: int  # K
     window: int  # decode window (0 for prefill)
 
@@ -50,7 +53,8 @@ class WarmupReport:
     def describe(self) -> str:
         if self.note:
             return f"warm-up: {self.note}"
-        return (f"warm-up: {self.count('prefill')} prefill and {self.count('decode')} decode shapes "
+        extend = f", {self.count('extend')} extend" if self.count("extend") else ""
+        return (f"warm-up: {self.count('prefill')} prefill{extend} and {self.count('decode')} decode shapes "
                 f"in {self.seconds:.2f} s")
 
 
@@ -63,10 +67,11 @@ def request_rows(options: GenerationOptions, prompts_per_batch: int) -> int:
     return prompts_per_batch
 
 
-def step_shapes(options: GenerationOptions, prompts: int) -> list[StepShape]:
+def step_shapes(options: GenerationOptions, prompts: int, prefix_cache: bool = False) -> list[StepShape]:
     """Every distinct step shape a batch of ``prompts`` prompts can use under ``options``, in run
     order. Beams and sampled copies of a prompt share one prefill of the prompts alone, in a cache
-    as long as the padded prompt (``StepRunner.prefill_shared``); decode runs every row."""
+    as long as the padded prompt (``StepRunner.prefill_shared``); decode runs every row.
+    ``prefix_cache``: the extends of a prefix cache's hits too."""
     rows = request_rows(options, prompts)
     max_length, max_new = options.max_length, options.max_new_tokens
     # The shortest possible prompt (1 token) has the most steps; shorter rows in a batch can make
@@ -77,10 +82,16 @@ def step_shapes(options: GenerationOptions, prompts: int) -> list[StepShape]:
         # Reach (prompt + new tokens) grows with the prompt, so the longest row reaches furthest.
         furthest = max_length if max_new is None else min(max_length, longest + max_new)
         plan = plan_shapes([longest], [furthest], options)
-        if rows > prompts:
-            shapes[StepShape("prefill", prompts, plan.prompt_len, plan.prompt_len, 0)] = None
-        else:
-            shapes[StepShape("prefill", rows, plan.prompt_len, plan.cache_len, 0)] = None
+        prefill = (StepShape("prefill", prompts, plan.prompt_len, plan.prompt_len, 0) if rows > prompts
+                   else StepShape("prefill", rows, plan.prompt_len, plan.cache_len, 0))
+        shapes[prefill] = None
+        if prefix_cache:
+            for rest in rest_buckets(plan.prompt_len):
+                shapes[StepShape("extend", prefill.rows, rest, prefill.cache_len, 0)] = None
+            if prompts > 1:  # a batch's shared prefixes, one row at a time
+                shapes[StepShape("prefill", 1, plan.prompt_len, plan.prompt_len, 0)] = None
+                for rest in rest_buckets(plan.prompt_len):
+                    shapes[StepShape("extend", 1, rest, plan.prompt_len, 0)] = None
         if not options.use_kv_cache:  # every step re-runs the prefill over the whole cache
             shapes[StepShape("prefill", rows, plan.cache_len, plan.cache_len, 0)] = None
             continue
@@ -107,7 +118,8 @@ def warm_up(generator, options: GenerationOptions, prompts_per_batch: list[int] 
     runner, device = generator.runner, generator.device
     pad = generator.tokenizer.pad_token_id
     start = time.perf_counter()
-    shapes = [s for size in sizes for s in step_shapes(options, size)]
+    prefix = runner.prefix is not None
+    shapes = [s for size in sizes for s in step_shapes(options, size, prefix)]
     with Progress(len(shapes), "warm-up", "shapes", enabled=progress) as bar:
         for s in shapes:
             cache = runner.cache(s.rows, s.cache_len)
@@ -115,6 +127,11 @@ def warm_up(generator, options: GenerationOptions, prompts_per_batch: list[int] 
                 ids = torch.full((s.rows, s.prompt_len), pad, dtype=torch.long, device=device)
                 lengths = torch.full((s.rows,), s.prompt_len, dtype=torch.long, device=device)
                 runner.prefill(step_input(ids), step_input(lengths), cache)
+            elif s.kind == "extend":
+                ids = torch.full((s.rows, s.prompt_len), pad, dtype=torch.long, device=device)
+                starts = torch.zeros(s.rows, dtype=torch.long, device=device)
+                lengths = torch.full((s.rows,), s.prompt_len, dtype=torch.long, device=device)
+                runner.extend(step_input(ids), step_input(starts), step_input(lengths), cache)
             else:
                 # Any in-window slot will do: requests overwrite every slot they attend before reading it.
                 tokens = torch.zeros(s.rows, 1, dtype=torch.long, device=device)

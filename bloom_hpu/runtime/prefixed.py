@@ -18,7 +18,8 @@ For a batch of B prompts right-padded to P (``StepRunner.prefill_shared`` with t
 The numerics are those of the prefill: every key and value is one the same prompt computes alone
 (a block is named by all the tokens before it: ``prefix_cache.py``), and ``extend`` attends with
 the same ALiBi bias and mask. Shapes: (B, K) prefill, (B, K, R) extend for the few R buckets, and
-(1, P) for shared prefixes; nothing depends on how much was found.
+(1, P) for shared prefixes; the pool's copies move as many blocks as the shape holds and end with
+``mark_step``, so on a Gaudi each is one lazy graph per shape, whatever was found.
 """
 
 from __future__ import annotations
@@ -70,11 +71,14 @@ def prefill_with_prefixes(runner, input_ids: torch.Tensor, lengths: torch.Tensor
         starts = [0] * len(prompt_ids)
     else:
         blocks = [pool.match(ids, namespace, n) for ids, n in zip(prompt_ids, found)]
-        pool.copy_into(cache, [(row, i, j) for row, chain in enumerate(blocks) for i, j in enumerate(chain)])
+        pool.copy_into(cache, [(row, i, j) for row, chain in enumerate(blocks) for i, j in enumerate(chain)],
+                       pad_to=len(prompt_ids) * (prompt_len // pool.block))
+        runner.backend.mark_step()  # the copy is a lazy graph of its own, whatever follows it
         starts = [len(chain) * pool.block for chain in blocks]
         logits = _extend(runner, prompt_ids, starts, rest, cache)
     for row, ids in enumerate(prompt_ids):
-        pool.store(cache, row, ids, len(ids), namespace)
+        pool.store(cache, row, ids, len(ids), namespace, pad_to=prompt_len // pool.block)
+        runner.backend.mark_step()
     pool.stats.per_call = starts
     return logits
 
@@ -107,7 +111,8 @@ def _compute_shared_prefixes(runner, prompt_ids: list[list[int]], prompt_len: in
             continue
         one = runner.cache(1, prompt_len)
         held = pool.match(ids, namespace, cacheable(upto, pool.block), count=False)
-        pool.copy_into(one, [(0, i, j) for i, j in enumerate(held)])
+        pool.copy_into(one, [(0, i, j) for i, j in enumerate(held)], pad_to=prompt_len // pool.block)
+        runner.backend.mark_step()
         start = len(held) * pool.block
         rest = rest_bucket(upto - start, prompt_len)
         if start == 0 and rest >= prompt_len:
@@ -116,4 +121,5 @@ def _compute_shared_prefixes(runner, prompt_ids: list[list[int]], prompt_len: in
                            host_to_device(torch.tensor([upto], dtype=torch.long), one.slots.device), one)
         else:
             _extend(runner, [ids], [start], rest, one)
-        pool.store(one, 0, ids, upto, namespace)
+        pool.store(one, 0, ids, upto, namespace, pad_to=prompt_len // pool.block)
+        runner.backend.mark_step()

@@ -126,7 +126,8 @@ def beam_search(
     stop_when_full = early_stopping is True
 
     cache = runner.cache(rows, k_len)
-    logits = runner.prefill_shared(step_input(batch.input_ids), step_input(batch.lengths), cache, n)  # each prompt once
+    logits = runner.prefill_shared(step_input(batch.input_ids), step_input(batch.lengths), cache, n,
+                                   batch.prompt_ids)  # each prompt once
     # The step as a device tensor for every op that uses it: a Python int in an op is a new lazy
     # graph per token on a Gaudi (token_loop.py says more).
     step_t = torch.zeros(1, dtype=torch.long, device=device)  # [1]

@@ -85,7 +85,8 @@ def run_token_loop(
 
     # Copies of one prompt (sampling's num_return_sequences) share its prefill.
     c = batch.copies
-    logits = runner.prefill_shared(step_input(batch.input_ids[::c]), step_input(batch.lengths[::c]), cache, c)
+    logits = runner.prefill_shared(step_input(batch.input_ids[::c]), step_input(batch.lengths[::c]), cache, c,
+                                   batch.prompt_ids[::c])
     steps_run = 0
     for step in range(batch.steps):
         slot = slots.index_select(0, step_index).view(b)  # [B], its own tensor: the decode step's graph key never changes
