@@ -107,38 +107,8 @@ def answer_batch(generator, batch: RequestBatch) -> tuple[list[dict], int]:
     requests = batch.requests
     prompts = [p for r in requests for p in r.prompts]
     owner = [r for r in requests for _ in r.prompts]
-    if requests[0].max_tokens > 0:
-        # Filler rows (copies of the last prompt, dropped after) round the batch up to a standard
-        # size, so that a group's short last batch replays a graph already captured.
-        fill = standard_size(batch, len(prompts)) - len(prompts)
-        stops = [r.stop for r in owner] + [owner[-1].stop] * fill
-        budgets = [r.max_tokens for r in owner] + [owner[-1].max_tokens] * fill
-        seeds = batch.seeds()
-        seeds += seeds[-1:] * fill
-        results = generator.generate(prompts + [prompts[-1]] * fill, batch.options(), stop=stops,
-                                     max_new_tokens_each=budgets, seed_each=seeds)[: len(prompts)]
-        prompt_ids = [res.prompt_token_ids for res in results]
-        candidates = [res.sequences for res in results]
-    else:  # echo with max_tokens 0: score the prompt, generate nothing
-        given = [ids for r in requests for ids in (r.prompt_ids or [None] * len(r.prompts))]
-        prompt_ids = [ids if ids is not None else encoded
-                      for ids, encoded in zip(given, generator.tokenizer.encode_batch(prompts))]
-        candidates = [[None] for _ in prompts]
-
-    # One scoring pass over every candidate that needs log-probs (asked for, or to rank best_of).
-    needs = [r.logprobs is not None or (r.sampling and r.best_of > r.n) for r in owner]
-    rows, where = [], []
-    for i, (ids, seqs) in enumerate(zip(prompt_ids, candidates)):
-        if needs[i]:
-            for j, seq in enumerate(seqs):
-                rows.append(list(ids) + (seq.token_ids if seq is not None else []))
-                where.append((i, j))
-    scores: dict[tuple[int, int], object] = {}
-    if rows:
-        top_k = max((r.logprobs or 0) for r in owner)
-        length = max(batch.length, max(len(r) for r in rows))
-        scores = dict(zip(where, score_rows(generator.runner, rows, top_k, length, generator.tokenizer.pad_token_id)))
-
+    prompt_ids, candidates = _candidates(generator, batch, prompts, owner)
+    scores = _scores(generator, batch, owner, prompt_ids, candidates)
     text_of = TokenText(generator.tokenizer)
     per_request: dict[int, list[dict]] = {id(r): [] for r in requests}
     usage = {id(r): [0, 0] for r in requests}
@@ -158,6 +128,43 @@ def answer_batch(generator, batch: RequestBatch) -> tuple[list[dict], int]:
         records.append(result_record(r, per_request[id(r)], {"prompt_tokens": p, "completion_tokens": c,
                                                             "total_tokens": p + c}, seconds, len(prompts)))
     return records, tokens
+
+
+def _candidates(generator, batch: RequestBatch, prompts: list[str], owner: list[Request]) -> tuple[list, list]:
+    """Each prompt's token ids and its generated candidates (``[None]`` when nothing is generated)."""
+    if batch.requests[0].max_tokens > 0:
+        # Filler rows (copies of the last prompt, dropped after) round the batch up to a standard
+        # size, so that a group's short last batch replays a graph already captured.
+        fill = standard_size(batch, len(prompts)) - len(prompts)
+        stops = [r.stop for r in owner] + [owner[-1].stop] * fill
+        budgets = [r.max_tokens for r in owner] + [owner[-1].max_tokens] * fill
+        seeds = batch.seeds()
+        seeds += seeds[-1:] * fill
+        results = generator.generate(prompts + [prompts[-1]] * fill, batch.options(), stop=stops,
+                                     max_new_tokens_each=budgets, seed_each=seeds)[: len(prompts)]
+        return [res.prompt_token_ids for res in results], [res.sequences for res in results]
+    # echo with max_tokens 0: score the prompt, generate nothing
+    given = [ids for r in batch.requests for ids in (r.prompt_ids or [None] * len(r.prompts))]
+    prompt_ids = [ids if ids is not None else encoded
+                  for ids, encoded in zip(given, generator.tokenizer.encode_batch(prompts))]
+    return prompt_ids, [[None] for _ in prompts]
+
+
+def _scores(generator, batch: RequestBatch, owner: list[Request], prompt_ids: list, candidates: list) -> dict:
+    """One scoring pass over every candidate that needs log-probs (asked for, or to rank
+    best_of): (prompt index, candidate index) -> its RowScores."""
+    needs = [r.logprobs is not None or (r.sampling and r.best_of > r.n) for r in owner]
+    rows, where = [], []
+    for i, (ids, seqs) in enumerate(zip(prompt_ids, candidates)):
+        if needs[i]:
+            for j, seq in enumerate(seqs):
+                rows.append(list(ids) + (seq.token_ids if seq is not None else []))
+                where.append((i, j))
+    if not rows:
+        return {}
+    top_k = max((r.logprobs or 0) for r in owner)
+    length = max(batch.length, max(len(r) for r in rows))
+    return dict(zip(where, score_rows(generator.runner, rows, top_k, length, generator.tokenizer.pad_token_id)))
 
 
 def standard_size(batch: RequestBatch, prompts: int) -> int:

@@ -201,7 +201,7 @@ def _convert(name: str, value: Any, kind: type) -> Any:
                 raise ValueError
             return int(value)
         return kind(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # (OverflowError: an int of hundreds of digits as a float)
         raise OptionError(f"{name} expects {kind.__name__}, got {value!r}") from None
 
 

@@ -162,7 +162,10 @@ def _float(raw: dict, name: str, default: float, allowed: Range | None = None) -
         raise RequestError(f"{name} must be a number, got {value!r}")
     if allowed is not None and not allowed.holds(value):
         raise RequestError(allowed.message(name, value))
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an integer with hundreds of digits
+        raise RequestError(f"{name} must be a finite number, got {value}") from None
 
 
 def _bool(raw: dict, name: str, default: bool) -> bool:
@@ -233,7 +236,7 @@ def _search_value(name: str, value):
     if kind is bool:
         ok, wanted = isinstance(value, bool), "true or false"
     elif kind is int:
-        ok, wanted = number and float(value).is_integer(), "an integer"
+        ok, wanted = number and (isinstance(value, int) or value.is_integer()), "an integer"
     else:
         ok, wanted = number, "a finite number"  # (_check_values has refused inf and nan)
     if not ok:
@@ -314,11 +317,9 @@ def from_body(raw, line: int = 0, serving: bool = False) -> Request:
         raise RequestError(f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})")
     # With ignore_eos no row stops early, so min_tokens has nothing to add.
     search = _search(raw, n, best_of, min_tokens if min_tokens and not ignore_eos else None)
-    request = Request(line, raw, prompts, max_tokens, n, best_of, logprobs, echo, stop, search)
-    request.ignore_eos = ignore_eos
-    for name in ("presence_penalty", "frequency_penalty"):
-        setattr(request, name, _float(raw, name, 0.0, RANGES[name]))
-    return request
+    penalties = {name: _float(raw, name, 0.0, RANGES[name]) for name in ("presence_penalty", "frequency_penalty")}
+    return Request(line, raw, prompts, max_tokens, n, best_of, logprobs, echo, stop, search, ignore_eos=ignore_eos,
+                   **penalties)
 
 
 def from_chat(body: dict, prompt: str, turn_stops: list[str]) -> Request:

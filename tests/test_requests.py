@@ -177,6 +177,8 @@ def test_rerun_answers_nothing_twice(job, scoring_setup, tmp_path):
     ('{"prompt": "x", "presence_penalty": 1}', "presence_penalty"),
     ('{"prompt": "x", "colour": "red"}', "colour"),
     ('{"prompt": "x", "num_beams": 2, "n": 3}', "num_beams"),
+    ('{"prompt": "x", "temperature": 1' + "0" * 400 + "}", "temperature"),  # an int no float holds
+    ('{"prompt": "x", "repetition_penalty": 1' + "0" * 400 + "}", "repetition_penalty"),
 ])
 def test_bad_requests_get_a_message_naming_the_field(line, message):
     with pytest.raises(RequestError, match=message):
