@@ -304,19 +304,24 @@ class StaticBloom(nn.Module):
 
         Pad tokens write the slots after the real ones (clamped to the cache), which nothing
         attends before the row writes them again."""
+        return self.lm_head(self.extend_hidden(input_ids, starts, cache, window, last=lengths - 1)[:, 0])
+
+    def extend_hidden(self, input_ids: torch.Tensor, starts: torch.Tensor, cache: KVCache, window: int,
+                      last: torch.Tensor | None = None) -> torch.Tensor:
+        """``extend``'s final hidden states: [B, R, hidden] at every position (scoring the rest of
+        rows whose start the cache holds), or [B, 1, hidden] at ``last`` [B]."""
         b, r, heads = input_ids.shape[0], input_ids.shape[1], self.local_heads
         slots = (starts[:, None] + cache.slots[None, :r]).clamp(max=cache.length - 1)  # [B, R]
         hidden = cache.slots[None, None, :window] > slots[:, :, None]  # [B, R, W]: not yet seen
         alibi = cache.alibi[:heads, :, :window]  # [H, 1, W]: the same for every row
         bias = alibi[None].masked_fill(hidden[:, None], torch.finfo(alibi.dtype).min).reshape(b * heads, r, window)
-        last = lengths - 1
         h = self.embed(input_ids)
         for i, block in enumerate(self.h):
-            keep_last = i == len(self.h) - 1
-            h = block(h, lambda x, i=i, block=block, keep_last=keep_last: block.self_attention.extend(
-                x, i, cache, slots, window, bias, last if keep_last else None),
-                (lambda t: t[cache.rows[:b], last][:, None]) if keep_last else None)
-        return self.lm_head(h[:, 0])
+            picks = last if last is not None and i == len(self.h) - 1 else None
+            h = block(h, lambda x, i=i, block=block, picks=picks: block.self_attention.extend(
+                x, i, cache, slots, window, bias, picks),
+                (lambda t, picks=picks: t[cache.rows[:b], picks][:, None]) if picks is not None else None)
+        return h
 
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, chunk: torch.Tensor, chunk_rows: torch.Tensor,
               chunk_start: torch.Tensor, chunk_len: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:

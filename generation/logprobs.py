@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bloom_hpu.runtime.prefixed import cacheable, rest_bucket
 from bloom_hpu.runtime.steps import step_input
 
 POSITIONS_PER_SLICE = 64  # positions whose [rows, slice, vocab] logits exist at once
@@ -34,6 +35,7 @@ class RowScores:
     top_ids: list[list[int]]  # [n-1][k] the k most likely tokens at each of those positions
     top_logprobs: list[list[float]]  # [n-1][k] their log-probs
     greedy: list[bool]  # [n-1] the token is the most likely one (its argmax)
+    first: int = 1  # the token the lists start at: later than 1 where a prefix cache served the start
 
 
 def static_length(longest: int, multiple: int = 64) -> int:
@@ -43,12 +45,14 @@ def static_length(longest: int, multiple: int = 64) -> int:
 
 @torch.no_grad()
 def score_rows(runner, rows: list[list[int]], top_k: int = 0, length: int | None = None,
-               pad_token_id: int = 3) -> list[RowScores]:
+               pad_token_id: int = 3, wanted_from: list[int] | None = None) -> list[RowScores]:
     """Score every token of every row given the tokens before it, in one batched pass.
 
     runner: the generator's StepRunner (its model and pooled caches). rows: token ids, each at
     least one token. length: the static padded length (>= the longest row); default: rounded up
-    to a multiple of 64.
+    to a multiple of 64. ``wanted_from``: per row, the first token whose score is wanted; with a
+    prefix cache, what the pool holds of the row before it is copied rather than computed, and
+    the row's scores start later (``RowScores.first``).
     """
     model = runner.model
     device = model.ln_f.weight.device
@@ -66,9 +70,21 @@ def score_rows(runner, rows: list[list[int]], top_k: int = 0, length: int | None
     cache = runner.cache(len(rows), length)
     if longest < 2:  # one token per row: nothing before it to score it by
         return [RowScores(token_logprobs=[], top_ids=[], top_logprobs=[], greedy=[]) for _ in rows]
-    # On CPU and CUDA the pass stops at the longest row (steps.real_span): positions past it, blocks
-    # and LM head alike, would only be thrown away.
-    hidden = runner.hidden_states(ids, lengths, cache)  # [R, span, hidden]
+    starts = _cached_starts(runner, rows, wanted_from, cache) if wanted_from is not None else None
+    if starts is not None:  # the rows' rests, after the slots the pool filled
+        rests = [row[start:] for row, start in zip(rows, starts)]
+        rest_len = rest_bucket(max(len(r) for r in rests), length)
+        ids = torch.full((len(rows), rest_len), pad_token_id, dtype=torch.long)
+        for i, rest in enumerate(rests):
+            ids[i, : len(rest)] = torch.tensor(rest, dtype=torch.long)
+        ids = ids.to(device)
+        hidden = runner.extend_hidden(ids, torch.tensor(starts, device=device),
+                                      torch.tensor([len(r) for r in rests], device=device), cache)
+    else:
+        starts = [0] * len(rows)
+        # On CPU and CUDA the pass stops at the longest row (steps.real_span): positions past it,
+        # blocks and LM head alike, would only be thrown away.
+        hidden = runner.hidden_states(ids, lengths, cache)  # [R, span, hidden]
     span = hidden.shape[1]
 
     target = ids[:, 1:]  # position t predicts token t+1
@@ -91,14 +107,35 @@ def score_rows(runner, rows: list[list[int]], top_k: int = 0, length: int | None
     idx_h = torch.cat(top_idx, 1).cpu().tolist() if top_k else None
     out = []
     for i, row in enumerate(rows):
-        n = len(row) - 1
+        n = len(row) - 1 - starts[i]
         out.append(RowScores(
             token_logprobs=chosen_h[i][:n],
             top_ids=idx_h[i][:n] if top_k else [[] for _ in range(n)],
             top_logprobs=vals_h[i][:n] if top_k else [[] for _ in range(n)],
             greedy=top_h[i][:n],
+            first=starts[i] + 1,
         ))
     return out
+
+
+def _cached_starts(runner, rows: list[list[int]], wanted_from: list[int], cache) -> list[int] | None:
+    """Copy into ``cache`` the blocks the prefix cache holds of each row before its first wanted
+    token; the slots copied per row, or None when nothing was (or nothing would be saved)."""
+    pool = runner.prefix
+    if pool is None:
+        return None
+    # Token t is scored from the hidden state at t - 1, which must be computed.
+    limits = [min(cacheable(len(row), pool.block), max(0, first - 1) // pool.block * pool.block)
+              for row, first in zip(rows, wanted_from)]
+    found = [pool.peek(row, "", limit) for row, limit in zip(rows, limits)]
+    longest_rest = max(len(row) - n for row, n in zip(rows, found))
+    if not any(found) or rest_bucket(longest_rest, cache.length) >= cache.length:
+        return None
+    blocks = [pool.match(row, "", n, count=False) for row, n in zip(rows, found)]
+    pool.copy_into(cache, [(r, i, j) for r, chain in enumerate(blocks) for i, j in enumerate(chain)],
+                   pad_to=len(rows) * (cache.length // pool.block))
+    runner.backend.mark_step()
+    return [len(chain) * pool.block for chain in blocks]
 
 
 def _scores_of(logits: torch.Tensor, targets: torch.Tensor, top_k: int):
@@ -206,10 +243,12 @@ def fill_token_logprobs(generator, batch, sequences) -> None:
             where.append((len(prompt_ids), seq))
     longest = max(len(r) for r in rows)
     length = batch.plan.cache_len if batch.plan.cache_len >= longest else static_length(longest)
-    scored = score_rows(generator.runner, rows, 0, length, generator.tokenizer.pad_token_id)
+    scored = score_rows(generator.runner, rows, 0, length, generator.tokenizer.pad_token_id,
+                        wanted_from=[n_prompt for n_prompt, _ in where])
     for scores, (n_prompt, seq) in zip(scored, where):
-        # Prediction of token t sits at index t-1; the generated tokens start at t = n_prompt.
-        seq.token_logprobs = scores.token_logprobs[n_prompt - 1 : n_prompt - 1 + len(seq.token_ids)]
+        # Token t's score sits at index t - first; the generated tokens start at t = n_prompt.
+        at = n_prompt - scores.first
+        seq.token_logprobs = scores.token_logprobs[at : at + len(seq.token_ids)]
 
 
 def clip_pieces(pieces: list[str], length: int) -> list[str]:

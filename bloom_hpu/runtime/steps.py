@@ -96,11 +96,12 @@ class ExtendStep(nn.Module):
 
     runs_prompts = True  # a first token, as the prefill's
 
-    def __init__(self, model: StaticBloom, cache: KVCache, backend: Backend):
+    def __init__(self, model: StaticBloom, cache: KVCache, backend: Backend, hidden_only: bool = False):
         super().__init__()
         self.model = model
         self.cache = cache
         self.backend = backend
+        self.hidden_only = hidden_only  # scoring: hidden states at every position, not logits
 
     @property
     def static_shape(self) -> tuple:
@@ -109,6 +110,8 @@ class ExtendStep(nn.Module):
     def forward(self, input_ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         if self.backend.trim_prefill:  # eager: no compute for pad columns past the longest rest
             input_ids = real_span(input_ids, lengths)
+        if self.hidden_only:
+            return self.model.extend_hidden(input_ids, starts, self.cache, self.cache.length)
         return self.model.extend(input_ids, starts, lengths, self.cache, self.cache.length)
 
 
@@ -154,6 +157,7 @@ class StepRunner:
                 "decode": lambda: DecodeStep(self.model, cache, window),
                 "mixed": lambda: MixedStep(self.model, cache, window),
                 "extend": lambda: ExtendStep(self.model, cache, self.backend),
+                "extend_hidden": lambda: ExtendStep(self.model, cache, self.backend, hidden_only=True),
                 "head": lambda: HeadStep(self.model),
             }[kind]()
             self._steps[key] = self.backend.prepare(step)
@@ -188,6 +192,13 @@ class StepRunner:
     def extend(self, input_ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Rests of prompts [B, R] after ``starts`` [B] slots already in ``cache``: logits [B, V]."""
         return self.backend.run("extend", self._step("extend", cache), input_ids, starts, lengths)
+
+    @torch.no_grad()
+    def extend_hidden(self, input_ids: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                      cache: KVCache) -> torch.Tensor:
+        """Final hidden states [B, span, hidden] of rests [B, R] after ``starts`` [B] slots already in
+        ``cache`` (scoring); span is R, or the longest rest where the backend trims prefills."""
+        return self.backend.run("extend_hidden", self._step("extend_hidden", cache), input_ids, starts, lengths)
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
