@@ -331,8 +331,10 @@ def run_file_job(args, opts) -> int:
 
         summary = run_requests(generator, args.requests, args.results, errors_path=args.errors,
                                budget=args.budget, progress=shows_progress(args), write=writes)
+        cached = (f", {summary.cached_tokens} prompt tokens from the prefix cache"
+                  if generator.runner.prefix is not None else "")
         log(f"{summary.answered} requests answered, {summary.skipped} already done, {summary.errors} failed, "
-            f"{summary.completion_tokens} tokens in {summary.seconds:.1f} s")
+            f"{summary.completion_tokens} tokens in {summary.seconds:.1f} s{cached}")
         return 1 if summary.errors else 0
     import json
 

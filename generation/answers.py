@@ -78,8 +78,9 @@ def choice_record(index: int, choice: Choice, request: Request, text_of: TokenTe
             token_logprobs.append(None)
             top_logprobs.append(None)
             continue
-        chosen = choice.scores.token_logprobs[t - 1]
-        alternatives = zip(choice.scores.top_ids[t - 1][: request.logprobs], choice.scores.top_logprobs[t - 1])
+        at = t - choice.scores.first  # where token t's score sits
+        chosen = choice.scores.token_logprobs[at]
+        alternatives = zip(choice.scores.top_ids[at][: request.logprobs], choice.scores.top_logprobs[at])
         top = {}
         for alt_id, alt_lp in alternatives:
             top[text_of.label(alt_id)] = alt_lp
@@ -107,11 +108,11 @@ def answer_batch(generator, batch: RequestBatch) -> tuple[list[dict], int]:
     requests = batch.requests
     prompts = [p for r in requests for p in r.prompts]
     owner = [r for r in requests for _ in r.prompts]
-    prompt_ids, candidates = _candidates(generator, batch, prompts, owner)
+    prompt_ids, candidates, cached = _candidates(generator, batch, prompts, owner)
     scores = _scores(generator, batch, owner, prompt_ids, candidates)
     text_of = TokenText(generator.tokenizer)
     per_request: dict[int, list[dict]] = {id(r): [] for r in requests}
-    usage = {id(r): [0, 0] for r in requests}
+    usage = {id(r): [0, 0, 0] for r in requests}
     for i, (request, ids, seqs) in enumerate(zip(owner, prompt_ids, candidates)):
         picks = _pick(request, seqs, [scores.get((i, j)) for j in range(len(seqs))], len(ids))
         choices = per_request[id(request)]
@@ -120,18 +121,22 @@ def answer_batch(generator, batch: RequestBatch) -> tuple[list[dict], int]:
             choices.append(choice_record(len(choices), choice, request, text_of))
             usage[id(request)][1] += len(seq.token_ids) if seq is not None else 0
         usage[id(request)][0] += len(ids)
+        usage[id(request)][2] += cached[i]
     seconds = time.perf_counter() - start
     records, tokens = [], 0
     for r in requests:
-        p, c = usage[id(r)]
+        p, c, cached_tokens = usage[id(r)]
         tokens += c
-        records.append(result_record(r, per_request[id(r)], {"prompt_tokens": p, "completion_tokens": c,
-                                                            "total_tokens": p + c}, seconds, len(prompts)))
+        counts = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        if generator.runner.prefix is not None:  # as OpenAI reports its own prompt caching
+            counts["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        records.append(result_record(r, per_request[id(r)], counts, seconds, len(prompts)))
     return records, tokens
 
 
-def _candidates(generator, batch: RequestBatch, prompts: list[str], owner: list[Request]) -> tuple[list, list]:
-    """Each prompt's token ids and its generated candidates (``[None]`` when nothing is generated)."""
+def _candidates(generator, batch: RequestBatch, prompts: list[str], owner: list[Request]) -> tuple[list, list, list]:
+    """Each prompt's token ids, its generated candidates (``[None]`` when nothing is generated)
+    and the prompt tokens the prefix cache served."""
     if batch.requests[0].max_tokens > 0:
         # Filler rows (copies of the last prompt, dropped after) round the batch up to a standard
         # size, so that a group's short last batch replays a graph already captured.
@@ -142,29 +147,33 @@ def _candidates(generator, batch: RequestBatch, prompts: list[str], owner: list[
         seeds += seeds[-1:] * fill
         results = generator.generate(prompts + [prompts[-1]] * fill, batch.options(), stop=stops,
                                      max_new_tokens_each=budgets, seed_each=seeds)[: len(prompts)]
-        return [res.prompt_token_ids for res in results], [res.sequences for res in results]
+        return ([res.prompt_token_ids for res in results], [res.sequences for res in results],
+                [res.cached_tokens for res in results])
     # echo with max_tokens 0: score the prompt, generate nothing
     given = [ids for r in batch.requests for ids in (r.prompt_ids or [None] * len(r.prompts))]
     prompt_ids = [ids if ids is not None else encoded
                   for ids, encoded in zip(given, generator.tokenizer.encode_batch(prompts))]
-    return prompt_ids, [[None] for _ in prompts]
+    return prompt_ids, [[None] for _ in prompts], [0] * len(prompts)
 
 
 def _scores(generator, batch: RequestBatch, owner: list[Request], prompt_ids: list, candidates: list) -> dict:
     """One scoring pass over every candidate that needs log-probs (asked for, or to rank
     best_of): (prompt index, candidate index) -> its RowScores."""
     needs = [r.logprobs is not None or (r.sampling and r.best_of > r.n) for r in owner]
-    rows, where = [], []
+    rows, where, wanted = [], [], []
     for i, (ids, seqs) in enumerate(zip(prompt_ids, candidates)):
         if needs[i]:
             for j, seq in enumerate(seqs):
                 rows.append(list(ids) + (seq.token_ids if seq is not None else []))
                 where.append((i, j))
+                # echo shows the prompt's scores too; otherwise those of the generated tokens alone
+                wanted.append(1 if owner[i].echo else len(ids))
     if not rows:
         return {}
     top_k = max((r.logprobs or 0) for r in owner)
     length = max(batch.length, max(len(r) for r in rows))
-    return dict(zip(where, score_rows(generator.runner, rows, top_k, length, generator.tokenizer.pad_token_id)))
+    return dict(zip(where, score_rows(generator.runner, rows, top_k, length, generator.tokenizer.pad_token_id,
+                                      wanted_from=wanted)))
 
 
 def standard_size(batch: RequestBatch, prompts: int) -> int:
@@ -181,7 +190,8 @@ def _pick(request: Request, seqs: list, scores: list, n_prompt: int) -> list[tup
         # OpenAI's best_of: the candidates with the highest log-probability per token.
         def mean_logprob(pair):
             seq, score = pair
-            lps = score.token_logprobs[n_prompt - 1 : n_prompt - 1 + len(seq.token_ids)]
+            at = n_prompt - score.first  # the first generated token's score
+            lps = score.token_logprobs[at : at + len(seq.token_ids)]
             return sum(lps) / max(1, len(lps))
 
         pairs = sorted(pairs, key=mean_logprob, reverse=True)

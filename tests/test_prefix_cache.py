@@ -162,3 +162,43 @@ def test_block_digests_name_the_whole_prefix_and_the_namespace():
     assert len(a) == 3 and all(x != y for x, y in zip(a, b))  # a different first token changes every block
     assert pool.digests(list(range(12)), namespace="adapter-1") != a
     assert pool.digests(list(range(8)) + [0, 0, 0, 0])[:2] == a[:2]
+
+
+def test_a_request_file_job_with_the_cache_writes_the_records_of_one_without_it(folder, tmp_path):
+    """Few-shot lines (one shared block, their own questions), log-probs with alternatives, echo
+    and best_of: the same records as without the cache (whose records tests/test_requests.py checks
+    against transformers), and usage says what the pool served."""
+    import json
+
+    from generation.jobs.runner import run_requests
+
+    lines = [{"prompt": SHARED + f"Question: after {word}?", "max_tokens": 1 + i % 4, "temperature": 0,
+              "logprobs": 1 + i % 3} for i, word in enumerate(["one", "two", "three", "four", "five"])]
+    lines += [{"prompt": SHARED + "Echo me", "max_tokens": 2, "temperature": 0, "logprobs": 2, "echo": True},
+              {"prompt": SHARED + "Best of", "max_tokens": 3, "temperature": 0.8, "seed": 3, "n": 1, "best_of": 2,
+               "logprobs": 1}]
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    def job(generator, name):
+        summary = run_requests(generator, requests, tmp_path / name, progress=False)
+        assert summary.answered == len(lines) and summary.errors == 0
+        return summary, [json.loads(r)["result"] for r in (tmp_path / name).read_text().splitlines()]
+
+    _, plain = job(Generator.from_pretrained(folder), "plain.jsonl")
+    cached_generator = Generator.from_pretrained(folder, prefix_cache="16MB")
+    for name in ("first.jsonl", "again.jsonl"):
+        summary, cached = job(cached_generator, name)
+        for a, b in zip(plain, cached):
+            for ca, cb in zip(a["choices"], b["choices"]):
+                assert ca["text"] == cb["text"] and ca["finish_reason"] == cb["finish_reason"]
+                la, lb = ca["logprobs"], cb["logprobs"]
+                assert la["tokens"] == lb["tokens"]
+                assert [x is None for x in la["token_logprobs"]] == [x is None for x in lb["token_logprobs"]]
+                assert [x for x in la["token_logprobs"] if x is not None] == \
+                    pytest.approx([x for x in lb["token_logprobs"] if x is not None], abs=1e-5)
+                assert [sorted(t) if t else t for t in la["top_logprobs"]] == \
+                    [sorted(t) if t else t for t in lb["top_logprobs"]]
+            assert {k: v for k, v in b["usage"].items() if k != "prompt_tokens_details"} == a["usage"]
+        assert summary.cached_tokens == sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in cached)
+        assert summary.cached_tokens > 0

@@ -104,8 +104,12 @@ def test_greedy_text_logprobs_top_logprobs_offsets_and_usage(job, scoring_setup)
             assert top[key] == pytest.approx(value, abs=1e-4)
         assert text_of.label(ids[t]) in top  # the chosen token is always listed
         assert len(top) <= 4
+    # The CLI's prefix cache (on by default) says how many prompt tokens it served, as OpenAI does.
     assert result["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": len(new_ids),
-                               "total_tokens": len(prompt_ids) + len(new_ids)}
+                               "total_tokens": len(prompt_ids) + len(new_ids),
+                               "prompt_tokens_details": {"cached_tokens": result["usage"]["prompt_tokens_details"]
+                                                         ["cached_tokens"]}}
+    assert 0 <= result["usage"]["prompt_tokens_details"]["cached_tokens"] < len(prompt_ids)
 
 
 def test_prompt_list_and_n_give_prompts_times_n_choices(job, scoring_setup):

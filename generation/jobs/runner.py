@@ -47,6 +47,7 @@ class JobSummary:
     errors: int  # malformed lines and requests that failed
     completion_tokens: int
     seconds: float
+    cached_tokens: int = 0  # prompt tokens the prefix cache served
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -197,7 +198,7 @@ def _run(generator, requests, bad_lines, done, requests_path, results_path, out,
             failed += 1
             continue
         fitting.append(r)
-    answered, tokens = 0, 0
+    answered, tokens, cached = 0, 0, 0
     bar = Progress(len(fitting), "requests", "requests", enabled=progress and write)
 
     def save(records: list[dict]) -> None:
@@ -220,10 +221,12 @@ def _run(generator, requests, bad_lines, done, requests_path, results_path, out,
                 failed += len(failures)
                 if records:
                     save(records)
+                    cached += sum(rec["result"]["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                                  for rec in records)
                 answered += len(records)
                 tokens += batch_tokens
             bar.update(len(batch.requests), f"{tokens / bar.elapsed:.1f} tokens/s")
-    return JobSummary(len(requests), skipped, answered, failed, tokens, time.perf_counter() - start)
+    return JobSummary(len(requests), skipped, answered, failed, tokens, time.perf_counter() - start, cached)
 
 
 def fsync(f) -> None:
