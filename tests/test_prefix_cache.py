@@ -6,6 +6,8 @@ tokens, beams and log-probs (fp32, 1e-5); seeded samples those of the same gener
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -202,3 +204,33 @@ def test_a_request_file_job_with_the_cache_writes_the_records_of_one_without_it(
             assert {k: v for k, v in b["usage"].items() if k != "prompt_tokens_details"} == a["usage"]
         assert summary.cached_tokens == sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in cached)
         assert summary.cached_tokens > 0
+
+
+def test_two_ranks_with_the_cache_give_transformers_tokens(folder, reference, tmp_path):
+    """Each rank keeps its shard of the blocks; the ranks look up the same ids in the same order,
+    so they agree on every hit without a word (a rank that copied other slots would give other
+    logits after the all-reduce). One prompt per batch: the later batches hit the first's blocks."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "two.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
+               str(root / "bloom.py"), "--weights", str(folder), "--max_length", "160", "--prefix_cache", "16MB",
+               "--batch_size", "1", "--output_file", str(out), *PROMPTS]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    cached = [int(n) for n in re.findall(r"cached prompt tokens: (\d+)", done.stdout)]
+    assert cached[0] == 0 and all(n > 0 for n in cached[1:]) and len(cached) == len(PROMPTS)
+    tokenizer = Generator.from_pretrained(folder).tokenizer
+    for prompt, record in zip(PROMPTS, json.loads(out.read_text())):
+        ids = tokenizer.encode(prompt)
+        assert record["token_ids"] == hf_greedy(reference, ids, 160 - len(ids))[0]
