@@ -170,6 +170,14 @@ class PrefixCache:
         """Keep the whole blocks of ``ids[:upto]`` whose keys and values cache row ``row`` holds in
         slots 0..upto-1 and the pool does not hold yet. Returns how many blocks were stored.
         ``pad_to``: the most blocks of a row the caller's shape holds (see Static shapes)."""
+        placements = self.plan_store(ids, upto, namespace)
+        self.write(cache, [(row, i, block) for i, block in placements], pad_to)
+        return len(placements)
+
+    def plan_store(self, ids: list[int], upto: int, namespace: str = "") -> list[tuple[int, int]]:
+        """The index's half of ``store``: the blocks of ``ids[:upto]`` the pool lacks get a place
+        (evicting if need be), as (block position i, pool block) to be written by ``write``. What a
+        tensor-parallel server's rank 0 decides and sends to the ranks."""
         placements, protected = [], set()
         for i, digest in enumerate(self.digests(ids, namespace, upto)):
             known = self._blocks.get(digest)
@@ -182,17 +190,22 @@ class PrefixCache:
                 break
             self._blocks[digest] = block
             protected.add(block)
-            placements.append((row, i, block))
-        if placements:
-            take, put = self._indices(cache, placements, pad_to)  # (pool, cache) roles swapped below
-            if self.per_layer:
-                for mine, pool in zip(cache.flat_keys + cache.flat_values, self.keys + self.values):
-                    pool.index_copy_(0, take, mine.index_select(0, put))
-            else:
-                for mine, pool in ((cache.keys, self.keys), (cache.values, self.values)):
-                    pool.index_copy_(1, take, mine.view(mine.shape[0], -1, mine.shape[-1]).index_select(1, put))
+            placements.append((i, block))
         self.stats.stored_blocks += len(placements)
-        return len(placements)
+        return placements
+
+    def write(self, cache: KVCache, placements: list[tuple[int, int, int]], pad_to: int = 0) -> None:
+        """The device's half of ``store``: cache row r's block position i into pool block j, for
+        each (r, i, j)."""
+        if not placements:
+            return
+        take, put = self._indices(cache, placements, pad_to)  # (pool, cache) roles swapped below
+        if self.per_layer:
+            for mine, pool in zip(cache.flat_keys + cache.flat_values, self.keys + self.values):
+                pool.index_copy_(0, take, mine.index_select(0, put))
+        else:
+            for mine, pool in ((cache.keys, self.keys), (cache.values, self.values)):
+                pool.index_copy_(1, take, mine.view(mine.shape[0], -1, mine.shape[-1]).index_select(1, put))
 
     def _indices(self, cache: KVCache, placements: list[tuple[int, int, int]],
                  pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
