@@ -502,7 +502,8 @@ def run(args) -> int:
             writer.finish()  # a device or FIFO gets the whole list now, before the last stats line
         stats = generator.last_stats
         if not args.quiet:
-            cached = f", cached prompt tokens: {stats.cached_tokens}" if generator.runner.prefix is not None else ""
+            prefix = getattr(getattr(generator, "runner", None), "prefix", None)  # --mode vanilla has none
+            cached = f", cached prompt tokens: {stats.cached_tokens}" if prefix is not None else ""
             print(f"batch {first // args.batch_size + 1}: {stats.seconds:.3f} s, {stats.new_tokens} tokens, "
                   f"{stats.tokens_per_second:.1f} tokens/s, graphs: {stats.graph_count}{cached}", flush=True)
     return 0
