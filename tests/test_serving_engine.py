@@ -118,9 +118,9 @@ def test_a_burst_at_an_idle_engine_is_gathered_and_its_rows_start_together(gener
     prefilled (in groups) before any row chooses a token or decodes, so no mixed step stalls the
     first and their rows start together. Every request (greedy, sampled, penalised) equals itself
     alone."""
-    from generation.serving import engine as engine_module
+    from generation.serving import admission
 
-    monkeypatch.setattr(engine_module, "BURST_WAIT_S", 10.0)
+    monkeypatch.setattr(admission, "BURST_WAIT_S", 10.0)
     engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH, max_prefill=2,
                                             burst_wait_ms=500))  # generous: arrivals 20 ms apart on a busy CI
     cases = [("the cat sat", SamplingParams(max_tokens=9)),

@@ -75,12 +75,3 @@ class RowOptions:
         if counts:
             running = (used > 0).float()
             self.counts[:b].scatter_add_(1, tokens[:, None], running[:, None])
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, ...]:
-    """The model's log-probs (log_softmax of the raw logits, as the batch runner reports them) of
-    the chosen tokens [b] and the ``top`` best [b, top] (values, ids)."""
-    logp = logits.log_softmax(dim=-1)
-    chosen = logp.gather(1, tokens[:, None])[:, 0]
-    values, ids = logp.topk(max(top, 1), dim=-1)
-    return chosen, values[:, :top], ids[:, :top]
