@@ -64,9 +64,9 @@ class BatchStats:
 
 
 def make_sequence(tokenizer, ids: list[int], finish_reason: str, score: float | None = None,
-                  stops: list[str] = ()) -> Sequence:
+                  stops: list[str] = (), eos_ends: bool = True) -> Sequence:
     """A row's generated ids -> its sequence, ended at its first EOS (kept in the ids, not in the
-    text) or just before its first stop string; ``finish_reason`` says why the search stopped it
-    otherwise."""
-    end = text_end(ids, list(stops), tokenizer)
+    text; ``eos_ends=False``, vLLM's ignore_eos: EOS ends nothing) or just before its first stop
+    string; ``finish_reason`` says why the search stopped it otherwise."""
+    end = text_end(ids, list(stops), tokenizer, eos_ends)
     return Sequence(end.text, end.token_ids, end.reason or finish_reason, score)

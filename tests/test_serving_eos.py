@@ -36,14 +36,6 @@ EARLY_EOS = ["It was the best of times", "with her is at to", "he and the a said
 MIN_TOKENS = [("with her is at to", 6), ("in a by", 4), ("it by and and to to", 4), ("he a it and was", 8)]
 
 
-# A known bug (issue 33): the engine generates past EOS with ignore_eos, and streams those tokens,
-# but ends the finished sequence at the first EOS (make_sequence cuts every row there): the answer's
-# text, finish reason ("stop") and usage stop at EOS, and a stream loses its last piece. Fixed by
-# making no cut at EOS for ignore_eos rows (text_end's EOS cut made optional, and the engine's
-# make_sequence of a finished row asking for none); then these tests pass and the mark goes.
-ENDS_AT_EOS = pytest.mark.xfail(strict=True, reason="the engine's finished sequence is cut at EOS under ignore_eos")
-
-
 @pytest.fixture(scope="module")
 def generator(eos_checkpoint):
     return Generator.from_pretrained(eos_checkpoint, device="cpu")
@@ -83,7 +75,6 @@ def engine(generator):
 # --- the engine ---------------------------------------------------------------------------------
 
 
-@ENDS_AT_EOS
 def test_ignore_eos_runs_past_eos_to_max_tokens_in_the_engine(generator, engine, eos_reference, hf_tokenizer):
     tok = generator.tokenizer
     # Each prompt with and without ignore_eos, in one batch.
@@ -110,7 +101,6 @@ def test_ignore_eos_runs_past_eos_to_max_tokens_in_the_engine(generator, engine,
         assert stopped.finish_reason == "eos" and len(stopped.token_ids) < NEW, prompt
 
 
-@ENDS_AT_EOS
 def test_ignore_eos_when_sampling_draws_on_past_eos(generator, engine):
     """A seeded sample with ignore_eos is the sample without it (Generator.generate alone, the same
     seed) up to that one's EOS, then goes on to max_tokens."""
@@ -155,7 +145,6 @@ def client(generator):
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-@ENDS_AT_EOS
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_ignore_eos_over_http(client, generator, eos_reference, hf_tokenizer, stream):
     for prompt in EARLY_EOS:

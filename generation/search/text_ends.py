@@ -38,9 +38,10 @@ def first_stop(text: str, stops: list[str]) -> int | None:
     return min(hits)[1] if hits else None
 
 
-def text_end(ids: list[int], stops: list[str], tokenizer) -> TextEnd:
-    """Cut a row's generated ids at its first EOS or stop string, whichever ends the text first."""
-    text_ids, eos = before_eos(ids, tokenizer.eos_token_id)
+def text_end(ids: list[int], stops: list[str], tokenizer, eos_ends: bool = True) -> TextEnd:
+    """Cut a row's generated ids at its first EOS or stop string, whichever ends the text first
+    (``eos_ends=False``: at a stop string only; EOS is left out of the text)."""
+    text_ids, eos = before_eos(ids, tokenizer.eos_token_id) if eos_ends else (ids, False)
     text = tokenizer.decode(text_ids)
     cut = first_stop(text, stops)
     if cut is None:

@@ -84,7 +84,7 @@ class Output:
                 self._send(row, piece, len(row.ids) - row.ids_given if row.out.all_given else 0)
             return
         # The finished sequence is the truth (text_ends: EOS, stop strings), as offline.
-        sequence = make_sequence(self.tokenizer, row.ids, reason, stops=stops)
+        sequence = make_sequence(self.tokenizer, row.ids, reason, stops=stops, eos_ends=not handle.params.ignore_eos)
         self._send(row, sequence.text[row.out.given :], max(0, len(sequence.token_ids) - row.ids_given))
         for index in row.indices:
             handle.sequences[index] = sequence
