@@ -127,11 +127,12 @@ def _cached_starts(runner, rows: list[list[int]], wanted_from: list[int], cache)
     # Token t is scored from the hidden state at t - 1, which must be computed.
     limits = [min(cacheable(len(row), pool.block), max(0, first - 1) // pool.block * pool.block)
               for row, first in zip(rows, wanted_from)]
-    found = [pool.peek(row, "", limit) for row, limit in zip(rows, limits)]
+    namespace = runner.prefix_namespace
+    found = [pool.peek(row, namespace, limit) for row, limit in zip(rows, limits)]
     longest_rest = max(len(row) - n for row, n in zip(rows, found))
     if not any(found) or rest_bucket(longest_rest, cache.length) >= cache.length:
         return None
-    blocks = [pool.match(row, "", n, count=False) for row, n in zip(rows, found)]
+    blocks = [pool.match(row, namespace, n, count=False) for row, n in zip(rows, found)]
     pool.copy_into(cache, [(r, i, j) for r, chain in enumerate(blocks) for i, j in enumerate(chain)],
                    pad_to=len(rows) * (cache.length // pool.block))
     runner.backend.mark_step()

@@ -76,7 +76,8 @@ def store_generated(generator, cache, prompt_ids: list[list[int]], sequences: li
     for row, (ids, new) in enumerate(zip(prompt_ids, sequences)):
         if len(new) > 1:
             full = list(ids) + list(new)
-            pool.store(cache, row, full, len(full) - 1, pad_to=cache.length // pool.block)
+            pool.store(cache, row, full, len(full) - 1, generator.runner.prefix_namespace,
+                       pad_to=cache.length // pool.block)
             generator.backend.mark_step()
 
 

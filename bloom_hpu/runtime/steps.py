@@ -136,6 +136,9 @@ class StepRunner:
         self._caches: dict[tuple[int, int], KVCache] = {}
         self._steps: dict[tuple, nn.Module] = {}
         self.prefix = None  # a PrefixCache (bloom_hpu/prefix_cache.py) when one is enabled
+        # Whose keys and values the steps compute now: a served LoRA adapter's are its own (set by
+        # the server while every row runs one adapter); the prefix cache keeps them apart.
+        self.prefix_namespace = ""
 
     def cache(self, batch_size: int, length: int) -> KVCache:
         """The cache for this shape, allocated on first use and then reused."""
@@ -169,7 +172,7 @@ class StepRunner:
 
     @torch.no_grad()
     def prefill_shared(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache, copies: int,
-                       prompt_ids: list[list[int]] | None = None, namespace: str = "") -> torch.Tensor:
+                       prompt_ids: list[list[int]] | None = None, namespace: str | None = None) -> torch.Tensor:
         """Prefill B prompts [B, P] once each for a cache of B * ``copies`` rows, prompt-major
         (beams, sampled copies): the prompts run in a B-row cache of length P, whose slots every
         copy then takes. Logits [B * copies, V]. transformers runs all B * copies rows instead.
@@ -178,6 +181,7 @@ class StepRunner:
         the cache holds of each prompt is copied rather than computed (``prefixed.py``)."""
         if self.prefix is not None and prompt_ids is not None:
             from .prefixed import prefill_with_prefixes
+            namespace = self.prefix_namespace if namespace is None else namespace
             prefill = lambda ids, n, c: prefill_with_prefixes(self, ids, n, c, prompt_ids, namespace)  # noqa: E731
         else:
             prefill = self.prefill

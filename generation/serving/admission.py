@@ -18,6 +18,10 @@
   are answered when they reach the head of the queue, in a batch of their own (``answer_offline``).
 * **LoRA adapters**: requests prefilled together share one adapter; each row's adapter index is
   written when it joins (``DeviceRows.place``) and moves with it.
+* **The prefix cache**: a prefill group copies what the pool holds of its prompts; a prompt that
+  joins in segments first copies its held blocks into its row and is fed from there; a prompt in
+  place is stored (``DeviceRows.copy_prefix``, ``store_prefix``). ``handle.cached_tokens`` counts
+  what the pool served, for the usage.
 """
 
 from __future__ import annotations
@@ -181,6 +185,8 @@ class Admission:
         self.stats["prompts_prefilled"] += len(group)
         extent = self.device_rows.length_bucket(max(len(h.prompt_ids) for h in group))
         k = self.device_rows.prefill_size(len(group))
+        for handle, cached in zip(group, self.device_rows.last_cached):
+            handle.cached_tokens = cached
         for row, (handle, slots) in enumerate(zip(group, seats)):
             self.device_rows.place(k, row, self.slots.bucket, slots, extent, handle.params.adapter)
             self._seat(handle, slots, logits.index_select(0, host_to_device(torch.tensor([row]), self.device)))
@@ -225,6 +231,10 @@ class Admission:
             self.slots.rows[slot] = self._new_row(handle, copy, 0, copy_of=lead)
         self.joining.append(lead)
         self.slots.fit()
+        # What the prefix cache holds of the prompt goes into the row now; segments feed the rest.
+        lead.prompt_done = handle.cached_tokens = self.device_rows.copy_prefix(
+            self.slots.bucket, free[0], handle.prompt_ids, handle.params.adapter)
+        self.stats["joined_after_a_hit"] += lead.prompt_done > 0
 
     def next_segments(self) -> list[Segment]:
         """The next pieces of the joining prompts (first come first served) that one mixed step
@@ -253,6 +263,8 @@ class Admission:
         rows take its slots, and all of them start."""
         rows = self.slots.rows
         lead_slot = next(i for i, r in enumerate(rows) if r is lead)  # by identity: rows are dataclasses
+        ids = lead.handle.prompt_ids
+        self.device_rows.store_prefix(self.slots.bucket, lead_slot, ids, len(ids), lead.handle.params.adapter)
         slots = [lead_slot]
         extent = self.slots.extent()
         for slot, row in enumerate(rows):

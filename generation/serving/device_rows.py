@@ -19,6 +19,12 @@ own shard, with the collectives inside the steps pairing up.
   ``caches[b]`` (``StaticBloom.mixed``): up to ``prefill_chunk`` tokens per step in *segments* of a
   fixed length (``chunk_shape``), each segment a piece of one prompt, so several short prompts (or
   several pieces of a long one) join in one step and the running rows never wait for a prefill.
+* **The prefix cache** (the generator's pool, when it has one: ``generation/prefix.py``): a
+  prefill copies what the pool holds of its prompts (``runtime/prefixed.py``); a joining prompt's
+  held blocks are copied into its row before its first segment (``copy_prefix``), and a row's
+  blocks are stored once its prompt is in place and when it ends (``store_prefix``). The pool's
+  index is updated inside these calls, which every rank makes in the same order, so the ranks of
+  a tensor-parallel server take the same decisions without exchanging any.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import time
 import torch
 
 from bloom_hpu.runtime.backends import HPU_MAX_GRAPHS
+from bloom_hpu.runtime.prefixed import cacheable, rest_buckets
 from bloom_hpu.runtime.transfer import host_to_device
 
 from ..batch import round_up
@@ -54,6 +61,11 @@ def chunk_shape(prefill_chunk: int) -> tuple[int, list[int]]:
 
 MIN_SEGMENT = 8  # a shorter piece of a prompt is padded to 8 tokens: more shapes would save little
 MAX_SEGMENTS = 4  # per step: each segment reads its row's keys and values once per layer
+
+
+def prefix_namespace(adapter: int) -> str:
+    """Each LoRA adapter computes other keys and values for the same tokens: blocks of its own."""
+    return f"lora-{adapter}" if adapter else ""
 
 
 def length_buckets(max_length: int, width: int) -> list[int]:
@@ -86,6 +98,8 @@ class DeviceRows:
         per_layer = self.runner.backend.per_layer_cache
         self.caches = {b: model.allocate_cache(b, max_length, per_layer) for b in self.batch_sizes}
         self.prefill_caches = {k: model.allocate_cache(k, max_length, per_layer) for k in self.prefill_sizes}
+        self.pool = self._pool = self.runner.prefix  # the prefix cache, or None
+        self.last_cached: list[int] = []  # prompt tokens of each prompt of the last prefill the pool served
 
     def _check_memory(self, model) -> None:
         """Refuse, before allocating, caches that cannot fit (every bucket's, allocated at once)."""
@@ -121,15 +135,24 @@ class DeviceRows:
         decode per (batch bucket, window), a mixed step per (batch bucket, window, segment count).
         Returns what it ran and how long it took."""
         start = time.perf_counter()
-        # Largest first: graphs captured into one memory pool can then reuse the larger ones' scratch.
-        for k in reversed(self.prefill_sizes):
-            for p in reversed(self.lengths):
-                self.prefill([[self.pad] * p] * k)
+        # The prefills as such: the pool would find the filler prompts' blocks and run extends
+        # instead (those are warmed up on their own), and it must not keep them.
+        self.pool, self.runner.prefix = None, None
+        try:
+            # Largest first: graphs captured into one memory pool can then reuse the larger ones' scratch.
+            for k in reversed(self.prefill_sizes):
+                for p in reversed(self.lengths):
+                    self.prefill([[self.pad] * p] * k)
+        finally:
+            self.pool = self.runner.prefix = self._pool
+
         for b in reversed(self.batch_sizes):
             for window in reversed(self.lengths):
                 self.decode(b, [self.pad] * b, [0] * b, window)
                 for count in reversed(self.segment_counts):  # pad tokens into row 0: overwritten before use
                     self.mixed(b, [self.pad] * b, [0] * b, window, [(0, 0, [self.pad] * self.segment_length, 0)] * count)
+        if self.pool is not None:
+            self._warm_up_extends()
         if self.runner.backend.compiles_eager_ops:
             self._warm_up_row_copies()
         self.generator.backend.synchronize()
@@ -154,9 +177,52 @@ class DeviceRows:
         padded, lengths = self.upload([ids + [self.pad] * (p - len(ids)) for ids in prompts],
                                       [len(ids) for ids in prompts])
         with self._adapter_only(adapter):
-            logits = self.runner.prefill(padded, lengths, self.prefill_caches[k])
+            if self.pool is not None:
+                logits = self.runner.prefill_shared(padded, lengths, self.prefill_caches[k], 1, prompt_ids=prompts)
+                self.last_cached = list(self.pool.stats.per_call)
+            else:
+                logits = self.runner.prefill(padded, lengths, self.prefill_caches[k])
         self.generator.backend.mark_step()  # the adapters put back, if any, as a unit of its own
         return logits
+
+    # --- the prefix cache -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def copy_prefix(self, bucket: int, slot: int, ids: list[int], adapter: int = 0) -> int:
+        """Copy the blocks the pool holds of prompt ``ids`` into row ``slot`` of ``caches[bucket]``
+        (a prompt about to join in segments): how many of its tokens are now in place (0 without a
+        pool). At least its last token is left to compute."""
+        if self.pool is None:
+            return 0
+        blocks = self.pool.match(ids, prefix_namespace(adapter), cacheable(len(ids), self.pool.block))
+        self.pool.copy_into(self.caches[bucket], [(slot, i, j) for i, j in enumerate(blocks)],
+                            pad_to=self.max_length // self.pool.block)
+        self.generator.backend.mark_step()
+        return len(blocks) * self.pool.block
+
+    @torch.no_grad()
+    def store_prefix(self, bucket: int, slot: int, ids: list[int], upto: int, adapter: int = 0) -> None:
+        """Keep the whole blocks of ``ids[:upto]`` that row ``slot`` of ``caches[bucket]`` holds and
+        the pool lacks (a prompt in place, or a finished row's prompt and reply)."""
+        if self.pool is None:
+            return
+        self.pool.store(self.caches[bucket], slot, ids, upto, prefix_namespace(adapter),
+                        pad_to=self.max_length // self.pool.block)
+        self.generator.backend.mark_step()
+
+    def _warm_up_extends(self) -> None:
+        """The prefix cache's steps: an extend per (prefill bucket, rest bucket), and the one-row
+        prefill and extends of a group's shared prefixes (``runtime/prefixed.py``)."""
+        for k in reversed(self.prefill_sizes):
+            for rest in reversed(rest_buckets(self.lengths[-1])):
+                ids, starts, lengths = self.upload([[self.pad] * rest] * k, [0] * k, [rest] * k)
+                self.runner.extend(ids, starts, lengths, self.prefill_caches[k])
+        for p in reversed(self.lengths):
+            one = self.runner.cache(1, p)
+            self.runner.prefill(*self.upload([[self.pad] * p], [p]), one)
+            for rest in reversed(rest_buckets(p)):
+                ids, starts, lengths = self.upload([[self.pad] * rest], [0], [rest])
+                self.runner.extend(ids, starts, lengths, one)
 
     @torch.no_grad()
     def decode(self, bucket: int, tokens: list[int], positions: list[int], window: int) -> torch.Tensor:
@@ -244,10 +310,16 @@ class DeviceRows:
         with self._adapter_only(adapter):
             return answer_batch(self.generator, RequestBatch([request], [lengths], length, budget=budget))
 
+    @contextlib.contextmanager
     def _adapter_only(self, adapter: int):
-        """Within it, every row of a step reads ``adapter`` (a prefill, an offline answer); the
-        running rows' adapters are put back after it."""
-        return self.lora.rows.only(adapter) if self.lora is not None else contextlib.nullcontext()
+        """Within it, every row of a step reads ``adapter`` (a prefill, an offline answer), and the
+        prefix cache keeps that adapter's blocks; the running rows' adapters are put back after it."""
+        self.runner.prefix_namespace = prefix_namespace(adapter)
+        try:
+            with self.lora.rows.only(adapter) if self.lora is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self.runner.prefix_namespace = ""
 
     def idle(self) -> None:
         """The engine has nothing to do now (under tensor parallelism rank 0 sends a heartbeat)."""

@@ -95,7 +95,7 @@ class Engine:
         # lower slots, batch-bucket changes, prefill steps and the prompts they held, mixed steps
         # (decodes with a prompt chunk) and the prompts that joined that way.
         self.stats = {"peak_rows": 0, "row_moves": 0, "bucket_changes": 0, "prefills": 0, "prompts_prefilled": 0,
-                      "mixed_steps": 0, "prompts_chunked": 0}
+                      "mixed_steps": 0, "prompts_chunked": 0, "joined_after_a_hit": 0}
         # Called once a step, after its events are handed out (the app: wait, briefly, until its
         # event loop has sent them). On the CPU before the decode, so that the loop and the decode's
         # threads do not compete for the cores; on a card after the decode is launched, so that the

@@ -44,6 +44,7 @@ class RequestHandle:
         self._queue: queue.Queue | None = queue.Queue() if sink is None else None
         self._sink = sink or self._queue.put
         self.sequences: dict[int, object] = {}  # choice index -> finished Sequence
+        self.cached_tokens = 0  # prompt tokens the prefix cache served
 
     def emit(self, event: Event) -> None:
         try:

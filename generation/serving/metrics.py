@@ -41,6 +41,20 @@ class PrometheusMetrics(EngineMetrics):
                               ("bucket_changes", "changes of the batch bucket decode runs in")):
             gauge = Gauge(f"bloom_{name}", meaning, registry=self.registry)
             gauge.set_function(lambda name=name: engine.stats[name])
+        pool = engine.generator.runner.prefix
+        if pool is not None:  # the prefix cache (docs/prefix-cache.md), read when scraped
+            for name, meaning, read in (
+                    ("lookups", "prompts looked up in the prefix cache", lambda: pool.stats.lookups),
+                    ("hits", "prompts that found blocks in the prefix cache", lambda: pool.stats.hits),
+                    ("misses", "prompts that found none", lambda: pool.stats.lookups - pool.stats.hits),
+                    ("cached_tokens", "prompt tokens copied from the pool", lambda: pool.stats.cached_tokens),
+                    ("prompt_tokens", "prompt tokens looked up", lambda: pool.stats.looked_up_tokens),
+                    ("evicted_blocks", "blocks evicted (least recently used)", lambda: pool.stats.evicted_blocks),
+                    ("used_blocks", "blocks held now", lambda: pool.used_blocks),
+                    ("capacity_blocks", f"blocks the pool holds at most ({pool.block} tokens each)",
+                     lambda: pool.capacity)):
+                gauge = Gauge(f"bloom_prefix_cache_{name}", meaning, registry=self.registry)
+                gauge.set_function(read)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

@@ -89,11 +89,18 @@ class Output:
         for index in row.indices:
             handle.sequences[index] = sequence
             handle.emit(Event("finish", index=index, finish_reason=sequence.finish_reason, sequence=sequence))
+        # A client's next request resends this conversation: keep its blocks (all but the last
+        # token's keys and values are in the row).
+        device_rows = self.slots.device_rows
+        device_rows.store_prefix(self.slots.bucket, slot, handle.prompt_ids + row.ids,
+                                 len(handle.prompt_ids) + len(row.ids) - 1, handle.params.adapter)
         self.slots.rows[slot] = None
         if len(handle.sequences) == handle.params.n:
             completion = sum(len(s.token_ids) for s in handle.sequences.values())
             usage = {"prompt_tokens": len(handle.prompt_ids), "completion_tokens": completion,
                      "total_tokens": len(handle.prompt_ids) + completion}
+            if device_rows.pool is not None:  # as OpenAI reports its own prompt caching
+                usage["prompt_tokens_details"] = {"cached_tokens": handle.cached_tokens}
             handle.emit(Event("done", usage=usage))
 
     def _send(self, row: Row, text: str, count: int) -> None:

@@ -71,6 +71,11 @@ def zero_usage() -> dict:
 
 
 def add_usage(usage: dict, more: dict | None) -> dict:
+    """The usage of two parts of one answer (prompts of a list, choices), prompt caching included."""
     if not more:
         return usage
-    return {k: usage[k] + more.get(k, 0) for k in usage}
+    total = {k: usage.get(k, 0) + more.get(k, 0) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    details = [u["prompt_tokens_details"] for u in (usage, more) if "prompt_tokens_details" in u]
+    if details:
+        total["prompt_tokens_details"] = {"cached_tokens": sum(d.get("cached_tokens", 0) for d in details)}
+    return total
