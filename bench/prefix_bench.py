@@ -9,9 +9,16 @@
 * ``chat``: a conversation of ``--turns`` turns through the chat shell's prompt format, each reply
   ``--reply`` tokens; prints each turn's time to first token with and without the cache, and the
   last turn's against the first.
+* ``server``: ``--clients`` closed-loop clients (``bench/load_client.py``, a process of its own)
+  against the server, every request a shared system prompt of ``--shot_tokens`` tokens and its own
+  question of ``--own_tokens``, ``--max_tokens`` greedy tokens each, streamed; the same load
+  against a server without the cache and one with it; prints time to first token (p50, p90) and
+  tokens/s of each, and the ratios.
 
     python bench/prefix_bench.py job --config bloom-560m --dtype fp32 --lines 32
     python bench/prefix_bench.py chat --config bloom-560m --dtype bf16 --turns 10
+    python bench/prefix_bench.py server --config bloom-560m --dtype bf16 --clients 16 --shot_tokens 512 \
+        --own_tokens 32 --max_tokens 32 --max_length 640
 """
 
 from __future__ import annotations
@@ -41,27 +48,36 @@ def machine() -> str:
     return f"{name} ({', '.join(isa)}), {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
-def sentences(count: int, offset: int = 0) -> list[str]:
-    lines = [line.strip() for line in CORPUS.read_text().splitlines() if len(line.split()) > 12]
-    return [lines[(offset + i) % len(lines)] for i in range(count)]
+LAMBADA = Path(__file__).resolve().parents[2] / "shared" / "data" / "lambada_test.jsonl"
+
+
+def passages(count: int, offset: int = 0) -> list[str]:
+    """``count`` distinct passages of real text: LAMBADA's where ../shared/data has it, else lines
+    of the tiny corpus (fewer, so they repeat)."""
+    if LAMBADA.exists():
+        texts = [json.loads(line)["text"] for line in LAMBADA.read_text().splitlines()]
+    else:
+        texts = [line.strip() for line in CORPUS.read_text().splitlines() if len(line.split()) > 12]
+    return [" ".join(texts[(offset + i) % len(texts)].split()) for i in range(count)]
+
+
+def cut(tokenizer, text: str, tokens: int) -> str:
+    return tokenizer.decode(tokenizer.encode(text)[:tokens])
 
 
 def few_shot_lines(tokenizer, lines: int, shot_tokens: int, own_tokens: int) -> list[dict]:
     """Request lines sharing one k-shot block of about ``shot_tokens`` tokens, each with its own
-    question of about ``own_tokens``."""
+    passage of about ``own_tokens``."""
     shots, k = "", 0
     while len(tokenizer.encode(shots)) < shot_tokens:
-        a, b = sentences(2, 2 * k)
-        shots += f"Passage: {a}\nNext: {' '.join(b.split()[:6])}\n\n"
+        text = passages(1, k)[0]
+        words = text.split()
+        shots += f"Passage: {' '.join(words[:-1])}\nLast word: {words[-1]}\n\n"
         k += 1
     out = []
-    for i in range(lines):
-        own = ""
-        for s in sentences(4, 1000 + 4 * i):
-            if len(tokenizer.encode(own)) >= own_tokens:
-                break
-            own += s + " "
-        out.append({"prompt": f"{shots}Passage: {own.strip()}\nNext:", "max_tokens": 1 + i % 8,
+    for i, text in enumerate(passages(lines, 1000)):
+        own = cut(tokenizer, text, own_tokens)
+        out.append({"prompt": f"{shots}Passage: {own}\nLast word:", "max_tokens": 1 + i % 8,
                     "temperature": 0, "logprobs": 1 + i % 5})
     return out
 
@@ -89,9 +105,11 @@ def run_job(args, folder: Path) -> None:
     work = Path(tempfile.mkdtemp())
     requests = work / "requests.jsonl"
     requests.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    # One small job first on each, untimed: the kernels, caches and shapes of both are ready.
+    # A small job first on each, untimed (two lines of another passage): kernels and caches ready.
+    warm = work / "warm.jsonl"
+    warm.write_text("".join(json.dumps(line | {"prompt": line["prompt"][::-1]}) + "\n" for line in lines[:2]))
     for generator in (plain, cached):
-        run_requests(generator, requests, work / f"warm-{id(generator)}.jsonl", budget=args.budget, progress=False)
+        run_requests(generator, warm, work / f"warm-{id(generator)}.jsonl", budget=args.budget, progress=False)
         if generator.runner.prefix is not None:  # what the warm-up job stored is forgotten
             from generation.prefix import enable_prefix_cache
             enable_prefix_cache(generator, args.prefix_cache)
@@ -123,7 +141,8 @@ def run_chat(args, folder: Path) -> None:
         generator = Generator.from_pretrained(folder, dtype=args.dtype, prefix_cache=size)
         generator.generate("warm up", max_length=args.max_length, max_new_tokens=2)  # kernels, shapes
         turns, ttft = [], []
-        for t, question in enumerate(sentences(args.turns, 500)):
+        for t, question in enumerate(passages(args.turns, 500)):
+            question = cut(generator.tokenizer, question, args.question)
             turns.append(Turn(HUMAN, question))
             prompt = fmt.render(turns, open_reply=True)
             start = time.perf_counter()
@@ -142,9 +161,46 @@ def run_chat(args, folder: Path) -> None:
         print(f"{name}: last turn / first turn TTFT = {v[-1] / v[0]:.2f} (median {statistics.median(v) * 1000:.1f} ms)")
 
 
+def run_server(args, folder: Path) -> None:
+    from bench.load_client import measure
+    from bench.serve_bench import free_port, percentile, start_uvicorn
+    from generation.serving.app import make_app
+    from generation.serving.engine import Engine, EngineConfig
+
+    rows = []
+    for name, size in (("no cache", 0), ("prefix cache", args.prefix_cache)):
+        generator = Generator.from_pretrained(folder, dtype=args.dtype, prefix_cache=size)
+        system = cut(generator.tokenizer, " ".join(passages(12, 0)), args.shot_tokens)
+        bodies = [{"prompt": f"{system}\nQuestion: {cut(generator.tokenizer, q, args.own_tokens)}\nAnswer:",
+                   "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+                   "stream_options": {"include_usage": True}}
+                  for q in passages(args.requests, 2000)]
+        engine = Engine(generator, EngineConfig(max_batch=args.clients, max_length=args.max_length,
+                                                bucket_width=args.bucket_width, max_prefill=4, prefill_chunk=64))
+        engine.start()
+        engine.ready.wait()
+        port = free_port()
+        server, thread = start_uvicorn(make_app(engine, "bench"), port)
+        measure(port, bodies[: args.clients], "closed", args.clients)  # first contact: untimed
+        timings, wall, _ = measure(port, bodies, "closed", args.clients)
+        server.should_exit = True
+        thread.join(10)
+        engine.stop()
+        ttft = [t.chunks[0] - t.sent for t in timings if t.chunks]
+        rows.append((name, percentile(ttft, 50), percentile(ttft, 90), sum(t.tokens for t in timings) / wall))
+        del generator, engine
+    print(f"{machine()}; {args.config} {args.dtype}; {args.clients} clients, {args.requests} requests, each a "
+          f"{args.shot_tokens}-token system prompt + {args.own_tokens}-token question, {args.max_tokens} new tokens")
+    print("| variant | TTFT p50 ms | TTFT p90 ms | tokens/s | TTFT p50 x no cache | tokens/s x no cache |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, p50, p90, rate in rows:
+        print(f"| {name} | {p50 * 1000:.0f} | {p90 * 1000:.0f} | {rate:.1f} | {p50 / rows[0][1]:.2f} | "
+              f"{rate / rows[0][3]:.2f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", choices=["job", "chat"])
+    p.add_argument("scenario", choices=["job", "chat", "server"])
     p.add_argument("--config", default="bloom-560m", help="tiny, bloom-560m, ... or a checkpoint folder")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     p.add_argument("--prefix_cache", default="1GB")
@@ -154,10 +210,15 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=8192)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--reply", type=int, default=24)
+    p.add_argument("--question", type=int, default=40, help="chat: tokens of each user message")
     p.add_argument("--max_length", type=int, default=1024)
+    p.add_argument("--clients", type=int, default=16, help="server: closed-loop clients (and --max_batch)")
+    p.add_argument("--requests", type=int, default=48, help="server: requests in all")
+    p.add_argument("--max_tokens", type=int, default=32, help="server: new tokens per request")
+    p.add_argument("--bucket_width", type=int, default=64, help="server: length buckets")
     args = p.parse_args()
     folder = checkpoint_folder(args.config, DTYPES[args.dtype])
-    (run_job if args.scenario == "job" else run_chat)(args, folder)
+    {"job": run_job, "chat": run_chat, "server": run_server}[args.scenario](args, folder)
 
 
 if __name__ == "__main__":
