@@ -14,9 +14,10 @@ Three measurements, the evidence behind docs/performance.md's "why" paragraphs:
    ``F.linear`` (oneDNN) in GFLOP/s.
 3. **Prompts per weight format** (``--prompt``): a ``--prompt_tokens`` prompt's prefill of a
    bloom-560m-shaped random model through the CPU path ``--cpu_path`` chooses, in fp32, bf16, and
-   bf16 activations over int8 and int4 (G=32) weights, each also with ``CpuOptions(widen=False)``
-   (where this CPU's bf16 products are emulated, the products of many rows through PyTorch's
-   emulated bf16 instead of fp32 on the widened weight); ms and the ratio to fp32, one run. Run it
+   bf16 activations over int8 and int4 (G=32) weights (``--widen_off``: each also with
+   ``CpuOptions(widen=False)``: where this CPU's bf16 products are emulated, the products of many
+   rows through PyTorch's emulated bf16 instead of fp32 on the widened weight); ms and the ratio to
+   fp32, one run. Run it
    as an AVX2 CPU with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ... --cpu_path avx2``.
 4. **The bf16 dot-product peak**: VDPBF16PS on registers only, no memory, on every thread (built
    with ``torch.utils.cpp_extension``, a few seconds), in GFLOP/s; and where the CPU has AMX, the
@@ -181,10 +182,11 @@ PROMPT_FORMATS = (("fp32", torch.float32, None), ("bf16", torch.bfloat16, None),
                   ("int8", torch.bfloat16, "int8"), ("int4 G=32", torch.bfloat16, "int4"))
 
 
-def prompt_times(repeats: int, tokens: int, path: str) -> None:
-    """One ``tokens`` prompt's prefill per weight format, with and without the widened products."""
-    import copy
-
+def prompt_times(repeats: int, tokens: int, path: str, widen_off: bool) -> None:
+    """One ``tokens`` prompt's prefill per weight format (``widen_off``: each also without the
+    widened products). The timed runs go round-robin over the variants (as generate_bench's), so a
+    drift in the machine's load hits them alike; where a model runs two variants, its plan is
+    applied again right before each run, and one untimed prefill then fills its scratch memory."""
     from bloom_hpu.config import BloomConfig
     from bloom_hpu.model import StaticBloom
     from bloom_hpu.quantize import quantize
@@ -192,30 +194,42 @@ def prompt_times(repeats: int, tokens: int, path: str) -> None:
     from utils.random_checkpoint import random_weights
 
     config = BloomConfig(vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=16)
-    base = StaticBloom(config)
-    base.load_state_dict(random_weights(config, live_vocab=VOCAB, seed=0, weight_scale=1.0))
-    base = base.eval().requires_grad_(False)
-    ids = torch.randint(4, 50000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    fp32 = StaticBloom(config)
+    fp32.load_state_dict(random_weights(config, live_vocab=VOCAB, seed=0, weight_scale=1.0))
+    fp32 = fp32.eval().requires_grad_(False)
+    models = {"fp32": fp32}
+    for label, dtype, mode in PROMPT_FORMATS[1:]:
+        model = StaticBloom(config).to(dtype).eval().requires_grad_(False)
+        model.load_state_dict(fp32.state_dict())
+        models[label] = quantize(model, mode, 32 if mode == "int4" else None) if mode else model
+    variants = [(label, widen) for label in models for widen in (True, False)
+                if widen or (widen_off and label != "fp32")]
+    ids = torch.randint(4, min(50000, VOCAB), (1, tokens), generator=torch.Generator().manual_seed(0))
     lengths = torch.tensor([tokens])
-    print(f"prompt of {tokens} tokens, bloom-560m shape, --cpu_path {path} ({capability.detect().why}): ms")
-    fp32_ms = None
-    for label, dtype, mode in PROMPT_FORMATS:
+    caches = {label: model.allocate_cache(1, tokens + 8) for label, model in models.items()}
+    times, widened = {v: [] for v in variants}, {}
+    with torch.no_grad():
+        for r in range(repeats + 1):  # round 0: untimed
+            for label, widen in variants[r % len(variants):] + variants[:r % len(variants)]:
+                model = models[label]
+                if r == 0 or widen_off:
+                    plan = accelerate(model, CpuOptions(path=path, widen=widen))
+                    widened[label, widen] = "weights widened" in plan.description
+                    model.prefill(ids, lengths, caches[label])
+                start = time.perf_counter()
+                model.prefill(ids, lengths, caches[label])
+                if r:
+                    times[label, widen].append(time.perf_counter() - start)
+    print(f"prompt of {tokens} tokens, bloom-560m shape, --cpu_path {path} ({capability.detect().why}), "
+          f"median of {repeats}: ms (x fp32's)")
+    fp32_ms = statistics.median(times["fp32", True]) * 1e3
+    for label in models:
         cells = []
-        for widen in (True, False):
-            model = copy.deepcopy(base).to(dtype)
-            if mode is not None:
-                quantize(model, mode, 32 if mode == "int4" else None)
-            plan = accelerate(model, CpuOptions(path=path, widen=widen))
-            cache = model.allocate_cache(1, tokens + 8)
-            with torch.no_grad():
-                ms = median_ms(lambda: model.prefill(ids, lengths, cache), repeats)
-            fp32_ms = fp32_ms or ms
-            widened = "in fp32, weights widened" in plan.description
-            cells.append(f"{ms:8.1f} ({ms / fp32_ms:4.2f}x fp32{', widened' if widened else ''})")
-            del model, cache
-            if dtype == torch.float32:
-                break
-        print(f"{label:>10s}  " + "   widen off: ".join(cells))
+        for widen in ((True, False) if (label, False) in times else (True,)):
+            ms = statistics.median(times[label, widen]) * 1e3
+            how = "widened" if widened[label, widen] else "as PyTorch" if label != "fp32" else ""
+            cells.append(f"{how:>10s} {ms:8.1f} ({ms / fp32_ms:4.2f}x)")
+        print(f"{label:>10s}  " + "   ".join(cells))
 
 
 def build_probe(name: str, source: str, cflags: list[str]):
@@ -273,6 +287,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="1,4,8,16", help="input rows of the decode products, e.g. 1,4,16,32,80,128")
     parser.add_argument("--prompt", action="store_true", help="also time a prompt's prefill per weight format")
     parser.add_argument("--prompt_tokens", type=int, default=128)
+    parser.add_argument("--widen_off", action="store_true", help="the prompts also without the widened products")
     parser.add_argument("--cpu_path", default="auto", help="the prompts' CPU path (auto, avx512_bf16, avx2, onednn, plain)")
     parser.add_argument("--skip_products", action="store_true", help="only the prompts (with --prompt)")
     args = parser.parse_args(argv)
@@ -283,7 +298,7 @@ def main(argv=None) -> int:
         decode_products(args.repeats, [int(r) for r in args.rows.split(",")])
         prefill_products(args.repeats)
     if args.prompt:
-        prompt_times(args.repeats, args.prompt_tokens, args.cpu_path)
+        prompt_times(args.repeats, args.prompt_tokens, args.cpu_path, args.widen_off)
     if not args.skip_products:
         dot_peak()
         tile_peak()
