@@ -145,8 +145,10 @@ def _candidates(generator, batch: RequestBatch, prompts: list[str], owner: list[
         budgets = [r.max_tokens for r in owner] + [owner[-1].max_tokens] * fill
         seeds = batch.seeds()
         seeds += seeds[-1:] * fill
+        # Each prompt its request's structured output, if any (rows with and without share the batch).
+        grammars = [r.grammar for r in owner] + [owner[-1].grammar] * fill
         results = generator.generate(prompts + [prompts[-1]] * fill, batch.options(), stop=stops,
-                                     max_new_tokens_each=budgets, seed_each=seeds)[: len(prompts)]
+                                     max_new_tokens_each=budgets, seed_each=seeds, grammar_each=grammars)[: len(prompts)]
         return ([res.prompt_token_ids for res in results], [res.sequences for res in results],
                 [res.cached_tokens for res in results])
     # echo with max_tokens 0: score the prompt, generate nothing

@@ -50,6 +50,10 @@ class BloomTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def to_json(self) -> str:
+        """The tokenizer.json (what a grammar library reads the vocabulary from)."""
+        return self._tok.to_str()
+
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,16 +26,17 @@ from bloom_hpu.tp import Parallel, SINGLE
 from bloom_hpu.runtime.steps import StepRunner
 
 from .batch import Batch, BloomTokenizer, make_batch  # noqa: F401 (BloomTokenizer: re-exported)
-from .options import GenerationOptions, build_options
+from .options import GenerationOptions, OptionError, build_options
 from .prefix import cached_counts, enable_prefix_cache, parse_size, store_generated
 from .progress import Progress
 from .results import BatchStats, GenerationResult, Sequence, make_sequence
 from .search.beam import beam_search
-from .search.choose import chooser
+from .search.choose import GrammarSteps, chooser
 from .search.processors import LogitsProcessors
 from .search.sampling import UniformKernel, checked_uniform_kernel, repeat_rows, row_keys, sampling_seeds
 from .search.stopping import StopChecker, stops_per_prompt
 from .search.token_loop import FINISH_REASONS, LoopHooks, run_token_loop
+from .structured import FIELDS as GRAMMAR_FIELDS, Grammar, GrammarRows, for_tokenizer, grammar_from_fields
 from .validate import (check_against_model, check_call, check_checkpoint, check_dtype, check_memory,
                        load_tokenizer, rows_per_prompt)
 
@@ -165,7 +167,8 @@ class Generator:
 
     def generate(self, prompts: str | list[str], options: GenerationOptions | str | None = None, *,
                  stop=None, logprobs: bool = False, on_step=None, max_new_tokens_each: list[int] | None = None,
-                 seed_each: list[int | None] | None = None, progress: bool = False, **kwargs):
+                 seed_each: list[int | None] | None = None, progress: bool = False,
+                 grammar_each: list[Grammar | None] | None = None, **kwargs):
         """Continue each prompt; returns one ``GenerationResult`` per prompt, in order.
 
         Keyword arguments are generation options (see ``generation.options.OPTIONS``), e.g.
@@ -180,8 +183,15 @@ class Generator:
         different lengths: each row stops at its own; the batch runs to the largest). ``seed_each``: a
         sampling seed per prompt (None: the options' seed), for one batch of requests with different
         seeds; each prompt samples what it samples alone with its own seed.
+        Structured output (``docs/structured-output.md``): ``response_format``, ``guided_json``,
+        ``guided_regex``, ``guided_choice`` or ``guided_grammar`` constrains every prompt's
+        continuation (greedy or sampled; not beams); ``grammar_each``: one ``structured.Grammar``
+        (or None) per prompt.
         """
         prompts = check_call(prompts, options, on_step, max_new_tokens_each, seed_each)
+        grammar = grammar_from_fields(**{k: kwargs.pop(k) for k in GRAMMAR_FIELDS if k in kwargs})
+        if grammar is not None:
+            grammar_each = [grammar] * len(prompts)
         opts = self.options(options, **kwargs)
         self.backend.check_static(opts.static_shapes)
         stops = stops_per_prompt(stop, len(prompts))
@@ -191,7 +201,7 @@ class Generator:
         checker = StopChecker(self.tokenizer, stops) if any(stops) else None
         with Progress(batch.steps, "generating", "steps", enabled=progress, delay=PROGRESS_DELAY) as bar:
             hooks = LoopHooks(on_step=on_step, stop_check=checker, tick=(lambda: bar.update(1)) if progress else None)
-            sequences = self._search(batch, opts, stops, hooks, seed_each)
+            sequences = self._search(batch, opts, stops, hooks, seed_each, self.grammar_rows(grammar_each, opts))
         if logprobs:
             from .logprobs import fill_token_logprobs
 
@@ -217,8 +227,25 @@ class Generator:
         check_memory(self.model.config, self.dtype, self.device, len(prompts) * rows_per_prompt(opts),
                      opts.max_length, min(longest, opts.max_length), self.model.parallel)
 
+    def grammar_rows(self, grammar_each: list[Grammar | None] | None, opts: GenerationOptions) -> GrammarRows | None:
+        """The matchers of the call's rows (a prompt's copies share its grammar), or None."""
+        if not grammar_each or all(g is None for g in grammar_each):
+            return None
+        if opts.num_beams > 1:
+            raise OptionError("structured output (response_format, guided_*) works with greedy search and sampling, "
+                              "not with beam search (num_beams > 1)")
+        compiler = for_tokenizer(self.tokenizer, self.model.config.vocab_size)
+        copies = opts.num_return_sequences if opts.do_sample else 1
+        rows = GrammarRows(len(grammar_each) * copies, self.model.config.vocab_size, self.device)
+        for i, grammar in enumerate(grammar_each):
+            for c in range(copies):
+                if grammar is not None:
+                    rows.set(i * copies + c, compiler.matcher(grammar))
+        return rows
+
     def _search(self, batch: Batch, opts: GenerationOptions, stops: list[list[str]],
-                hooks: LoopHooks, seed_each: list[int | None] | None = None) -> list[list[Sequence]]:
+                hooks: LoopHooks, seed_each: list[int | None] | None = None,
+                grammars: GrammarRows | None = None) -> list[list[Sequence]]:
         """Run the search the options ask for (greedy, sampling, beam search or beam sampling);
         one list of sequences per prompt, each ended at its EOS or its prompt's stop strings."""
         eos = self.tokenizer.eos_token_id
@@ -230,7 +257,10 @@ class Generator:
         copies = opts.num_return_sequences if opts.do_sample else 1
         rows = repeat_rows(batch, copies)
         keys = row_keys(batch.prompt_ids, seed, copies, self.device) if opts.do_sample else None
-        choose = chooser(processors, keys, self.noise_kernel)
+        steps = GrammarSteps(grammars) if grammars is not None else None
+        if steps is not None:
+            hooks = replace(hooks, grammar_ended=lambda: steps.ended)
+        choose = chooser(processors, keys, self.noise_kernel, steps)
         loop = run_token_loop(
             self.runner,
             rows,
@@ -243,6 +273,8 @@ class Generator:
         )
         tokens, finish = loop.tokens.tolist(), loop.finish.tolist()
         limits = rows.new_limits.tolist()
+        if grammars is not None:  # a row its grammar ended keeps what its grammar took (not the forced end)
+            limits = [n if ended else limit for n, ended, limit in zip(grammars.consumed, grammars.ended, limits)]
         flat = [self.make_sequence(row[:min(limit, loop.steps_run)], FINISH_REASONS[reason], stops=stops[i // copies])
                 for i, (row, limit, reason) in enumerate(zip(tokens, limits, finish))]
         if opts.use_kv_cache:  # a conversation's next turn repeats these tokens

@@ -4,7 +4,9 @@ batch runner's request files and the server alike, and turned into generation op
 
 A request is a JSON object in the legacy completions format (``prompt``, ``max_tokens``,
 ``temperature``, ``top_p``, ``n``, ``best_of``, ``logprobs``, ``echo``, ``stop``, ``seed``), plus
-our search options (``top_k``, ``num_beams``, ``repetition_penalty``...). The server also takes
+our search options (``top_k``, ``num_beams``, ``repetition_penalty``...) and structured output
+(``response_format``, ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``:
+``structured.py``; greedy search and sampling only). The server also takes
 chat bodies (``from_chat``: a completion of the prompt its messages make), OpenAI's presence and
 frequency penalties and vLLM's ``ignore_eos`` and ``min_tokens``.
 
@@ -24,6 +26,7 @@ from .batch import round_up
 from .options import MAX_INT, OPTIONS_BY_NAME, GenerationOptions, OptionError, Range
 from .options import documented_range as option_range
 from .search.stopping import StopError, normalize_stops
+from .structured import FIELDS as STRUCTURED_KEYS, Grammar, GrammarError, grammar_from_fields
 
 SHAPE_MULTIPLE = 32  # batch lengths (prompt + max_tokens) are padded to a multiple of this
 MAX_LOGPROBS = 5  # as OpenAI's completions endpoint
@@ -85,6 +88,7 @@ class Request:
     presence_penalty: float = 0.0  # OpenAI's, over generated tokens
     frequency_penalty: float = 0.0
     ignore_eos: bool = False  # vLLM's: rows do not stop at EOS
+    grammar: Grammar | None = None  # structured output: what every answer must match (structured.py)
 
     @property
     def key(self) -> str:
@@ -209,7 +213,8 @@ def _check_text(value, depth: int = 0) -> None:
 
 
 def _check_keys(raw: dict, serving: bool) -> None:
-    allowed = FORMAT_KEYS | SEARCH_OPTIONS | IGNORED_KEYS | set(NEUTRAL_KEYS) | (SERVER_KEYS if serving else set())
+    allowed = (FORMAT_KEYS | SEARCH_OPTIONS | IGNORED_KEYS | set(NEUTRAL_KEYS) | set(STRUCTURED_KEYS)
+               | (SERVER_KEYS if serving else set()))
     for key in sorted(set(raw) - allowed):
         raise RequestError(f"unknown key {key!r}")
     for key, neutral in NEUTRAL_KEYS.items():
@@ -319,7 +324,19 @@ def from_body(raw, line: int = 0, serving: bool = False) -> Request:
     search = _search(raw, n, best_of, min_tokens if min_tokens and not ignore_eos else None)
     penalties = {name: _float(raw, name, 0.0, RANGES[name]) for name in ("presence_penalty", "frequency_penalty")}
     return Request(line, raw, prompts, max_tokens, n, best_of, logprobs, echo, stop, search, ignore_eos=ignore_eos,
-                   **penalties)
+                   grammar=_grammar(raw, search), **penalties)
+
+
+def _grammar(raw: dict, search: dict) -> Grammar | None:
+    """The structured output a request asks for (its field's value checked by the grammar
+    library; the grammar against the tokenizer: ``structured.Compiler.check``)."""
+    try:
+        grammar = grammar_from_fields(**{k: raw[k] for k in STRUCTURED_KEYS if raw.get(k) is not None})
+    except GrammarError as error:
+        raise RequestError(str(error)) from None
+    if grammar is not None and search.get("num_beams", 1) > 1:
+        raise RequestError(f"{grammar.field} works with greedy search and sampling, not with beam search (num_beams > 1)")
+    return grammar
 
 
 def from_chat(body: dict, prompt: str, turn_stops: list[str]) -> Request:

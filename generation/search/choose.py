@@ -6,7 +6,8 @@ and for the server.
   from ``softmax(scores)`` (the Gumbel-max trick), the noise ``sampling.py``'s, a pure function of
   (row key, step, token).
 * ``chooser``: the token chooser of ``Generator.generate``'s loop (``token_loop.run_token_loop``):
-  the options' processors, then greedy or a draw.
+  the options' processors, then the rows' grammar masks where some row has one
+  (``structured.py``), then greedy or a draw.
 * ``choose_rows``: the server's batch of mixed requests, every option a per-row tensor
   (``serving/row_options.py``), through the same processors and the same draw, so a row chooses
   exactly what ``Generator.generate`` chooses for it alone: a neutral value leaves a row's scores
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..structured import GrammarRows, allow
 from .processors import repetition_penalty, temperature, top_k, top_p
 from .sampling import UniformKernel, gumbel
 from .state import LoopState, TokenChooser
@@ -51,17 +53,49 @@ def draw(scores: torch.Tensor, keys: torch.Tensor, step: torch.Tensor | int,
     return argmax_rows(gumbel(keys, step, scores.shape[-1], kernel).add_(scores))
 
 
-def chooser(processors, keys: torch.Tensor | None = None, kernel: UniformKernel | None = None) -> TokenChooser:
-    """The loop's chooser: ``processors`` (``LogitsProcessors``) on the logits, then the greedy
-    token, or with ``keys`` [B] (``sampling.row_keys``) a draw at the loop's step."""
+def chooser(processors, keys: torch.Tensor | None = None, kernel: UniformKernel | None = None,
+            grammars: "GrammarSteps | None" = None) -> TokenChooser:
+    """The loop's chooser: ``processors`` (``LogitsProcessors``) on the logits, then the rows'
+    grammar masks (``grammars``, where the call has constraints), then the greedy token, or with
+    ``keys`` [B] (``sampling.row_keys``) a draw at the loop's step."""
+
+    def scores(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
+        out = processors(logits, state)
+        return out if grammars is None else allow(out, grammars.masks())
 
     def greedy(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
-        return argmax_rows(processors(logits, state))
+        return grammars.chose(argmax_rows(scores(logits, state))) if grammars else argmax_rows(scores(logits, state))
 
     def sampled(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
-        return draw(processors(logits, state), keys, state.step_tensor, kernel)
+        token = draw(scores(logits, state), keys, state.step_tensor, kernel)
+        return grammars.chose(token) if grammars else token
 
     return greedy if keys is None else sampled
+
+
+class GrammarSteps:
+    """The offline loop's grammars (``GrammarRows``) step by step: the token chosen at step t is
+    copied to the host as it is chosen, and taken into the matchers at step t + 1, after the
+    device was handed step t's decode, so the host computes the next masks while the device runs
+    the step. ``ended`` [B] bool on the device: rows whose grammar ended before the token being
+    chosen (the loop ends them, finish reason "stop")."""
+
+    def __init__(self, rows: GrammarRows):
+        self.rows = rows
+        self.pending: torch.Tensor | None = None
+        self.ended = torch.zeros(len(rows.matchers), dtype=torch.bool, device=rows.device)
+
+    def masks(self) -> torch.Tensor:
+        if self.pending is not None:
+            ended = self.rows.advance(self.pending.tolist())
+            if ended:
+                self.ended[ended] = True
+            self.pending = None
+        return self.rows.masks()
+
+    def chose(self, token: torch.Tensor) -> torch.Tensor:
+        self.pending = token.to("cpu", non_blocking=True)
+        return token
 
 
 class RowFlags:

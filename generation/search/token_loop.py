@@ -34,6 +34,8 @@ class LoopHooks:
     # (tokens [B, steps] output buffer, steps filled so far) -> [B] bool: the row's text holds a stop string
     stop_check: Callable[[torch.Tensor, int], torch.Tensor] | None = None
     tick: Callable[[], None] | None = None  # after each step, on the host (progress): never reads the device
+    # () -> [B] bool: rows whose grammar ended before the token chosen now (choose.GrammarSteps.ended)
+    grammar_ended: Callable[[], torch.Tensor] | None = None
 
 
 NO_HOOKS = LoopHooks()
@@ -42,7 +44,7 @@ NO_HOOKS = LoopHooks()
 @dataclass
 class LoopOutput:
     tokens: torch.Tensor  # [B, K] generated ids in the first steps_run columns (pad after a row finished)
-    finish: torch.Tensor  # [B] LENGTH or EOS
+    finish: torch.Tensor  # [B] LENGTH, EOS or STOP
     steps_run: int
 
 
@@ -95,9 +97,12 @@ def run_token_loop(
         token = torch.where(running, choose(logits.float(), state), pad_token_id)
         out.index_copy_(0, step_index, token[None])
         sequence.scatter_(1, slot[:, None], token[:, None])
-        # A row ends with EOS (unless EOS is ignored) or when it has used its budget; EOS first.
+        # A row ends with its grammar (the token now is the end the grammar forced), with EOS
+        # (unless EOS is ignored) or when it has used its budget; in that order.
+        if hooks.grammar_ended is not None:
+            finish.masked_fill_(running & hooks.grammar_ended(), STOP)
         if not ignore_eos:
-            finish.masked_fill_(running & (token == eos_token_id), EOS)
+            finish.masked_fill_((finish == RUNNING) & (token == eos_token_id), EOS)
         finish.masked_fill_((finish == RUNNING) & last_step.index_select(0, step_index).view(b), LENGTH)
         steps_run = step + 1
         if on_step is not None:
