@@ -227,7 +227,7 @@ def prompt_times(repeats: int, tokens: int, path: str, widen_off: bool) -> None:
         cells = []
         for widen in ((True, False) if (label, False) in times else (True,)):
             ms = statistics.median(times[label, widen]) * 1e3
-            how = "widened" if widened[label, widen] else "as PyTorch" if label != "fp32" else ""
+            how = "widened" if widened[label, widen] else "widen off" if label != "fp32" else ""
             cells.append(f"{how:>10s} {ms:8.1f} ({ms / fp32_ms:4.2f}x)")
         print(f"{label:>10s}  " + "   ".join(cells))
 

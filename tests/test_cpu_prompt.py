@@ -92,8 +92,8 @@ def test_widened_float_products_are_the_exact_product_rounded_once(dtype, m, n, 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("m, n, k, panel", SHAPES)
 def test_widened_quantized_products_are_those_of_the_dequantized_weights(kernels, dtype, m, n, k, panel):
-    """int8: x @ (q * scale) with the scales on the product's columns; int4: the weight dequantized
-    into x's dtype (as ``int4_product`` does) then multiplied; both rounded once to x's dtype."""
+    """int8: x @ (q * scale) with the scales on the product's columns; int4: x @ the weight
+    dequantized in fp32 (as the AVX2 int4 kernel's sums use it); both rounded once to x's dtype."""
     from bloom_hpu.runtime.cpu.kernels import load
 
     wide = WidenedProducts(load(kernels).int4_dequantize if kernels else None, panel_elements=panel)
@@ -104,7 +104,7 @@ def test_widened_quantized_products_are_those_of_the_dequantized_weights(kernels
     s4 = group_scales(w.float(), 32)
     q4 = quantize_groups(w.float(), s4)
     for q, scales, weight in ((q8, s8, dequantized(q8, s8).double()),
-                              (q4, s4, dequantized_int4(q4, s4, dtype).double())):
+                              (q4, s4, dequantized_int4(q4, s4).double())):
         exact = F.linear(x.double(), weight, bias.double())
         got = wide.quantized(x, q, scales, bias)
         if dtype == torch.float32:

@@ -70,17 +70,18 @@ class WidenedProducts:
     oneDNN's sgemm), rounded once to x's dtype at the end.
 
     The numerics are the reference's, products of the bf16 (or dequantized) weights with float
-    sums: bf16 weights and int8 values are exact in fp32; an int4 weight is dequantized into x's
-    dtype first (as ``int4_product`` does, ``stage``) and then widened. int8's scales multiply the
-    product's columns (``int8_product``'s order); bias and the MLP's GELU are applied to the fp32
-    sums, as oneDNN's fused product does, before the one rounding."""
+    sums: bf16 weights and int8 values are exact in fp32, and int8's scales multiply the product's
+    columns (``int8_product``'s order); an int4 weight is dequantized in fp32, ``(v - 8) * scale``
+    unrounded, as the int4 kernel's sums use it on the AVX2 build (``csrc/int4_rows.h``;
+    ``int4_product`` rounds it to x's dtype first: a difference of half a bf16 step per weight).
+    Bias and the MLP's GELU are applied to the fp32 sums, as oneDNN's fused product does, before
+    the one rounding."""
 
     def __init__(self, int4_dequantize: Callable | None = None, min_rows: int = FEW_ROWS,
                  panel_elements: int = WIDE_PANEL_ELEMENTS):
         self.int4_dequantize = int4_dequantize  # the kernels' (q, scales, out), else public ops
         self.min_rows, self.panel_elements = min_rows, panel_elements
         self.buffer = torch.empty(0)  # the fp32 panel
-        self.stage = torch.empty(0)  # int4: a panel in x's dtype
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether a product with input ``x`` [..., K] is one of many rows, which this serves."""
@@ -97,27 +98,14 @@ class WidenedProducts:
         or int4 packed q [N, K / 2] with scales [N, K / G] (``bloom_hpu/int4.py``)."""
         if q.dtype != torch.uint8:
             return self._product(x, q.shape[0], lambda panel, rows: panel.copy_(q[rows]), scales, bias)
+        return self._product(x, q.shape[0], lambda panel, rows: self._dequantize_int4(q[rows], scales[rows], panel),
+                             None, bias)
 
-        def fill(panel: torch.Tensor, rows: slice) -> None:
-            if x.dtype == torch.float32:
-                self._dequantize_int4(q[rows], scales[rows], panel)
-            else:
-                panel.copy_(self._dequantize_int4(q[rows], scales[rows], self._staged(panel.shape, x.dtype)))
-
-        return self._product(x, q.shape[0], fill, None, bias)
-
-    def _dequantize_int4(self, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _dequantize_int4(self, q: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> None:
         if self.int4_dequantize is not None:
             self.int4_dequantize(q, scales, out)
         else:
-            out.copy_(dequantized_int4(q, scales, out.dtype))
-        return out
-
-    def _staged(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        size = shape[0] * shape[1]
-        if self.stage.numel() < size or self.stage.dtype != dtype:
-            self.stage = torch.empty(size, dtype=dtype)
-        return self.stage[:size].view(shape)
+            out.copy_(dequantized_int4(q, scales))
 
     def _product(self, x: torch.Tensor, n: int, fill: Callable, column_scales: torch.Tensor | None,
                  bias: torch.Tensor | None, gelu: bool = False) -> torch.Tensor:
