@@ -264,14 +264,35 @@ class GrammarRows:
         return ended
 
 
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
+class RowGrammar:
+    """One running row's grammar on the server (``serving``): its matcher and its next mask
+    ([1, words] int32 on the host), computed once per token, ideally while the device decodes."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.mask = torch.empty((1, mask_words(vocab_size)), dtype=torch.int32)
+        self.ready = False
+
+    def prepare(self) -> torch.Tensor:
+        """The row's allowed tokens now (computed if not yet)."""
+        import llguidance.torch as llt
+
+        if not self.ready:
+            llt.fill_next_token_bitmask(self.matcher, self.mask, 0)
+            self.ready = True
+        return self.mask
+
+    def consume(self, token: int) -> bool:
+        """The row chose ``token``; True when that ended its grammar (nothing but the end may follow)."""
+        self.matcher.consume_token(token)
+        self.ready = False
+        return self.matcher.is_stopped() or self.matcher.is_error()
 
 
 def allowed(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, words] int32 bitmask -> [rows, vocab_size] bool (on the masks' device)."""
-    shifts = _SHIFTS.get(masks.device)
-    if shifts is None:
-        shifts = _SHIFTS[masks.device] = torch.arange(32, dtype=torch.int32, device=masks.device)
+    """[rows, words] int32 bitmask -> [rows, vocab_size] bool (on the masks' device). The same ops
+    at every call (no tensor cached on the first), so lazy mode on a Gaudi sees one graph."""
+    shifts = torch.arange(32, dtype=torch.int32, device=masks.device)
     bits = (masks[:, :, None] >> shifts) & 1  # [rows, words, 32]
     return bits.view(masks.shape[0], -1)[:, :vocab_size].bool()
 

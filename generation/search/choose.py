@@ -111,28 +111,32 @@ class RowFlags:
         # keeps the sort (every_processor: one shape whatever the mix of requests).
         self.top_k_most = max((p.top_k for p in params_list if p.sampling), default=0)
         self.top_p = any(p.sampling and p.top_p < 1.0 for p in params_list)
+        self.grammar = any(p.grammar is not None for p in params_list)  # some row has structured output
 
     def every_processor(self) -> "RowFlags":
         """Every processor on (neutral values leave a row's choice bit-identical): the ops of a
         choice then depend on the batch bucket alone, not on the mix of requests, which lazy mode
         on a Gaudi would otherwise compile once per mix."""
-        self.sample = self.repetition = self.openai_penalties = self.top_k = self.top_p = True
+        self.sample = self.repetition = self.openai_penalties = self.top_k = self.top_p = self.grammar = True
         self.top_k_most = None
         return self
 
 
 def choose_rows(logits: torch.Tensor, opts, b: int, used: torch.Tensor, steps: torch.Tensor, flags: RowFlags,
-                kernel: UniformKernel | None = None) -> torch.Tensor:
+                kernel: UniformKernel | None = None, masks: torch.Tensor | None = None) -> torch.Tensor:
     """Next token of rows 0..b-1 of a batch of mixed requests. logits [b, V] float (raw); ``opts``
     the per-row options (``serving/row_options.RowOptions``: [R] tensors, R >= b); used [b]: tokens
     the row holds (prompt + generated, = the slot of the token chosen now); steps [b]: tokens the
-    row has generated (its sampling step). Returns [b] long."""
+    row has generated (its sampling step); ``masks`` [b, ceil(V / 32)] int32: the rows' allowed
+    tokens (structured output; every bit set for a row without a grammar), or None. Returns [b] long."""
     scores = logits
     if flags.repetition:
         scores = repetition_penalty(scores, opts.sequence[:b], used, opts.repetition[:b, None])
     if flags.openai_penalties:  # OpenAI's, over the generated tokens only: the server's alone
         counts = opts.counts[:b]
         scores = scores - opts.frequency[:b, None] * counts - opts.presence[:b, None] * (counts > 0)
+    if masks is not None:  # after the penalties (which may lift a token), before any choice
+        scores = allow(scores, masks)
     greedy = argmax_rows(scores)
     if not flags.sample:
         return greedy

@@ -9,7 +9,8 @@ each request's sink (``handles.RequestHandle``). Each step (``step``):
    steps. Other searches (beams, ``best_of > n``, echo with log-probs...) are answered in a batch of
    their own (``answer_offline``).
 2. **Choose** every running row's next token, per-row options as tensors (``row_options.py``, read
-   by ``search/choose.choose_rows``), and **hand out** what each row gives (``output.py``): the [b]
+   by ``search/choose.choose_rows``; structured output as a [b, V/32] bitmask of allowed tokens
+   made on the host, ``structured.py``), and **hand out** what each row gives (``output.py``): the [b]
    tokens come to the host once, the step's one sync, where streaming, EOS, stop strings and budgets
    are decided.
 3. **Compact**: running rows keep the lowest slots and the smallest batch bucket (``slots.py``).
@@ -40,8 +41,11 @@ from dataclasses import dataclass
 
 import torch
 
+from bloom_hpu.runtime.transfer import host_to_device
+
 from ..logprobs import TokenText
 from ..search.choose import RowFlags, choose_rows
+from ..structured import GrammarError, RowGrammar, for_tokenizer, mask_words
 from .admission import Admission
 from .device_rows import DeviceRows
 from .handles import EngineError, QueueFull, RequestHandle, Row
@@ -88,6 +92,9 @@ class Engine:
         vocab = generator.runner.model.config.vocab_size
         self.logits = torch.zeros(config.max_batch, vocab, dtype=torch.float32, device=self.device)  # [R, V]
         self.opts = RowOptions(config.max_batch, vocab, config.max_length, self.device, self.pad)
+        self.vocab = vocab
+        # Structured output: every row's allowed tokens of a step, filled on the host ([R, V/32] int32).
+        self.masks = torch.full((config.max_batch, mask_words(vocab)), -1, dtype=torch.int32)
         self.ready = threading.Event()
         self.warmup_report: dict | None = None
         self.tokens_total = 0
@@ -122,7 +129,18 @@ class Engine:
         if params.max_tokens < 1:
             raise EngineError("max_tokens must be at least 1", "max_tokens")
         self._check_adapter(params.adapter)
+        if params.grammar is not None:
+            # Compiled here, on the caller's thread (cached per grammar), never in a step.
+            try:
+                self.grammars.check(params.grammar)
+            except GrammarError as error:
+                raise EngineError(str(error), error.field) from None
         return self._enqueue(RequestHandle(list(prompt_ids), params, sink))
+
+    @property
+    def grammars(self):
+        """The grammar library's view of the tokenizer (``structured.Compiler``; made at warm-up)."""
+        return for_tokenizer(self.tokenizer, self.vocab)
 
     def submit_offline(self, request, prompt_ids: list[list[int]], sink=None, adapter: int = 0) -> RequestHandle:
         """A requests.Request answered by the batch runner's path (beams, best_of, echo with
@@ -204,6 +222,7 @@ class Engine:
     def warm_up(self) -> dict:
         """Run every step shape the engine uses (``DeviceRows.warm_up``)."""
         self.warmup_report = self.device_rows.warm_up()
+        self.grammars  # reading the vocabulary (seconds for BLOOM's) is not a first request's wait
         return self.warmup_report
 
     # --- one scheduler step ---------------------------------------------------------------------
@@ -226,6 +245,7 @@ class Engine:
         self._decode()
         if self.flush_events is not None and overlap:
             self.flush_events()
+        self._prepare_masks()
         return True
 
     def _choose(self, live: list[int]) -> None:
@@ -239,7 +259,8 @@ class Engine:
         if self.generator.backend.compiles_eager_ops:
             flags.every_processor()
         logits = self.logits[:b]
-        tokens = choose_rows(logits, self.opts, b, used, steps, flags, self.generator.noise_kernel)  # [b]
+        masks = self._masks(rows) if flags.grammar else None
+        tokens = choose_rows(logits, self.opts, b, used, steps, flags, self.generator.noise_kernel, masks)  # [b]
         self.opts.record(b, used, tokens, flags.repetition, flags.openai_penalties)
         top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
         host = to_host(logits, tokens, top)
@@ -248,6 +269,24 @@ class Engine:
         self.stats["peak_rows"] = max(self.stats["peak_rows"], len(live))
         self.tokens_total += len(live)
         self.metrics.tokens(len(live))
+
+    def _masks(self, rows: list[Row | None]) -> torch.Tensor:
+        """[b, V/32] int32 on the device: each running row's allowed tokens (all, without a grammar)."""
+        host = self.masks[: len(rows)]
+        host.fill_(-1)
+        for slot, row in enumerate(rows):
+            if row is not None and row.handle.params.grammar is not None:
+                if row.grammar is None:
+                    row.grammar = RowGrammar(self.grammars.matcher(row.handle.params.grammar), self.vocab)
+                host[slot] = row.grammar.prepare()[0]
+        return host_to_device(host, self.device)
+
+    def _prepare_masks(self) -> None:
+        """The next masks of the constrained rows, computed on the host after the decode was handed
+        to the device: on a card they cost no step time (on the CPU the same work as in ``_masks``)."""
+        for row in self.slots.rows:
+            if row is not None and row.grammar is not None and row.running:
+                row.grammar.prepare()
 
     def _decode(self) -> None:
         """One [b, 1] decode of every running row, with the next segments of joining prompts in it

@@ -88,6 +88,7 @@ class Row:
     # for a request's other rows, its first row, whose slots they take when its prompt is complete.
     prompt_done: int = 0
     copy_of: "Row | None" = None
+    grammar: object = None  # structured.RowGrammar: its matcher, when its request has a grammar
 
     @property
     def running(self) -> bool:

@@ -71,14 +71,16 @@ VLLM_EXTENSIONS = {
     "return_tokens_as_token_ids": "false only",
     "truncate_prompt_tokens": "not supported",
     "prompt_logprobs": "not supported (echo with logprobs scores the prompt)",
-    "guided_json": "not supported", "guided_regex": "not supported", "guided_choice": "not supported",
-    "guided_grammar": "not supported", "response_format": "not supported",
+    "guided_json": "honoured: a JSON schema every answer follows (docs/structured-output.md)",
+    "guided_regex": "honoured: a regular expression every answer matches",
+    "guided_choice": "honoured: every answer is one of these strings",
+    "guided_grammar": "honoured: a Lark or GBNF grammar every answer follows",
+    "response_format": "OpenAI's: json_object or json_schema (docs/structured-output.md)",
 }
 # The value that means "off" for the extensions that are accepted only off.
 _OFF = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
         "min_p": 0, "stop_token_ids": [], "priority": 0, "return_tokens_as_token_ids": False}
-_UNSUPPORTED = ("truncate_prompt_tokens", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
-                "guided_grammar", "response_format")
+_UNSUPPORTED = ("truncate_prompt_tokens", "prompt_logprobs")
 
 
 def vllm_extensions(body: dict) -> dict:
@@ -117,7 +119,7 @@ def streaming(body: dict) -> tuple[bool, bool, bool]:
 def _param_of(message: str, keys) -> str | None:
     """The field a parser message names (its messages start with it, or quote it)."""
     for key in keys:
-        if message.startswith(key + " ") or f"'{key}'" in message:
+        if message.startswith((key + " ", key + ":")) or f"'{key}'" in message:
             return key
     return None
 

@@ -73,10 +73,13 @@ class Output:
         row.last_time = now
         row.ids.append(token)
         row.pending.append(lp)
+        # Structured output: the grammar's end ends the row (finish reason "stop").
+        grammar_ended = row.grammar is not None and row.grammar.consume(token)
         eos = token == self.eos and not handle.params.ignore_eos
         if not eos:
             row.out.add(token)
-        reason = ("eos" if eos else "stop" if row.out.stopped else "length" if len(row.ids) >= row.limit else None)
+        reason = ("eos" if eos else "stop" if row.out.stopped or grammar_ended
+                  else "length" if len(row.ids) >= row.limit else None)
         if reason is None:
             piece = row.out.take()
             if piece:

@@ -25,6 +25,7 @@ class SamplingParams:
     n: int = 1  # choices
     adapter: int = 0  # the LoRA adapter its rows use (the engine's generator.lora; 0: the base model)
     ignore_eos: bool = False  # vLLM's: the row does not stop at EOS (it runs to max_tokens)
+    grammar: object = None  # structured output (structured.Grammar): what each choice must match
 
     @classmethod
     def of(cls, request: Request, adapter: int = 0) -> "SamplingParams":
@@ -35,7 +36,8 @@ class SamplingParams:
                    top_p=s.get("top_p", 1.0), top_k=s.get("top_k", 0),
                    repetition_penalty=s.get("repetition_penalty", 1.0), presence_penalty=request.presence_penalty,
                    frequency_penalty=request.frequency_penalty, seed=s.get("seed"), stop=request.stop,
-                   logprobs=request.logprobs, n=request.n, adapter=adapter, ignore_eos=request.ignore_eos)
+                   logprobs=request.logprobs, n=request.n, adapter=adapter, ignore_eos=request.ignore_eos,
+                   grammar=request.grammar)
 
     @property
     def sampling(self) -> bool:

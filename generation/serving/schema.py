@@ -89,11 +89,14 @@ class _Options(_Body):
     truncate_prompt_tokens: StrictInt | None = unsupported()
     prompt_logprobs: StrictInt | None = unsupported()
     return_tokens_as_token_ids: StrictBool | None = only(False)
-    guided_json: Union[StrictStr, dict, None] = unsupported()
-    guided_regex: StrictStr | None = unsupported()
-    guided_choice: list[StrictStr] | None = unsupported()
-    guided_grammar: StrictStr | None = unsupported()
-    response_format: dict | None = unsupported()
+    # Structured output (docs/structured-output.md): at most one of these.
+    guided_json: Union[StrictStr, dict, None] = Field(None, description="vLLM's: a JSON schema every answer follows")
+    guided_regex: StrictStr | None = Field(None, description="vLLM's: a regular expression every answer matches")
+    guided_choice: list[StrictStr] | None = Field(None, json_schema_extra={"minItems": 1},
+                                                  description="vLLM's: every answer is one of these strings")
+    guided_grammar: StrictStr | None = Field(None, description="vLLM's: a Lark or GBNF grammar every answer follows")
+    response_format: dict | None = Field(None, description='OpenAI\'s: {"type": "text" | "json_object"} or '
+                                         '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
 
 
 class CompletionBody(_Options):
