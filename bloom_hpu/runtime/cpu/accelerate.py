@@ -289,13 +289,12 @@ def widen_many_rows(model: StaticBloom, linears: list, kernels: Kernels | None) 
     """On a CPU whose bf16 products are emulated: the products of more than ``FEW_ROWS`` rows (a
     prompt) of every float linear, the head and the quantized linears as fp32 products on the weight
     widened (``WidenedProducts``, one scratch for all); the few rows of a decode keep their kernel.
+    The head takes it where it has the kernel's class (``CpuTiedHead``).
     Returns the line for the plan's description."""
     wide = WidenedProducts(kernels.int4_dequantize if kernels is not None else None)
     for linear in linears:
         linear.wide = wide
-    if not getattr(model.head, "quantized", False):
-        if not isinstance(model.head, CpuTiedHead):
-            swap(model.head, CpuTiedHead, kernel=None, few_rows_limit=0)
+    if isinstance(model.head, CpuTiedHead):  # the head's many rows: a scoring pass (a prefill's are few)
         model.head.wide = wide
     for module in quantized_products(model):
         if hasattr(module, "embeddings") and module.embeddings.qweight.dtype == torch.uint8 and module.kernel:
@@ -371,7 +370,7 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         if quantized:  # every weight quantized, each served by its kernel: the quantized one-call step
             all_kernel = all(m.kernel is not None for m in quantized)
         else:
-            all_kernel = getattr(model.head, "kernel", None) is not None and all(m.kernel is not None for m in linears)
+            all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
         if not compile_steps and model.parallel.world_size == 1 and all_kernel:
             plan.decode = OneCallDecode(model, kernels.decode_step,
                                         kernels.decode_step_quantized if quantized else None)

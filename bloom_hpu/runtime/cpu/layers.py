@@ -5,7 +5,7 @@ quantized linears): the model's own classes stay plain PyTorch.
   the weight) goes to our kernel; larger inputs (a prefill) to oneDNN, with the weight packed once
   in the layout its kernels read fastest where no kernel serves it, and with the MLP's GELU
   applied inside oneDNN's product where it can.
-* ``CpuTiedHead``: the LM head's product of a few rows through the kernel (of many, ``wide``'s).
+* ``CpuTiedHead``: the LM head's product of a few rows through the kernel (of many, ``wide``'s, if set).
 * ``OneCallPromptAttention``: a prefill's attention in one C++ call (``csrc/prompt_attention.cpp``).
 * ``WidenedProducts``: on a CPU without native bf16 products, the products of many rows (a prompt)
   over bf16, int8 and int4 weights as fp32 products on the weight widened to fp32.
