@@ -10,7 +10,8 @@ public ops, where the product, not the weight's read, is the cost.
 
 Numerics are those of the reference (``quantize.dequantized`` / ``int4.dequantized_int4``):
 
-* int8: ``(x @ q.T) * scale`` with the sum in fp32 and the row scale applied once to it;
+* int8: ``(x @ q.T) * scale`` with the sum in fp32 and the row scale applied to it in fp32, then
+  rounded once (the public ops round the sum to x's dtype first, which in fp16 can overflow);
 * int4: each weight ``q * group scale`` in fp32, cast to x's dtype, then the product, sum in fp32.
 
 The packed int4 layout (``int4.py``): in each block of 32 weights of a row (16 bytes), byte j holds
@@ -51,8 +52,10 @@ def _int8_rows(x_ptr, q_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, strid
         q = tl.load(q_ptr + cols[:, None] * stride_qn + ks[None, :],
                     mask=(cols[:, None] < N) & (ks[None, :] < K), other=0)
         acc += tl.dot(x, tl.trans(q.to(x.dtype)))
-    scale = tl.load(s_ptr + cols, mask=cols < N, other=0.0)
-    out = (acc.to(out_ptr.dtype.element_ty) * scale[None, :].to(out_ptr.dtype.element_ty))
+    # The row scale multiplies the fp32 sum before any rounding: a sum of int8 weights times
+    # activations can pass fp16's range before it is scaled down.
+    scale = tl.load(s_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    out = (acc * scale[None, :]).to(out_ptr.dtype.element_ty)
     if HAS_BIAS:
         out += tl.load(bias_ptr + cols, mask=cols < N, other=0.0)[None, :]
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out,
@@ -106,7 +109,7 @@ def quantized_rows(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                          scales.stride(0), out.stride(0), GROUP=k // scales.shape[1], HAS_BIAS=has_bias,
                          BLOCK_M=KERNEL_ROWS)
     else:
-        _int8_rows[grid](flat, q, scales.to(x.dtype), bias_arg, out, rows, n, k, flat.stride(0), q.stride(0),
+        _int8_rows[grid](flat, q, scales, bias_arg, out, rows, n, k, flat.stride(0), q.stride(0),
                          out.stride(0), HAS_BIAS=has_bias, BLOCK_M=KERNEL_ROWS, BLOCK_K=BLOCK_K)
     return out.view(*x.shape[:-1], n)
 
