@@ -29,6 +29,12 @@ REQUESTS = [
     dict(prompt="score this text", max_tokens=0, echo=True, logprobs=1),
     dict(prompt="and then", max_tokens=15, temperature=0, frequency_penalty=1.0),
     dict(prompt="x y z", max_tokens=9, temperature=0.5, seed=11),
+    # Structured output: rank 0 alone keeps the matchers; best_of > n runs on every rank's generate.
+    dict(prompt="record", max_tokens=30, temperature=0, extra_body={"guided_json": {
+        "type": "object", "properties": {"a": {"enum": ["x", "y"]}, "b": {"type": "boolean"}},
+        "required": ["a", "b"], "additionalProperties": False}}),
+    dict(prompt="pick", max_tokens=12, temperature=0.7, seed=2, n=2, extra_body={"guided_regex": "[a-z]{1,5} [0-9]{2}"}),
+    dict(prompt="best", max_tokens=8, temperature=0.9, seed=1, best_of=2, extra_body={"guided_choice": ["up", "down"]}),
     dict(prompt="the cat sat on", max_tokens=12, temperature=0, model="tuned"),
     dict(prompt="hello world", max_tokens=6, temperature=0, n=2, extra_body={"num_beams": 3}, model="tuned"),
 ]
