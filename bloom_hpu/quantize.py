@@ -115,8 +115,8 @@ def dequantized(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
     return (q.float() * scales[:, None]).to(dtype)
 
 
-# Which CPU product serves how many rows (measured on bloom-560m's weights, 2 Zen 4 cores; the
-# runtime picks, runtime/cpu/accelerate.quantized_kernel_rows): our kernel reads the int8 weight at
+# Which CPU product serves how many rows (bench/cpu_products_bench.py compares them; the runtime
+# picks, runtime/cpu/accelerate.quantized_kernel_rows): our kernel reads the int8 weight at
 # memory speed for 1-2 rows. With bf16 inputs on the AVX-512 build it widens each weight once into
 # VDPBF16PS products, and on the AVX2 build its sums fit the registers: both stay faster than
 # torch._weight_int8pack_mm up to 64 rows (INT8_KERNEL_MANY_ROWS; fewer where AMX gives oneDNN's

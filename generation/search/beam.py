@@ -82,7 +82,7 @@ def top_candidates(log_probs: torch.Tensor, running: torch.Tensor, k: int, step:
         return total.gather(1, flat), flat
     # The k best of all N*V continuations are among each beam's own k best (adding the beam's
     # score keeps a beam's order): N top-ks over V and one over N*k, instead of one over N*V,
-    # which measured 6 ms a step for 4 beams x 250880 tokens on 2 CPU cores.
+    # a top-k over a million values per prompt at every step for 4 beams of BLOOM's vocabulary.
     best, token = torch.topk(log_probs, k, dim=-1)  # [B, N, k]
     scores, pick = torch.topk((best + running[:, :, None]).view(b, n * k), k, dim=-1)
     return scores, (pick // k) * vocab + token.view(b, n * k).gather(1, pick)

@@ -26,15 +26,14 @@ from ...int4 import dequantized_int4
 from ...model import Attention, Linear, TiedHead
 from ...tp import RowParallelLinear
 
-FEW_ROWS = 16  # up to this many rows the kernel beat oneDNN on every bloom-560m shape measured
-# With AMX, oneDNN's bf16 products of more rows than this beat the kernel's AVX-512 loop (bloom-560m,
-# 16 rows: a decode step 98 ms op by op through oneDNN against 140 ms in one call of the kernel).
+FEW_ROWS = 16  # up to this many rows the kernel, which reads each weight once, beats oneDNN
+# With AMX, oneDNN's bf16 products of more rows than this beat the kernel's AVX-512 loop: oneDNN
+# multiplies on the tiles, the loop widens bf16 pairs in vector registers.
 FEW_ROWS_AMX = 8
 # The kernel's bf16 products on AMX tiles (csrc/amx_rows.h): from AMX_MIN_ROWS rows (below, its
-# AVX-512 loop is as fast), up to AMX_TILE_ROWS rows. One pass over bloom-560m's weights on 2
-# Sapphire Rapids cores (bench/cpu_products_bench.py, two runs): at 16 rows 46-51 ms, against
-# 95-101 for oneDNN and 162-217 for the AVX-512 loop; at 80 rows 106-212 against oneDNN's 139-300;
-# at 128 rows 247-299 against 176: there oneDNN wins.
+# AVX-512 loop is as fast: the tiles' set-up costs what a few rows save), up to AMX_TILE_ROWS rows,
+# past which oneDNN's blocking of many rows wins (bench/cpu_products_bench.py times each choice;
+# docs/performance.md gives the figures).
 AMX_MIN_ROWS = 4
 AMX_TILE_ROWS = 80
 # The most fp32 weights one panel of ``WidenedProducts`` holds (64 MiB): every weight of bloom-560m to
