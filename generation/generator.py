@@ -37,6 +37,7 @@ from .search.sampling import UniformKernel, checked_uniform_kernel, repeat_rows,
 from .search.stopping import StopChecker, stops_per_prompt
 from .search.token_loop import FINISH_REASONS, LoopHooks, run_token_loop
 from .structured import FIELDS as GRAMMAR_FIELDS, Grammar, GrammarRows, for_tokenizer, grammar_from_fields
+from .structured import options_grammar
 from .validate import (check_against_model, check_call, check_checkpoint, check_dtype, check_memory,
                        load_tokenizer, rows_per_prompt)
 
@@ -193,6 +194,8 @@ class Generator:
         if grammar is not None:
             grammar_each = [grammar] * len(prompts)
         opts = self.options(options, **kwargs)
+        if grammar is None and grammar_each is None:
+            grammar_each = options_grammar(opts, len(prompts))
         self.backend.check_static(opts.static_shapes)
         stops = stops_per_prompt(stop, len(prompts))
         self.check_fits(prompts, opts)

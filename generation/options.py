@@ -87,6 +87,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("use_graphs", bool, True, "capture steps as HPU/CUDA graphs and replay them"),
     Option("use_kv_cache", bool, True, "reuse keys/values of earlier tokens (false: recompute the whole sequence each step)"),
     Option("bucket_width", int, 0, "pad prompts and size the cache/attention window in multiples of this (0: off)"),
+    # Structured output (docs/structured-output.md); the library's generate also takes them as objects.
+    Option("guided_json", str, None, "every answer follows the JSON schema in this file"),
+    Option("guided_regex", str, None, "every answer matches this regular expression (no commas: they separate options)"),
+    Option("guided_choice", str, None, "every answer is one of these |-separated strings"),
+    Option("guided_grammar", str, None, "every answer follows the Lark or GBNF grammar in this file"),
 )
 OPTIONS_BY_NAME = {o.name: o for o in OPTIONS}
 # The range of each numeric option (an integer option also stays at most MAX_INT).
@@ -143,6 +148,10 @@ class GenerationOptions:
     use_graphs: bool = True
     use_kv_cache: bool = True
     bucket_width: int = 0
+    guided_json: str | None = None
+    guided_regex: str | None = None
+    guided_choice: str | None = None
+    guided_grammar: str | None = None
     # Typed keys we do not know, kept for the vanilla (transformers) path only.
     extra: dict = field(default_factory=dict, compare=False)
 

@@ -151,6 +151,27 @@ def grammar_from_fields(**fields) -> Grammar | None:
     return Grammar(field, llguidance.LLMatcher.grammar_from_lark(text))
 
 
+def options_grammar(opts, prompts: int) -> "list[Grammar | None] | None":
+    """The grammar ``--options`` asks for (``guided_json``/``guided_grammar``: a file;
+    ``guided_regex``; ``guided_choice``: |-separated), for each of ``prompts``, or None."""
+    from pathlib import Path
+
+    given = {name: getattr(opts, name) for name in FIELDS[1:] if getattr(opts, name, None) is not None}
+    if not given:
+        return None
+    fields = {}
+    for name, value in given.items():
+        if name in ("guided_json", "guided_grammar"):
+            try:
+                value = Path(value).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as error:
+                raise GrammarError(name, f"cannot read {value!r}: {getattr(error, 'strerror', None) or error}") from None
+        elif name == "guided_choice":
+            value = value.split("|")
+        fields[name] = value
+    return [grammar_from_fields(**fields)] * prompts
+
+
 class Compiler:
     """Grammars against one tokenizer (``batch.BloomTokenizer``; ``vocab_size``: the model's,
     which may pad the tokenizer's: padding tokens are never allowed)."""

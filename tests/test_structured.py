@@ -223,3 +223,24 @@ def test_request_file_lines_with_constraints(generator, tmp_path):
     jsonschema.validate(json.loads(text(8)), BOUNDED[1])
     assert records[2]["result"]["choices"][0]["text"] == generator.generate(["Hello"], max_new_tokens=8,
                                                                              ignore_eos=False)[0].text
+
+
+def test_cli_options(tmp_path):
+    """--options: guided_json names a schema file; a bad constraint is one error line, exit 1."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "schema.json").write_text(json.dumps(BOUNDED[1]))
+
+    def run(options: str):
+        return subprocess.run([sys.executable, str(root / "bloom.py"), "--device", "cpu", "--max_length", "48",
+                               "--quiet", "--options", options, "Hello"], capture_output=True, text=True, timeout=120)
+
+    ok = run(f"guided_json={tmp_path / 'schema.json'},!ignore_eos")
+    assert ok.returncode == 0, ok.stderr
+    jsonschema.validate(json.loads(ok.stdout.strip()), BOUNDED[1])
+    bad = run("guided_regex=[0-9")
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: guided_regex:")
