@@ -153,8 +153,8 @@ class Generator:
     @functools.cached_property
     def noise_kernel(self) -> UniformKernel | None:
         """The CPU kernels' sampling noise where this generator's runtime loaded them (the same
-        bits as ``sampling.uniform``, checked once; 250 ms a step less for 16 rows of BLOOM's
-        vocabulary on 2 cores), else None: on a card the noise stays PyTorch's operations."""
+        bits as ``sampling.uniform``, checked once; one pass over the [rows, vocabulary] noise where
+        PyTorch's operations make several), else None: on a card the noise stays PyTorch's operations."""
         plan = self.backend.cpu_plan
         if plan is None or plan.kernels is None:
             return None

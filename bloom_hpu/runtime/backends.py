@@ -119,7 +119,7 @@ class Backend:
                 # dynamic=False: one specialised graph per shape, as on the accelerators. On CPU,
                 # freezing (weights as constants, prepacked for oneDNN) and a C++ wrapper (less
                 # host time per kernel) are what make it pay off: without them the compiled step
-                # measured slower than eager (tiny and bloom-560m bf16 alike).
+                # is slower than eager.
                 options = {"freezing": True, "cpp_wrapper": True} if self.device.type == "cpu" else None
                 fn = step.__dict__["compiled"] = torch.compile(step, dynamic=False, fullgraph=True, options=options)
             return fn(*inputs)

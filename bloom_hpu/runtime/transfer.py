@@ -14,7 +14,8 @@ import torch
 
 
 def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``host`` (a CPU tensor) on ``device``; on CUDA without a host sync (measured on an H100). On
+    """``host`` (a CPU tensor) on ``device``; on CUDA without a host sync (pinned memory, a
+    non-blocking copy). On
     a Gaudi a plain copy: pinned memory there has not been tried on a card."""
     device = torch.device(device)
     if device.type == "cpu":

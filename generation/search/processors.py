@@ -93,7 +93,7 @@ def top_k(scores: torch.Tensor, k: int | torch.Tensor, min_keep: int, most: int 
     """Keep the ``k`` best tokens of each row. ``k``: one int, or [R] per row where 0 keeps all.
     ``most``, with a per-row k: the largest k among the rows whose result is used, known on the host.
     Their k-th values then come from one top-k of that many, not a sort of the whole vocabulary (the
-    same values: 16 rows of BLOOM's vocabulary take ~200 ms to sort on 2 cores); a row whose k is
+    same values, without sorting a quarter of a million tokens per row); a row whose k is
     larger gets a threshold that means nothing, so its result must go unused."""
     vocab = scores.shape[-1]
     if isinstance(k, int):

@@ -240,23 +240,21 @@ def quantized_kernel_rows(isa: str, dtype: torch.dtype, amx: bool, int4: bool) -
     return INT8_KERNEL_MANY_ROWS if isa == "avx2" else INT8_KERNEL_ROWS
 
 
-# int4's kernel against the weight dequantized into scratch memory and multiplied by oneDNN (2 Zen 4
-# cores, bloom-560m's shapes): on the AVX-512 build oneDNN's products win past 16 rows in bf16 and
-# past 32 in fp32; on the AVX2 build (no bf16 products of its own for oneDNN) the kernel is faster
-# or level at every size measured (128 rows).
+# int4's kernel against the weight dequantized into scratch memory and multiplied by oneDNN: the
+# kernel reads the packed weight once, oneDNN's products block many rows better, so on the AVX-512
+# build oneDNN wins past 16 rows in bf16 and past 32 in fp32; on the AVX2 build oneDNN has no bf16
+# products of its own and the kernel keeps every size (bench/cpu_products_bench.py compares them).
 INT4_KERNEL_BF16_ROWS = 16
 INT4_KERNEL_FLOAT_ROWS = 32
 INT4_KERNEL_ANY_ROWS = 1 << 30
 
 
-# The server's mixed step as one call against op by op (16 rows plus 8 to 64 prompt tokens; 2 Zen 4
-# cores, bloom-560m): 18-53% less time in bf16 and fp32 at every size, 75% less on the AVX2 build (whose
-# bf16 products oneDNN emulates): past 16 rows the kernel loses to oneDNN less than the op-by-op step
-# spends on dispatch and copies. Over int8 and int4 weights, up to 48 tokens, it took 3-43% less in 9
-# of 10 timings (the tenth, int8 at 32 tokens, 4% more); at 80 tokens 15% less to 2% more (int8) and
-# 7-16% more (int4, whose many-row products op by op are oneDNN's on the dequantized weight). Where
-# the kernel serves fewer rows than 16 (AMX's oneDNN, int8 in fp32), the mixed step keeps the decode
-# step's limit. The limits count the tokens the one call computes (``computed_tokens``).
+# The server's mixed step as one call against op by op: past 16 rows the kernel's products lose to
+# oneDNN's by less than the op-by-op step spends on dispatch and copies, up to these many tokens
+# (fewer over int8 and int4 weights, whose many-row products op by op are oneDNN's on the
+# dequantized weight, which gains on the kernel sooner). Where the kernel serves fewer rows than 16
+# (AMX's oneDNN, int8 in fp32), the mixed step keeps the decode step's limit. The limits count the
+# tokens the one call computes (``computed_tokens``); docs/performance.md gives the timings.
 MIXED_ROWS = 80
 MIXED_ROWS_QUANTIZED = 48
 
@@ -280,8 +278,9 @@ class DequantizeScratch:
 
 
 # With the fp32 products of many rows (``widen_many_rows``), the int8 and int4 kernels serve up to
-# this many rows (a decode's, as before), the widened weight's fp32 products the rest: on the AVX2
-# build, 32 rows and more of bloom-560m's linears took less time widened than in either kernel.
+# this many rows (a decode's, as before), the widened weight's fp32 products the rest: past a few
+# tens of rows a real fp32 GEMM over the widened weight outruns kernels that widen weights one
+# vector at a time.
 WIDE_QUANTIZED_KERNEL_ROWS = FEW_ROWS
 
 
