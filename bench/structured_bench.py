@@ -97,6 +97,7 @@ def step(args) -> None:
         for name in names[r % len(names):] + names[: r % len(names)]:
             ms, steps[name] = per_step(variants[name])
             times[name].append(ms)
+    mask_ms = mask_time(per_step, variants["every row"])
     print(f"# {machine()}; {args.config} {args.dtype}, {args.rows} rows, up to {args.new_tokens} new tokens; "
           f"load {os.getloadavg()[0]:.2f}")
     base = statistics.median(times["no constraint"])
@@ -104,6 +105,8 @@ def step(args) -> None:
         ms = statistics.median(times[name])
         print(f"{name:<14} {ms:8.1f} ms/step (first to last token of {steps[name]})  "
               f"x{ms / base:.3f}")
+    print(f"the mask alone, every row: {mask_ms:.1f} ms/step (matchers {args.rows} rows + applying it), "
+          f"{100 * mask_ms / base:.1f}% of an unconstrained step")
 
     def first_token(**extra) -> float:
         runs = []
@@ -116,6 +119,33 @@ def step(args) -> None:
     plain, constrained = first_token(), first_token(guided_json=NESTED_SCHEMA)
     print(f"time to first token: {plain:.1f} ms without a schema, {constrained:.1f} ms with a repeated one "
           f"(+{constrained - plain:.1f} ms)")
+
+
+def mask_time(per_step, grammars) -> float:
+    """ms per step spent in the mask itself (the matchers taking the last tokens and filling the
+    bitmask, its copy, and its application to the scores), timed inside a generate call."""
+    from generation.search import choose
+
+    spent, real_masks, real_allow = [], choose.GrammarSteps.masks, choose.allow
+
+    def timed(function):
+        def run(*args):
+            start = time.perf_counter()
+            out = function(*args)
+            spent.append(time.perf_counter() - start)
+            return out
+        return run
+
+    choose.GrammarSteps.masks, choose.allow = timed(real_masks), timed(real_allow)
+    try:
+        runs = []
+        for _ in range(3):
+            spent.clear()
+            _, steps = per_step(grammars)
+            runs.append(sum(spent) * 1000 / steps)
+    finally:
+        choose.GrammarSteps.masks, choose.allow = real_masks, real_allow
+    return statistics.median(runs)
 
 
 def main() -> None:
