@@ -83,10 +83,13 @@ class GrammarSteps:
     def __init__(self, rows: GrammarRows):
         self.rows = rows
         self.pending: torch.Tensor | None = None
+        self.copied = None  # CUDA: the event that ends the token's copy to the host
         self.ended = torch.zeros(len(rows.matchers), dtype=torch.bool, device=rows.device)
 
     def masks(self) -> torch.Tensor:
         if self.pending is not None:
+            if self.copied is not None:  # the copy only, which the device did before the decode
+                self.copied.synchronize()
             ended = self.rows.advance(self.pending.tolist())
             if ended:
                 self.ended[ended] = True
@@ -94,7 +97,13 @@ class GrammarSteps:
         return self.rows.masks()
 
     def chose(self, token: torch.Tensor) -> torch.Tensor:
-        self.pending = token.to("cpu", non_blocking=True)
+        self.copied = None
+        if token.device.type == "cuda":  # an asynchronous copy, its end an event: the decode is not waited for
+            self.pending = token.to("cpu", non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:  # the CPU: the token itself; a Gaudi: a plain copy (its asynchronous copies are untried here)
+            self.pending = token.to("cpu")
         return token
 
 
