@@ -75,6 +75,10 @@ class VanillaGenerator:
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise InputError("no prompts to generate from")
+        asked = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(opts, name, None) is not None]
+        if asked:  # transformers' generate here has no grammar: refused, not silently ignored
+            raise InputError(f"{asked[0]} (structured output) runs in --mode optimized only")
         self.check_fits(prompts, opts)
         start = time.perf_counter()
         ids = self.tokenizer.encode_batch(prompts)

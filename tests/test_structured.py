@@ -244,3 +244,13 @@ def test_cli_options(tmp_path):
     bad = run("guided_regex=[0-9")
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("error: guided_regex:")
+
+
+def test_vanilla_mode_refuses_structured_output_in_one_line(capsys):
+    """transformers' generate (--mode vanilla) has no grammar: the field is refused, not ignored."""
+    import bloom
+
+    assert bloom.main(["--mode", "vanilla", "--options", "guided_choice=yes|no", "Is it?"]) == 1
+    err = capsys.readouterr().err
+    assert "error: guided_choice (structured output) runs in --mode optimized only" in err
+    assert "Traceback" not in err
