@@ -72,12 +72,14 @@ class PrefixCache:
         self.fixed_copy_shapes = fixed_copy_shapes
         self.device = torch.device(device)
         flat = capacity * heads * block
+        # Uninitialised: a block is read only after it was written (a padded copy repeats a real
+        # one), and on a CPU the pages of a large empty tensor are taken only as blocks are written.
         if per_layer:
-            self.keys = tuple(torch.zeros(flat, head_dim, dtype=dtype, device=device) for _ in range(n_layer))
-            self.values = tuple(torch.zeros(flat, head_dim, dtype=dtype, device=device) for _ in range(n_layer))
+            self.keys = tuple(torch.empty(flat, head_dim, dtype=dtype, device=device) for _ in range(n_layer))
+            self.values = tuple(torch.empty(flat, head_dim, dtype=dtype, device=device) for _ in range(n_layer))
         else:
-            self.keys = torch.zeros(n_layer, flat, head_dim, dtype=dtype, device=device)
-            self.values = torch.zeros(n_layer, flat, head_dim, dtype=dtype, device=device)
+            self.keys = torch.empty(n_layer, flat, head_dim, dtype=dtype, device=device)
+            self.values = torch.empty(n_layer, flat, head_dim, dtype=dtype, device=device)
         self.per_layer = per_layer
         self._blocks: OrderedDict[bytes, int] = OrderedDict()  # digest -> block, least recently used first
         self._free = list(range(capacity - 1, -1, -1))
