@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bloom_hpu.runtime.prefixed import cacheable, rest_bucket
+from bloom_hpu.runtime.prefixed import cacheable, copy_held, rest_bucket
 from bloom_hpu.runtime.steps import step_input
 
 POSITIONS_PER_SLICE = 64  # positions whose [rows, slice, vocab] logits exist at once
@@ -127,16 +127,7 @@ def _cached_starts(runner, rows: list[list[int]], wanted_from: list[int], cache)
     # Token t is scored from the hidden state at t - 1, which must be computed.
     limits = [min(cacheable(len(row), pool.block), max(0, first - 1) // pool.block * pool.block)
               for row, first in zip(rows, wanted_from)]
-    namespace = runner.prefix_namespace
-    found = [pool.peek(row, namespace, limit) for row, limit in zip(rows, limits)]
-    longest_rest = max(len(row) - n for row, n in zip(rows, found))
-    if not any(found) or rest_bucket(longest_rest, cache.length) >= cache.length:
-        return None
-    blocks = [pool.match(row, namespace, n, count=False) for row, n in zip(rows, found)]
-    pool.copy_into(cache, [(r, i, j) for r, chain in enumerate(blocks) for i, j in enumerate(chain)],
-                   pad_to=len(rows) * (cache.length // pool.block))
-    runner.backend.mark_step()
-    return [len(chain) * pool.block for chain in blocks]
+    return copy_held(runner, cache, rows, limits, cache.length, runner.prefix_namespace, count=False)
 
 
 def _scores_of(logits: torch.Tensor, targets: torch.Tensor, top_k: int):

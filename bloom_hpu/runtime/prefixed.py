@@ -62,25 +62,37 @@ def prefill_with_prefixes(runner, input_ids: torch.Tensor, lengths: torch.Tensor
     prompt_len = input_ids.shape[1]
     _compute_shared_prefixes(runner, prompt_ids, prompt_len, namespace)
     limits = [cacheable(len(ids), pool.block) for ids in prompt_ids]
-    found = [pool.peek(ids, namespace, limit) for ids, limit in zip(prompt_ids, limits)]
-    rest = rest_bucket(max(len(ids) - n for ids, n in zip(prompt_ids, found)), prompt_len)
-    if not any(found) or rest >= prompt_len:
+    starts = copy_held(runner, cache, prompt_ids, limits, prompt_len, namespace)
+    if starts is None:
         for ids in prompt_ids:
             pool.match(ids, namespace, 0)  # counted as a lookup that found nothing used
         logits = runner.prefill(input_ids, lengths, cache)
         starts = [0] * len(prompt_ids)
     else:
-        blocks = [pool.match(ids, namespace, n) for ids, n in zip(prompt_ids, found)]
-        pool.copy_into(cache, [(row, i, j) for row, chain in enumerate(blocks) for i, j in enumerate(chain)],
-                       pad_to=len(prompt_ids) * (prompt_len // pool.block))
-        runner.backend.mark_step()  # the copy is a lazy graph of its own, whatever follows it
-        starts = [len(chain) * pool.block for chain in blocks]
+        rest = rest_bucket(max(len(ids) - start for ids, start in zip(prompt_ids, starts)), prompt_len)
         logits = _extend(runner, prompt_ids, starts, rest, cache)
     for row, ids in enumerate(prompt_ids):
         pool.store(cache, row, ids, len(ids), namespace, pad_to=prompt_len // pool.block)
         runner.backend.mark_step()
     pool.stats.per_call = starts
     return logits
+
+
+def copy_held(runner, cache: KVCache, rows: list[list[int]], limits: list[int], span: int, namespace: str,
+              count: bool = True) -> list[int] | None:
+    """Copy into row r of ``cache`` the blocks the pool holds of ``rows[r]`` (at most ``limits[r]``
+    tokens), for rests padded below ``span``: the slots copied per row, or None (nothing copied)
+    when the pool holds nothing of them or the longest rest would need a whole ``span`` anyway.
+    ``count``: the lookups go into the pool's stats."""
+    pool = runner.prefix
+    found = [pool.peek(ids, namespace, limit) for ids, limit in zip(rows, limits)]
+    if not any(found) or rest_bucket(max(len(ids) - n for ids, n in zip(rows, found)), span) >= span:
+        return None
+    blocks = [pool.match(ids, namespace, n, count=count) for ids, n in zip(rows, found)]
+    pool.copy_into(cache, [(row, i, j) for row, chain in enumerate(blocks) for i, j in enumerate(chain)],
+                   pad_to=len(rows) * (span // pool.block))
+    runner.backend.mark_step()  # the copy is a lazy graph of its own, whatever follows it
+    return [len(chain) * pool.block for chain in blocks]
 
 
 def _extend(runner, prompt_ids: list[list[int]], starts: list[int], rest: int, cache: KVCache) -> torch.Tensor:
@@ -110,16 +122,12 @@ def _compute_shared_prefixes(runner, prompt_ids: list[list[int]], prompt_len: in
         if pool.peek(ids, namespace) >= upto:
             continue
         one = runner.cache(1, prompt_len)
-        held = pool.match(ids, namespace, cacheable(upto, pool.block), count=False)
-        pool.copy_into(one, [(0, i, j) for i, j in enumerate(held)], pad_to=prompt_len // pool.block)
-        runner.backend.mark_step()
-        start = len(held) * pool.block
-        rest = rest_bucket(upto - start, prompt_len)
-        if start == 0 and rest >= prompt_len:
+        held = copy_held(runner, one, [ids], [cacheable(upto, pool.block)], prompt_len, namespace, count=False)
+        if held is None:  # nothing held, or a rest as long as the prompt: the prefix alone, prefilled
             padded = ids + [PAD] * (prompt_len - upto)
             runner.prefill(host_to_device(torch.tensor([padded], dtype=torch.long), one.slots.device),
                            host_to_device(torch.tensor([upto], dtype=torch.long), one.slots.device), one)
         else:
-            _extend(runner, [ids], [start], rest, one)
+            _extend(runner, [ids], held, rest_bucket(upto - held[0], prompt_len), one)
         pool.store(one, 0, ids, upto, namespace, pad_to=prompt_len // pool.block)
         runner.backend.mark_step()
