@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 # Kernel builds, fastest first, and the CPU flags each needs.
 KERNEL_ISAS = {
-    "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma", "f16c"),
+    "avx512_bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "fma", "f16c"),
     "avx2": ("avx2", "fma", "f16c"),
 }
 ISA_NAMES = {"avx512_bf16": "AVX512-BF16", "avx512": "AVX-512", "avx2": "AVX2", "other": "no AVX2"}

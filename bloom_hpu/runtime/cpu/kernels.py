@@ -13,6 +13,9 @@ The operators, the same sources compiled for each ISA into its own library and n
 * ``int8_rows_linear`` / ``int4_rows_linear``: products of a few rows with a quantized weight
   (``bloom_hpu/quantize.py``), and ``int4_dequantize``, an int4 weight as floats for many rows;
   ``decode_step_quantized``: the decode step over quantized weights;
+* ``block_q8_quantize(x)`` and ``block_q8_linear(x, q, scales, bias)``: the integer products
+  (``bloom_hpu/int8_activations.py``): x rounded to int8 per block of 32 values, multiplied by an
+  int8 or int4 weight with integer dot products (``csrc/block_q8.h``);
 * ``counter_uniform(base [R], n)``: the uniform noise of sampled search
   (``generation/search/sampling.py``), bit for bit, in one pass instead of some forty.
 
@@ -36,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ...int4 import dequantized_int4
+from ...int8_activations import block_product, quantize_blocks
 from .build import BuildError, Recipe, load_library
 from .capability import ISA_NAMES
 
@@ -43,7 +47,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("few_rows_linear.cpp", "decode_step.cpp", "prompt_attention.cpp",
                                     "quantized_linear.cpp", "sampling_noise.cpp")]
 FLAGS = {
-    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mf16c", "-DBLOOM_ISA_AVX512"],
+    "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c",
+                    "-DBLOOM_ISA_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DBLOOM_ISA_AVX2"],
 }
 # The AVX-512 build also holds the AMX product (csrc/amx_rows.h), used only once enabled on a CPU
@@ -72,6 +77,8 @@ class Kernels:
     decode_step_quantized: Callable  # decode_step over int8 or int4 weights and their scales
     enable_amx: Callable  # (min_rows) -> the limit in force: bf16 products of that many rows on AMX (0: off)
     counter_uniform: Callable  # (base int64 [R], n) -> [R, n] float32: sampling.py's uniform noise
+    block_q8_quantize: Callable  # (x [..., K]) -> (xq int8 [..., K], d fp32 [..., K / 32]): quantize_blocks
+    block_q8_linear: Callable  # (x, q int8 [N, K] or uint8 [N, K / 2], scales, bias): block_product
 
 
 _built: dict[str, Kernels | KernelsUnavailable] = {}
@@ -122,7 +129,7 @@ def _build_and_probe(isa: str) -> Kernels:
     try:
         kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention, ops.int8_rows_linear,
                           ops.int4_rows_linear, ops.int4_dequantize, ops.decode_step_quantized, ops.enable_amx,
-                          ops.counter_uniform)
+                          ops.counter_uniform, ops.block_q8_quantize, ops.block_q8_linear)
     except AttributeError as error:  # a library built from other sources
         raise KernelsUnavailable(f"were built without their operators ({error})") from None
     _register_fake(namespace)
@@ -142,6 +149,14 @@ def _register_fake(namespace: str) -> None:
         return x.new_empty(*x.shape[:-1], q.shape[0])
 
     @torch.library.register_fake(f"{namespace}::int4_rows_linear")
+    def _(x, q, scales, bias):
+        return x.new_empty(*x.shape[:-1], q.shape[0])
+
+    @torch.library.register_fake(f"{namespace}::block_q8_quantize")
+    def _(x):
+        return x.new_empty(x.shape, dtype=torch.int8), x.new_empty(*x.shape[:-1], x.shape[-1] // 32, dtype=torch.float32)
+
+    @torch.library.register_fake(f"{namespace}::block_q8_linear")
     def _(x, q, scales, bias):
         return x.new_empty(*x.shape[:-1], q.shape[0])
 
@@ -179,3 +194,13 @@ def _probe(kernels: Kernels) -> None:
         if not torch.equal(weight, dequantized_int4(packed, group_scales)) or \
                 not torch.allclose(got, F.linear(x.float(), weight), rtol=2e-2, atol=0.1):
             raise KernelsUnavailable(f"the int4 probe call gave wrong {dtype} products")
+        try:
+            rounded = kernels.block_q8_quantize(x)
+            got8 = kernels.block_q8_linear(x, q, scales, None).float()
+            got4 = kernels.block_q8_linear(x, packed, group_scales, None).float()
+        except RuntimeError as error:
+            raise KernelsUnavailable(f"the integer probe call failed ({str(error).splitlines()[0]})") from None
+        if not all(map(torch.equal, rounded, quantize_blocks(x))) or \
+                not torch.allclose(got8, block_product(x, q, scales, None).float(), rtol=2e-2, atol=0.1) or \
+                not torch.allclose(got4, block_product(x, packed, group_scales, None).float(), rtol=2e-2, atol=0.1):
+            raise KernelsUnavailable(f"the integer probe call gave wrong {dtype} products")

@@ -1,10 +1,12 @@
 // The operators over quantized weights (torch.ops.<BLOOM_OPS>.*): int8_rows_linear and int4_rows_linear,
 // products of a few rows with an int8 or a packed int4 weight, and int4_dequantize, an int4 weight as
-// floats for products of many rows. The kernels, and why they are fast, are in int8_rows.h and
-// int4_rows.h (the int4 layout too).
+// floats for products of many rows; block_q8_quantize and block_q8_linear, the integer products (the
+// input rounded to int8 per block of 32, bloom_hpu/int8_activations.py). The kernels, and why they
+// are fast, are in int8_rows.h, int4_rows.h (the int4 layout too) and block_q8.h.
 
 #include <torch/library.h>
 
+#include "block_q8.h"
 #include "dtypes.h"
 #include "int4_rows.h"
 #include "int8_rows.h"
@@ -83,16 +85,66 @@ void int4_dequantize(const at::Tensor& q, const at::Tensor& scales, at::Tensor o
   });
 }
 
+// (xq int8 [..., K], d fp32 [..., K / 32]) of x [..., K]: int8_activations.quantize_blocks, bit for bit.
+std::tuple<at::Tensor, at::Tensor> block_q8_quantize(const at::Tensor& input) {
+  TORCH_CHECK(input.dim() >= 1, "block_q8_quantize: x [..., K]");
+  const int64_t K = input.size(-1);
+  TORCH_CHECK(K > 0 && K % bloom_cpu::kQ8Block == 0, "block_q8_quantize: K must be a positive multiple of 32, not ", K);
+  const at::Tensor x = input.contiguous();
+  auto xq = at::empty(input.sizes(), input.options().dtype(at::kChar));
+  std::vector<int64_t> sizes = input.sizes().vec();
+  sizes.back() = K / bloom_cpu::kQ8Block;
+  auto d = at::empty(sizes, input.options().dtype(at::kFloat));
+  bloom_cpu::with_element_type(input.scalar_type(), "block_q8_quantize", [&](auto zero) {
+    using T = decltype(zero);
+    bloom_cpu::block_q8_quantize<T>(x.data_ptr<T>(), x.numel() / K, K, xq.data_ptr<int8_t>(), d.data_ptr<float>());
+  });
+  return {xq, d};
+}
+
+// x [..., K] @ weight^T (+ bias) -> [..., N] in x's dtype, x rounded to int8 per block of 32:
+// int8 q [N, K] with scales [N], or packed int4 q [N, K / 2] with scales [N, K / G].
+at::Tensor block_q8_linear(const at::Tensor& input, const at::Tensor& q, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& bias) {
+  const char* op = "block_q8_linear";
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && (q.scalar_type() == at::kChar || q.scalar_type() == at::kByte), op,
+              ": a contiguous int8 weight [N, K] or packed int4 weight (uint8 [N, K / 2])");
+  const bool int4 = q.scalar_type() == at::kByte;
+  const int64_t N = q.size(0), K = int4 ? 2 * q.size(1) : q.size(1);
+  TORCH_CHECK(K > 0 && K % bloom_cpu::kQ8Block == 0, op, ": K must be a positive multiple of 32, not ", K);
+  int64_t G = K;
+  if (int4) {
+    G = checked_group(q, scales, op);
+  } else {
+    TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.numel() == N && scales.is_contiguous(),
+                op, ": fp32 scales [N] for an int8 weight");
+  }
+  return rows_product(op, input, N, K, bias, [&](auto zero, const auto* x, int64_t M, const auto* b, auto* out) {
+    using T = decltype(zero);
+    if (int4) {
+      bloom_cpu::block_q8_linear<bloom_cpu::Q8Weight::kInt4, T>(x, M, q.data_ptr<uint8_t>(), scales.data_ptr<float>(), N,
+                                                                K, G, b, out);
+    } else {
+      bloom_cpu::block_q8_linear<bloom_cpu::Q8Weight::kInt8, T>(
+          x, M, reinterpret_cast<const uint8_t*>(q.data_ptr<int8_t>()), scales.data_ptr<float>(), N, K, G, b, out);
+    }
+  });
+}
+
 }  // namespace
 
 BLOOM_LIBRARY_FRAGMENT(BLOOM_OPS, m) {
   m.def("int8_rows_linear(Tensor x, Tensor q, Tensor scales, Tensor? bias) -> Tensor");
   m.def("int4_rows_linear(Tensor x, Tensor q, Tensor scales, Tensor? bias) -> Tensor");
   m.def("int4_dequantize(Tensor q, Tensor scales, Tensor(a!) out) -> ()");
+  m.def("block_q8_quantize(Tensor x) -> (Tensor, Tensor)");
+  m.def("block_q8_linear(Tensor x, Tensor q, Tensor scales, Tensor? bias) -> Tensor");
 }
 
 BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {
   m.impl("int8_rows_linear", &int8_rows_linear);
   m.impl("int4_rows_linear", &int4_rows_linear);
   m.impl("int4_dequantize", &int4_dequantize);
+  m.impl("block_q8_quantize", &block_q8_quantize);
+  m.impl("block_q8_linear", &block_q8_linear);
 }

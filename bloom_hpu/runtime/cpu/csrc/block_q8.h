@@ -1,0 +1,514 @@
+// Integer products ("block Q8", bloom_hpu/int8_activations.py): the input of a product rounded to
+// int8 per block of 32 values of a row, then multiplied by an int8 or int4 weight with integer dot
+// products. The operators block_q8_quantize and block_q8_linear (quantized_linear.cpp) use it.
+//
+//   y[i, j] = sum_b d[i, b] * s[j, b] * (sum_{k in block b} xq[i, k] * q[j, k]) + bias[j]
+//
+// x [M, K] (K % 32 == 0) is rounded once per call (quantize_block: bit for bit the public op's
+// arithmetic), into scratch memory in the form the product below reads. Weights: int8 q [N, K] at
+// row scales s [N], or int4 packed [N, K / 2] (int4.py's layout: in each block of 32 weights, byte j
+// holds weight j's v in its low nibble and weight j + 16's in its high one; q = v - 8) at group
+// scales [N, K / G].
+//
+// Why it is fast: a block's integer dot for V output columns (V = 16 on AVX-512, 8 on AVX2) is
+// accumulated in the V lanes of one vector, so that the only float work per block is one conversion
+// and one or two multiplies per (input row, V columns), and no horizontal sum is ever taken. For
+// that the weights of V columns are repacked on the fly, a block at a time, into a panel in which 4
+// consecutive k of the V columns sit in one vector ([block][k / 4][column][4 bytes]): each 4 inputs
+// of a row are broadcast (one load) and multiplied into all V columns by one instruction. The panel
+// of a few columns is packed once per call (vector transposes, no gathers) and then read from the
+// cache for every input row, so the packing is paid once per weight byte however many rows there
+// are; at one row it costs less than reading the weight from memory, so one path serves decode and
+// prompts. Work is split over OpenMP threads by column tiles (and by row chunks where there are too
+// few column tiles), each a register tile of R input rows x C vectors of columns.
+//
+// The integer dots, per ISA:
+// * AVX-512 (VNNI): VPDPBUSD multiplies unsigned bytes by signed ones into int32 lanes, 64 products
+//   an instruction. The input is stored as xq + 128 (unsigned), the weight signed (int4: v - 8,
+//   unpacked in the panel), and the 128 * sum of a block's weights, computed while packing, starts
+//   each block's sums negated, so the sums are exact.
+// * AVX2, int4 weights: VPMADDUBSW multiplies the unsigned nibbles v (0..15) by the signed xq into
+//   int16 pair sums of at most 2 * 15 * 127; eight such sums still fit int16, so a whole block is
+//   summed in int16 and widened once (VPMADDWD by ones). The 8 of v - 8 comes off as 8 * the
+//   block's sum of xq, computed at quantization, once per row and block.
+// * AVX2, int8 weights: two int8 products of up to 127 * 127 cannot share an int16 lane, and the
+//   sign trick (|x| times w with x's sign) costs an instruction per product vector; instead input
+//   and weight are widened to int16 (the input once per call, the weight in the panel) and VPMADDWD
+//   multiplies pairs straight into int32, 16 products an instruction.
+
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "vec16.h"
+
+BLOOM_CPU_BEGIN
+
+constexpr int64_t kQ8Block = 32;  // values per block of the input (and of an int4 weight's packing)
+
+// ---------------------------------------------------------------------------------------------
+// Quantization of the input.
+
+// 16 integral fp32 lanes in [-127, 127] as 16 int8.
+#if defined(BLOOM_ISA_AVX512)
+inline __m128i int8_of(Vec16 v) { return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v.v)); }
+#else
+inline __m128i int8_of(Vec16 v) {
+  // packs works within 128-bit halves: lo 0-3, hi 0-3 | lo 4-7, hi 4-7; the shuffle restores the order.
+  const __m256i words = _mm256_packs_epi32(_mm256_cvtps_epi32(v.lo), _mm256_cvtps_epi32(v.hi));
+  const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+  return _mm_shuffle_epi8(bytes, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15));
+}
+#endif
+
+// One block of 32 values rounded as int8_activations.quantize_blocks rounds it: xq [32] written,
+// the scale d returned, *sum set to the sum of xq. The inverse is computed as the reference's
+// public ops compute it (PyTorch's `127 / t` is reciprocal(t) * 127: two roundings), so that xq
+// is bit for bit the same.
+template <typename T>
+inline float quantize_block(const T* x, int8_t* xq, int32_t* sum) {
+  const Vec16 a = load16(x), b = load16(x + 16);
+  const Vec16 zero = zero16();
+  const float amax = reduce_max(max16(max16(a, zero - a), max16(b, zero - b)));
+  const float inverse = amax > 0.0f ? (1.0f / amax) * 127.0f : 0.0f;
+  const Vec16 hi = set16(127.0f), lo = set16(-127.0f), scale = set16(inverse);
+  const Vec16 qa = min16(max16(round_to_integer(a * scale), lo), hi);
+  const Vec16 qb = min16(max16(round_to_integer(b * scale), lo), hi);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(xq), int8_of(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + 16), int8_of(qb));
+  *sum = static_cast<int32_t>(reduce_add(qa + qb));  // integers of magnitude < 2^13: exact
+  return amax / 127.0f;
+}
+
+// xq [M, K] and d [M, K / 32] of x [M, K] (block_q8_quantize), rows split over the threads.
+template <typename T>
+void block_q8_quantize(const T* x, int64_t M, int64_t K, int8_t* xq, float* d) {
+  const int64_t blocks = K / kQ8Block;
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
+    int32_t sum;
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t b = 0; b < blocks; ++b)
+        d[m * blocks + b] = quantize_block(x + m * K + b * kQ8Block, xq + m * K + b * kQ8Block, &sum);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The weight kinds and the panel.
+
+enum class Q8Weight { kInt8, kInt4 };
+
+#if defined(BLOOM_ISA_AVX512)
+constexpr int kQ8Lanes = 16;  // output columns per vector
+using IVec = __m512i;
+using FVec = __m512;
+inline FVec fvec_zero() { return _mm512_setzero_ps(); }
+inline FVec fvec_set(float v) { return _mm512_set1_ps(v); }
+inline FVec fvec_load(const float* p) { return _mm512_loadu_ps(p); }
+inline void fvec_store(float* p, FVec v) { _mm512_storeu_ps(p, v); }
+inline FVec fvec_fmadd_int(IVec sums, FVec scale, FVec acc) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc); }
+inline FVec fvec_mul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
+#else
+constexpr int kQ8Lanes = 8;
+using IVec = __m256i;
+using FVec = __m256;
+inline FVec fvec_zero() { return _mm256_setzero_ps(); }
+inline FVec fvec_set(float v) { return _mm256_set1_ps(v); }
+inline FVec fvec_load(const float* p) { return _mm256_loadu_ps(p); }
+inline void fvec_store(float* p, FVec v) { _mm256_storeu_ps(p, v); }
+inline FVec fvec_fmadd_int(IVec sums, FVec scale, FVec acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc); }
+inline FVec fvec_mul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
+#endif
+constexpr int kQ8VecBytes = kQ8Lanes * 4;
+
+// What one row of the input looks like to the product, per weight kind and ISA: bytes per value
+// (AVX2 with int8 weights: int16), and whether the product needs each block's sum of xq.
+template <Q8Weight W>
+struct Q8Input {
+#if defined(BLOOM_ISA_AVX512)
+  static constexpr int kBytes = 1;  // xq + 128, unsigned
+  static constexpr bool kSums = false;
+#else
+  static constexpr int kBytes = W == Q8Weight::kInt8 ? 2 : 1;  // int16 or signed int8
+  static constexpr bool kSums = W == Q8Weight::kInt4;          // -8 * sum of xq per block
+#endif
+};
+
+// Vectors of the panel per block and vector of columns: k / 4 groups of 4 bytes, or (AVX2, int8:
+// int16 pairs) k / 2 groups of 2 int16.
+template <Q8Weight W>
+constexpr int panel_vectors() {
+  return Q8Input<W>::kBytes == 2 ? kQ8Block / 2 : kQ8Block / 4;
+}
+
+// The quantized input rows of a call: values [M, K * bytes], d [M, blocks], and on AVX2 with int4
+// weights -8 * each block's sum of xq [M, blocks].
+template <typename T, Q8Weight W>
+void quantize_rows(const T* x, int64_t M, int64_t K, uint8_t* values, float* d, int32_t* corrections) {
+  const int64_t blocks = K / kQ8Block;
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
+    alignas(64) int8_t xq[kQ8Block];
+    int32_t sum;
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t at = m * blocks + b;
+        d[at] = quantize_block(x + m * K + b * kQ8Block, xq, &sum);
+        uint8_t* out = values + (m * K + b * kQ8Block) * Q8Input<W>::kBytes;
+#if defined(BLOOM_ISA_AVX512)
+        const __m256i bytes = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_xor_si256(bytes, _mm256_set1_epi8(char(0x80))));
+#else
+        if constexpr (W == Q8Weight::kInt8) {
+          const __m128i lo = _mm_load_si128(reinterpret_cast<const __m128i*>(xq));
+          const __m128i hi = _mm_load_si128(reinterpret_cast<const __m128i*>(xq + 16));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_cvtepi8_epi16(lo));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32), _mm256_cvtepi8_epi16(hi));
+        } else {
+          std::memcpy(out, xq, kQ8Block);
+          corrections[at] = -8 * sum;
+        }
+#endif
+      }
+  });
+}
+
+// Transposes of 32-bit elements. AVX2: 8 rows of 8 -> 8 columns of 8, in place.
+inline void transpose8x8(__m256i r[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // t0 = a0 b0 a1 b1 | a4 b4 a5 b5, t1 = a2 b2 a3 b3 | ..., t2 = c0 d0 c1 d1 | ..., t3 = c2 d2 c3 d3
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm256_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);  // a0 b0 c0 d0 | a4 b4 c4 d4
+    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);  // a1 b1 c1 d1 | a5 ...
+    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);  // a2 ...       | a6 ...
+    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);  // a3 ...       | a7 ...
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
+    r[4 + i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+  }
+}
+
+#if defined(BLOOM_ISA_AVX512)
+// 8 vectors, vector i holding row i's 8 elements in its lower half and row i + 8's in its upper
+// half -> 8 vectors, vector t holding element t of rows 0..15.
+inline void transpose16x8(__m512i r[8]) {
+  __m512i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // Per 256-bit half, as permute2x128 0x20 / 0x31 of AVX2's transpose, in 64-bit elements.
+  const __m512i low = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), high = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_permutex2var_epi64(u[i], low, u[4 + i]);
+    r[4 + i] = _mm512_permutex2var_epi64(u[i], high, u[4 + i]);
+  }
+}
+#endif
+
+// The panel of one tile of columns: for each block b and each vector c of kQ8Lanes columns,
+// panel_vectors<W>() vectors of weights, then (AVX-512) the int32 start of each column's sums and
+// (int4) each column's scale for the block.
+template <Q8Weight W>
+struct Q8Panel {
+  int C;            // vectors of columns in the tile
+  int64_t blocks;   // K / 32
+  std::vector<uint8_t> weights;  // [blocks][C][panel_vectors][kQ8VecBytes]
+  std::vector<int32_t> starts;   // AVX-512: [blocks][C][kQ8Lanes]
+  std::vector<float> scales;     // int4: [blocks][C][kQ8Lanes]; int8: [C][kQ8Lanes]
+
+  Q8Panel(int C_, int64_t blocks_) : C(C_), blocks(blocks_) {
+    weights.resize(size_t(blocks * C * panel_vectors<W>() * kQ8VecBytes) + 64);
+#if defined(BLOOM_ISA_AVX512)
+    starts.resize(size_t(blocks * C * kQ8Lanes));
+#endif
+    scales.resize(size_t((W == Q8Weight::kInt4 ? blocks : 1) * C * kQ8Lanes));
+  }
+  const uint8_t* block(int64_t b, int c) const {
+    return weights.data() + (b * C + c) * panel_vectors<W>() * kQ8VecBytes;
+  }
+  uint8_t* block(int64_t b, int c) { return weights.data() + (b * C + c) * panel_vectors<W>() * kQ8VecBytes; }
+};
+
+// Packs columns n0 .. n0 + C * kQ8Lanes - 1 of the weight (zeros past N) into the panel.
+// q: int8 [N, K] or packed int4 [N, K / 2]; scales [N] or [N, K / G].
+template <Q8Weight W>
+void pack_panel(const uint8_t* q, const float* scales, int64_t N, int64_t K, int64_t G, int64_t n0, Q8Panel<W>& panel) {
+  const int64_t blocks = K / kQ8Block;
+  const int64_t row_bytes = W == Q8Weight::kInt8 ? K : K / 2;
+  constexpr int64_t block_bytes = W == Q8Weight::kInt8 ? 32 : 16;
+  const int64_t groups = W == Q8Weight::kInt4 ? K / G : 1;
+  alignas(64) static const uint8_t zeros[32] = {};
+  for (int c = 0; c < panel.C; ++c) {
+    const int64_t first = n0 + c * kQ8Lanes;
+    const uint8_t* rows[kQ8Lanes];
+    for (int l = 0; l < kQ8Lanes; ++l) rows[l] = first + l < N ? q + (first + l) * row_bytes : nullptr;
+    if constexpr (W == Q8Weight::kInt8) {
+      for (int l = 0; l < kQ8Lanes; ++l) panel.scales[c * kQ8Lanes + l] = first + l < N ? scales[first + l] : 0.0f;
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* src[kQ8Lanes];
+      for (int l = 0; l < kQ8Lanes; ++l) src[l] = rows[l] ? rows[l] + b * block_bytes : zeros;
+      uint8_t* dst = panel.block(b, c);
+      if constexpr (W == Q8Weight::kInt4) {
+        const int64_t g = b * kQ8Block / G;
+        for (int l = 0; l < kQ8Lanes; ++l)
+          panel.scales[(b * panel.C + c) * kQ8Lanes + l] = first + l < N ? scales[(first + l) * groups + g] : 0.0f;
+      }
+#if defined(BLOOM_ISA_AVX512)
+      __m512i v[8];
+      if constexpr (W == Q8Weight::kInt8) {
+        // rows l and l + 8 (32 bytes each = 8 dwords) -> dword t of the 16 columns.
+        for (int i = 0; i < 8; ++i)
+          v[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[i]))),
+                                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[i + 8])), 1);
+        transpose16x8(v);
+      } else {
+        // rows l, l + 4, l + 8, l + 12 (16 bytes = 4 dwords each) -> dword t (t < 4) of the 16
+        // columns, by a 4 x 4 transpose in each 128-bit lane; then low nibbles (k = 4t..4t+3) and
+        // high nibbles (k = 16 + 4t..) as q = v - 8.
+        __m512i r[4], t[4];
+        for (int i = 0; i < 4; ++i) {
+          __m512i z = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[i])));
+          z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[i + 4])), 1);
+          z = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[i + 8])), 2);
+          r[i] = _mm512_inserti32x4(z, _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[i + 12])), 3);
+        }
+        t[0] = _mm512_unpacklo_epi32(r[0], r[1]);
+        t[1] = _mm512_unpackhi_epi32(r[0], r[1]);
+        t[2] = _mm512_unpacklo_epi32(r[2], r[3]);
+        t[3] = _mm512_unpackhi_epi32(r[2], r[3]);
+        const __m512i dw[4] = {_mm512_unpacklo_epi64(t[0], t[2]), _mm512_unpackhi_epi64(t[0], t[2]),
+                               _mm512_unpacklo_epi64(t[1], t[3]), _mm512_unpackhi_epi64(t[1], t[3])};
+        const __m512i mask = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+        for (int i = 0; i < 4; ++i) {
+          v[i] = _mm512_sub_epi8(_mm512_and_si512(dw[i], mask), eight);
+          v[i + 4] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(dw[i], 4), mask), eight);
+        }
+      }
+      // The start of the sums: -128 * each column's sum of weights over the block.
+      __m512i sums = _mm512_setzero_si512();
+      const __m512i ones = _mm512_set1_epi8(1);
+      for (int i = 0; i < 8; ++i) {
+        _mm512_storeu_si512(dst + i * 64, v[i]);
+        sums = _mm512_dpbusd_epi32(sums, ones, v[i]);
+      }
+      _mm512_storeu_si512(panel.starts.data() + (b * panel.C + c) * kQ8Lanes,
+                          _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7)));
+#else
+      if constexpr (W == Q8Weight::kInt8) {
+        // Each row's 32 weights as 16 int16 pairs (two vectors of 8 dwords); two 8 x 8 transposes.
+        __m256i lo[8], hi[8];
+        for (int l = 0; l < 8; ++l) {
+          lo[l] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[l])));
+          hi[l] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[l] + 16)));
+        }
+        transpose8x8(lo);
+        transpose8x8(hi);
+        for (int t = 0; t < 8; ++t) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + t * 32), lo[t]);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (8 + t) * 32), hi[t]);
+        }
+      } else {
+        // rows l and l + 4 (16 bytes = 4 dwords each) -> dword t of the 8 columns (4 x 4 transpose in
+        // each 128-bit lane); then the nibbles v unsigned.
+        __m256i r[4];
+        for (int i = 0; i < 4; ++i)
+          r[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[i]))),
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(src[i + 4])), 1);
+        const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+        const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+        const __m256i dw[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                               _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+        const __m256i mask = _mm256_set1_epi8(0x0F);
+        for (int i = 0; i < 4; ++i) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i * 32), _mm256_and_si256(dw[i], mask));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (4 + i) * 32),
+                              _mm256_and_si256(_mm256_srli_epi16(dw[i], 4), mask));
+        }
+      }
+#endif
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The register tile: R input rows x C vectors of columns, over every block.
+
+// acc[r][c] (float sums over the blocks so far) for rows x[r] (each row's values, at block 0).
+template <Q8Weight W, int R, int C>
+inline void tile_sums(const uint8_t* const* x, const float* const* d, const int32_t* const* corrections,
+                      const Q8Panel<W>& panel, FVec acc[R][C]) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = fvec_zero();
+  for (int64_t b = 0; b < panel.blocks; ++b) {
+    IVec sums[R][C];
+    const uint8_t* w = panel.block(b, 0);
+    constexpr int64_t vectors = panel_vectors<W>();
+    constexpr int64_t x_bytes = kQ8Block * Q8Input<W>::kBytes;
+#if defined(BLOOM_ISA_AVX512)
+    for (int c = 0; c < C; ++c) {
+      const IVec start = _mm512_loadu_si512(panel.starts.data() + (b * C + c) * kQ8Lanes);
+      for (int r = 0; r < R; ++r) sums[r][c] = start;
+    }
+    for (int t = 0; t < vectors; ++t) {
+      IVec wv[C];
+      for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + (c * vectors + t) * kQ8VecBytes);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, x[r] + b * x_bytes + 4 * t, 4);
+        const IVec xv = _mm512_set1_epi32(four);
+        for (int c = 0; c < C; ++c) sums[r][c] = _mm512_dpbusd_epi32(sums[r][c], xv, wv[c]);
+      }
+    }
+#else
+    if constexpr (W == Q8Weight::kInt8) {
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) sums[r][c] = _mm256_setzero_si256();
+      for (int t = 0; t < vectors; ++t) {
+        IVec wv[C];
+        for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (c * vectors + t) * kQ8VecBytes));
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, x[r] + b * x_bytes + 4 * t, 4);
+          const IVec xv = _mm256_set1_epi32(pair);
+          for (int c = 0; c < C; ++c) sums[r][c] = _mm256_add_epi32(sums[r][c], _mm256_madd_epi16(wv[c], xv));
+        }
+      }
+    } else {
+      IVec pairs[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) pairs[r][c] = _mm256_setzero_si256();
+      for (int t = 0; t < vectors; ++t) {
+        IVec wv[C];
+        for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (c * vectors + t) * kQ8VecBytes));
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, x[r] + b * x_bytes + 4 * t, 4);
+          const IVec xv = _mm256_set1_epi32(four);
+          for (int c = 0; c < C; ++c) pairs[r][c] = _mm256_add_epi16(pairs[r][c], _mm256_maddubs_epi16(wv[c], xv));
+        }
+      }
+      const IVec ones = _mm256_set1_epi16(1);
+      for (int r = 0; r < R; ++r) {
+        const IVec correction = _mm256_set1_epi32(corrections[r][b]);
+        for (int c = 0; c < C; ++c) sums[r][c] = _mm256_add_epi32(_mm256_madd_epi16(pairs[r][c], ones), correction);
+      }
+    }
+#endif
+    for (int r = 0; r < R; ++r) {
+      const FVec scale = fvec_set(d[r][b]);
+      for (int c = 0; c < C; ++c) {
+        if constexpr (W == Q8Weight::kInt4) {
+          const FVec s = fvec_load(panel.scales.data() + (b * C + c) * kQ8Lanes);
+          acc[r][c] = fvec_fmadd_int(sums[r][c], fvec_mul(scale, s), acc[r][c]);
+        } else {
+          acc[r][c] = fvec_fmadd_int(sums[r][c], scale, acc[r][c]);
+        }
+      }
+    }
+  }
+}
+
+// Rows m0 .. m0 + R - 1 (R' = rows left <= R, chosen at compile time) of the tile's columns.
+template <Q8Weight W, int R, int C, typename T>
+inline void tile_rows(int64_t rows, const uint8_t* values, const float* d, const int32_t* corrections, int64_t m0,
+                      int64_t K, const Q8Panel<W>& panel, int64_t n0, int64_t N, const T* bias, T* out) {
+  if constexpr (R > 1) {
+    if (rows < R) return tile_rows<W, R - 1, C>(rows, values, d, corrections, m0, K, panel, n0, N, bias, out);
+  }
+  const int64_t blocks = K / kQ8Block;
+  const uint8_t* x[R];
+  const float* dr[R];
+  const int32_t* cr[R];
+  for (int r = 0; r < R; ++r) {
+    x[r] = values + (m0 + r) * K * Q8Input<W>::kBytes;
+    dr[r] = d + (m0 + r) * blocks;
+    cr[r] = corrections ? corrections + (m0 + r) * blocks : nullptr;
+  }
+  FVec acc[R][C];
+  tile_sums<W, R, C>(x, dr, cr, panel, acc);
+  alignas(64) float row[C * kQ8Lanes];
+  const int64_t width = std::min<int64_t>(C * kQ8Lanes, N - n0);
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      FVec v = acc[r][c];
+      if constexpr (W == Q8Weight::kInt8) v = fvec_mul(v, fvec_load(panel.scales.data() + c * kQ8Lanes));
+      fvec_store(row + c * kQ8Lanes, v);
+    }
+    T* dst = out + (m0 + r) * N + n0;
+    for (int64_t j = 0; j < width; j += 16) {
+      Vec16 v = load16(row + j);
+      if (bias) v = v + load_first(bias + n0 + j, std::min<int64_t>(16, width - j));
+      store_first(dst + j, v, std::min<int64_t>(16, width - j));
+    }
+  }
+}
+
+// Register tiles per ISA and weight kind: rows x vectors of columns, as many as the registers hold
+// (AVX-512: 32 zmm; AVX2: 16 ymm).
+#if defined(BLOOM_ISA_AVX512)
+template <Q8Weight W> constexpr int kQ8Rows = 4;
+template <Q8Weight W> constexpr int kQ8Cols = 2;
+#else
+template <Q8Weight W> constexpr int kQ8Rows = 2;
+template <Q8Weight W> constexpr int kQ8Cols = 2;
+#endif
+
+// out [M, N] = the product of x [M, K] with the weight (module doc), + bias [N]; K % 32 == 0.
+template <Q8Weight W, typename T>
+void block_q8_linear(const T* x, int64_t M, const uint8_t* q, const float* scales, int64_t N, int64_t K, int64_t G,
+                     const T* bias, T* out) {
+  if (M == 0 || N == 0) return;
+  constexpr int R = kQ8Rows<W>, C = kQ8Cols<W>;
+  const int64_t blocks = K / kQ8Block;
+  std::vector<uint8_t> values(size_t(M * K * Q8Input<W>::kBytes));
+  std::vector<float> d(size_t(M * blocks));
+  std::vector<int32_t> corrections(Q8Input<W>::kSums ? size_t(M * blocks) : 0);
+  quantize_rows<T, W>(x, M, K, values.data(), d.data(), corrections.data());
+  const int32_t* corr = Q8Input<W>::kSums ? corrections.data() : nullptr;
+
+  // Tasks: column tiles x row chunks; a row chunk only where the column tiles alone leave threads
+  // idle (each chunk packs its tile's panel again).
+  const int64_t tile = C * kQ8Lanes;
+  const int64_t tiles = (N + tile - 1) / tile;
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = 1;
+  if (tiles < 4 * threads) chunks = std::min<int64_t>((M + R - 1) / R, (4 * threads + tiles - 1) / tiles);
+  const int64_t chunk_rows = ((M + chunks - 1) / chunks + R - 1) / R * R;
+  chunks = (M + chunk_rows - 1) / chunk_rows;
+  at::parallel_for(0, tiles * chunks, 1, [&](int64_t begin, int64_t end) {
+    Q8Panel<W> panel(C, blocks);
+    int64_t packed = -1;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n_tile = task / chunks, chunk = task % chunks;
+      const int64_t n0 = n_tile * tile;
+      if (n_tile != packed) {
+        pack_panel<W>(q, scales, N, K, G, n0, panel);
+        packed = n_tile;
+      }
+      const int64_t m_end = std::min<int64_t>(M, (chunk + 1) * chunk_rows);
+      for (int64_t m0 = chunk * chunk_rows; m0 < m_end; m0 += R)
+        tile_rows<W, R, C>(std::min<int64_t>(R, m_end - m0), values.data(), d.data(), corr, m0, K, panel, n0, N, bias,
+                           out);
+    }
+  });
+}
+
+BLOOM_CPU_END
