@@ -367,6 +367,7 @@ inline void tile_sums(const uint8_t* const* x, const float* const* d, const int3
       const IVec start = _mm512_loadu_si512(panel.starts.data() + (b * C + c) * kQ8Lanes);
       for (int r = 0; r < R; ++r) sums[r][c] = start;
     }
+#pragma GCC unroll 16
     for (int t = 0; t < vectors; ++t) {
       IVec wv[C];
       for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_si512(w + (c * vectors + t) * kQ8VecBytes);
@@ -381,7 +382,8 @@ inline void tile_sums(const uint8_t* const* x, const float* const* d, const int3
     if constexpr (W == Q8Weight::kInt8) {
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) sums[r][c] = _mm256_setzero_si256();
-      for (int t = 0; t < vectors; ++t) {
+  #pragma GCC unroll 16
+    for (int t = 0; t < vectors; ++t) {
         IVec wv[C];
         for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (c * vectors + t) * kQ8VecBytes));
         for (int r = 0; r < R; ++r) {
@@ -395,7 +397,8 @@ inline void tile_sums(const uint8_t* const* x, const float* const* d, const int3
       IVec pairs[R][C];
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) pairs[r][c] = _mm256_setzero_si256();
-      for (int t = 0; t < vectors; ++t) {
+  #pragma GCC unroll 16
+    for (int t = 0; t < vectors; ++t) {
         IVec wv[C];
         for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (c * vectors + t) * kQ8VecBytes));
         for (int r = 0; r < R; ++r) {
@@ -463,7 +466,10 @@ inline void tile_rows(int64_t rows, const uint8_t* values, const float* d, const
 
 // Register tiles per ISA and weight kind: rows x vectors of columns, as many as the registers hold
 // (AVX-512: 32 zmm; AVX2: 16 ymm).
-#if defined(BLOOM_ISA_AVX512)
+#if defined(DEV_R)
+template <Q8Weight W> constexpr int kQ8Rows = DEV_R;
+template <Q8Weight W> constexpr int kQ8Cols = DEV_C;
+#elif defined(BLOOM_ISA_AVX512)
 template <Q8Weight W> constexpr int kQ8Rows = 4;
 template <Q8Weight W> constexpr int kQ8Cols = 2;
 #else

@@ -1,0 +1,128 @@
+"""The integer products of our CPU kernels (``csrc/block_q8.h``) against their definition in public
+ops (``bloom_hpu/int8_activations.py``), for each build this CPU runs: the rounding of the input bit
+for bit, the products within fp32's rounding of the sums (in bf16 and fp16, within one rounding of
+the dtype), int8 and int4 weights, any number of rows, a row of zeros and a block with one huge
+value, with and without bias; bad input is refused with a message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from bloom_hpu.int4 import group_scales, quantize_groups
+from bloom_hpu.int8_activations import block_product, quantize_blocks
+from bloom_hpu.runtime.cpu.kernels import load
+
+from isas import ALL_KERNEL_ISAS, needs_isa
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+WEIGHTS = ["int8", "int4 G=32", "int4 G=64", "int4 G=128"]
+K = 256
+
+
+def kernels_for(isa: str):
+    needs_isa(isa)
+    return load(isa)
+
+
+def inputs(rows: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """rows x K values, row 0 all zeros, and (from 2 rows) a block of row 1 with one value 1000x the rest."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, K, generator=g) * 3
+    x[0] = 0
+    if rows > 1:
+        x[1, 70] = 3000.0
+    return x.to(dtype)
+
+
+def weight(kind: str, n: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "int8":
+        return torch.randint(-127, 128, (n, K), generator=g, dtype=torch.int8), torch.rand(n, generator=g) / 64 + 1e-3
+    w = torch.randn(n, K, generator=g)
+    scales = group_scales(w, int(kind.split("=")[1]))
+    return quantize_groups(w, scales), scales
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_is_the_reference_bit_for_bit(isa, dtype):
+    kernels = kernels_for(isa)
+    for rows in (1, 3, 17, 128):
+        x = inputs(rows, dtype, seed=rows)
+        got, want = kernels.block_q8_quantize(x), quantize_blocks(x)
+        assert got[0].dtype == torch.int8 and got[1].dtype == torch.float32
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    x = inputs(6, dtype).view(2, 3, K)  # leading dimensions kept
+    got, want = kernels.block_q8_quantize(x), quantize_blocks(x)
+    assert got[0].shape == (2, 3, K) and got[1].shape == (2, 3, K // 32)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", WEIGHTS)
+def test_linear_agrees_with_the_reference(isa, dtype, kind):
+    kernels = kernels_for(isa)
+    # fp32: the sums' order differs from F.linear's; bf16/fp16: then one rounding to the dtype.
+    ulp = {torch.float32: 0.0, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+    for n in (20, 100):
+        q, scales = weight(kind, n, seed=n)
+        bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
+        for rows in (1, 3, 17, 128):
+            x = inputs(rows, dtype, seed=rows)
+            for b in (None, bias):
+                got = kernels.block_q8_linear(x, q, scales, b)
+                assert got.dtype == dtype and got.shape == (rows, n)
+                exact = block_product(x.float(), q, scales, None if b is None else b.float())
+                size = exact.abs().amax(dim=1, keepdim=True).clamp(min=1e-6)
+                error = (got.float() - exact).abs()
+                assert (error <= 1e-5 * size + ulp * exact.abs()).all(), (kind, n, rows, b is None, error.max())
+                assert torch.equal(got[0], torch.zeros(n, dtype=dtype) if b is None else b)  # the zero row
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+def test_linear_keeps_leading_dimensions_and_matches_in_dtype(isa):
+    kernels = kernels_for(isa)
+    q, scales = weight("int4 G=64", 48)
+    x = inputs(6, torch.float32).view(2, 3, K)
+    got = kernels.block_q8_linear(x, q, scales, None)
+    assert got.shape == (2, 3, 48)
+    torch.testing.assert_close(got, block_product(x, q, scales, None), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+def test_bad_input_is_refused_with_a_message(isa):
+    kernels = kernels_for(isa)
+    q8, s8 = weight("int8", 20)
+    q4, s4 = weight("int4 G=64", 20)
+    x = inputs(3, torch.float32)
+    cases = [
+        (lambda: kernels.block_q8_linear(x.double(), q8, s8, None), "bf16, fp16 or fp32"),
+        (lambda: kernels.block_q8_linear(x[:, :128], q8, s8, None), r"x \[\.\.\., K\]"),
+        (lambda: kernels.block_q8_linear(x[:, :48], q8[:, :48].contiguous(), s8, None), "multiple of 32"),
+        (lambda: kernels.block_q8_linear(x, q8.short(), s8, None), "int8 weight"),
+        (lambda: kernels.block_q8_linear(x, q8, s8[:10], None), "scales"),
+        (lambda: kernels.block_q8_linear(x, q8, s8.double(), None), "scales"),
+        (lambda: kernels.block_q8_linear(x, q4, s4[:, :3], None), "groups"),
+        (lambda: kernels.block_q8_linear(x, q8, s8, torch.zeros(20, dtype=torch.bfloat16)), "bias"),
+        (lambda: kernels.block_q8_linear(x, q8, s8, torch.zeros(21)), "bias"),
+        (lambda: kernels.block_q8_quantize(x[:, :48].contiguous()), "multiple of 32"),
+        (lambda: kernels.block_q8_quantize(x.int()), "bf16, fp16 or fp32"),
+    ]
+    for call, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            call()
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+def test_fake_shapes(isa):
+    kernels = kernels_for(isa)
+    q4, s4 = weight("int4 G=32", 20)
+    with FakeTensorMode() as mode:
+        x = mode.from_tensor(inputs(3, torch.bfloat16).view(1, 3, K))
+        out = kernels.block_q8_linear(x, mode.from_tensor(q4), mode.from_tensor(s4), None)
+        xq, d = kernels.block_q8_quantize(x)
+    assert out.shape == (1, 3, 20) and out.dtype == torch.bfloat16
+    assert xq.shape == (1, 3, K) and xq.dtype == torch.int8 and d.shape == (1, 3, K // 32) and d.dtype == torch.float32
