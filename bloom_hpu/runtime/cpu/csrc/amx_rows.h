@@ -115,8 +115,8 @@ inline void store_tile(const float* tile, const at::BFloat16* bias, int64_t n0, 
 // 16 a .. of w [NA * 16, K]) x input block b (xv's blocks b = 0 .. NB - 1), NA and NB 1 or 2. Tiles:
 // results 0-3 (2 a + b), weights 4-5, inputs 6-7: every tile loaded serves two products, as in
 // oneDNN's own AMX kernels, and a load never waits on the product before it. No software
-// prefetch: the hardware's follows the 32 rows of a strip, and explicit prefetches made the
-// products slower (bloom-560m's blocks at 16 rows: 26 ms with them, 22 without). GCC's tile intrinsics
+// prefetch: the hardware's follows the 32 rows of a strip, and explicit prefetches only compete
+// with it for the load slots the tiles need. GCC's tile intrinsics
 // paste their tile numbers into the instruction as written, so each must be a literal: hence the
 // lines below, one per tile, not loops.
 template <int NA, int NB>

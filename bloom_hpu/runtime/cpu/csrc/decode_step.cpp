@@ -2,8 +2,8 @@
 // replaying a captured graph on an accelerator.
 //
 // On a GPU or a Gaudi a decode step is captured once and replayed, so the host pays for one launch
-// per token. A CPU has no graph to replay: run op by op from Python, a step is ~120 small
-// operations, each costing 1-20 us of dispatch. For a small model (the embedded tiny checkpoint:
+// per token. A CPU has no graph to replay: run op by op from Python, a step is over a hundred small
+// operations, each paying PyTorch's dispatch. For a small model (the embedded tiny checkpoint:
 // three blocks of width 128) that overhead is the whole step; here the same step is one call
 // whose loops run straight through. For large models the step stays the time to stream the
 // weights (the products are the few-rows kernel of few_rows.h, as in the op-by-op step).

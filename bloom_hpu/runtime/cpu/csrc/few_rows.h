@@ -3,14 +3,12 @@
 // out[m, n] = sum_k x[m, k] * w[n, k] + bias[n]    x [M, K], w [N, K] (nn.Linear's layout), M small
 //
 // A decode step multiplies one row per sequence by every weight of the model once, so its time is
-// the time to stream the weights from memory. On a Xeon with AVX512-BF16, PyTorch's bf16 kernels
-// for a [1, 1024] x [1024, 250880] product read 12-15 GB/s where a plain reduction reads 25: per
-// byte they issue more instructions (bf16 -> fp32 conversions), so fewer loads are in flight. Here
-// each 64-byte load of the AVX-512 build feeds one VDPBF16PS (32 products into fp32 sums)
-// directly, and the weight rows a few blocks ahead are prefetched explicitly, which keeps the
-// memory busy: ~26 GB/s on the same machine. The fp32 version is the same loop with FMAs; it
-// matters for small models, where a product is a few microseconds and PyTorch's call overhead
-// (~10 us) was most of it.
+// the time to stream the weights from memory. PyTorch's bf16 kernels for such a product read well
+// below the memory's bandwidth: per byte they issue more instructions (bf16 -> fp32 conversions),
+// so fewer loads are in flight. Here each 64-byte load of the AVX-512 build feeds one VDPBF16PS
+// (32 products into fp32 sums) directly, and the weight rows a few blocks ahead are prefetched
+// explicitly, which keeps the memory busy. The fp32 version is the same loop with FMAs; it matters
+// for small models, where a product is so short that PyTorch's call overhead would be most of it.
 //
 // Without VDPBF16PS (fp16 on either build; everything on the AVX2 build) the weights are widened
 // to fp32 as they are loaded, then multiplied by FMAs. bf16 widens by integer ops alone: 16 bf16
@@ -40,7 +38,7 @@ BLOOM_CPU_BEGIN
 // be a multiple of kStepBytes (bf16, fp16: K % 32 == 0; fp32: K % 16 == 0).
 constexpr int64_t kStepBytes = 64;
 constexpr int kRows = 4;                  // weight rows per block
-constexpr int64_t kPrefetchBytes = 8192;  // a few blocks ahead of the loads (measured: 4-16 KB alike)
+constexpr int64_t kPrefetchBytes = 8192;  // a few blocks ahead of the loads: far enough to hide the latency
 
 // A 64-byte step of a dot product, per element type and instruction set, in `parts` parts of
 // `step` elements (one register of weights each):
@@ -108,7 +106,7 @@ struct EvenOdd {
 inline EvenOdd widen_bf16(const at::BFloat16* p) {
   __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   // One load for both halves: without this empty barrier GCC folds a second load of the same 32
-  // bytes into the and, and the weights stream ~3% slower (measured on a Xeon, 2 threads).
+  // bytes into the and, and the extra load slows the stream of weights.
   asm("" : "+x"(pairs));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)),
           _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(int(0xFFFF0000u))))};

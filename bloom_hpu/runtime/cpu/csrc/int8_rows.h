@@ -12,12 +12,11 @@
 //
 // Widening costs two instructions per 16 weights, and that path widens a block again for every
 // pair of input rows: with more rows the FMAs and the widening, not memory, set the pace. On the
-// AVX2 build that still matches bf16 weights at 8 rows (its sums are kept one register per pair
-// of rows, so nothing spills). With bf16 inputs on the AVX-512 build (K % 32 == 0) another path
-// runs: each 32 weights are widened once to 32 bf16 (exact: every int8 value is a bf16) and
-// multiplied into up to 8 input rows by one VDPBF16PS each, as the bf16 weights of few_rows.h are.
-// It reads int8 at memory speed for one row as the fp32 path does, and from 2 to 64 rows it beats
-// bf16 weights (measured on 2 Zen 4 cores).
+// AVX2 build its sums are kept one register per pair of rows, so nothing spills. With bf16 inputs
+// on the AVX-512 build (K % 32 == 0) another path runs: each 32 weights are widened once to 32
+// bf16 (exact: every int8 value is a bf16) and multiplied into up to 8 input rows by one VDPBF16PS
+// each, as the bf16 weights of few_rows.h are: one widening then serves many rows, so with more
+// rows it keeps the pace of bf16 weights while reading half their bytes.
 
 #pragma once
 
@@ -39,7 +38,7 @@ BLOOM_CPU_BEGIN
 inline Vec16 load16_int8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
-constexpr int kInt8XRows = 2;  // input rows per pass over a block (4 measured no faster)
+constexpr int kInt8XRows = 2;  // input rows per pass over a block: the widening, not the registers, limits it
 #else
 inline Vec16 load16_int8(const int8_t* p) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));

@@ -8,7 +8,8 @@
 // (attention.h). Scores and weighted values are computed in tiles of 4 queries x 16 keys (or 16
 // value dimensions) from the head's keys and values laid out per dtype (Tiles, below): each vector
 // read serves 4 queries, and no horizontal sums are needed; the softmax's exp is vectorised too.
-// About 4x faster than op by op for long prompts (bench/prompt_attention_bench.py; docs/performance.md).
+// No score tensor is written or copied, which is what long prompts pay for op by op
+// (bench/prompt_attention_bench.py compares the two).
 //
 // Masking: a query at slot i of a row with `length` real tokens sees the keys at slots <= i. A pad
 // query (i >= length) gets zeros: its output is never used for a real token (real queries never

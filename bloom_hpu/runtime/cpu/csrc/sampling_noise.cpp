@@ -3,8 +3,8 @@
 //
 // That function defines the noise: for row r and column c, bits = mix(base[r] ^ mix(c)) (`_mix`,
 // integer rounds that stay below 2**31), and u = ((bits >> 8) + 0.5) * 2**-23 in float32. Written
-// as PyTorch operations it makes some forty passes over an int64 [rows, vocabulary] tensor: 250 ms
-// for 16 rows of BLOOM's vocabulary on 2 cores, several decode steps' worth, at every sampled token.
+// as PyTorch operations it makes some forty passes over an int64 [rows, vocabulary] tensor, at
+// every sampled token: for BLOOM's vocabulary that costs more than the decode step itself.
 // Here each value is computed once in registers (the same integer operations on uint32, which hold
 // every intermediate exactly, and the same exact float conversion), so the result is bit-identical;
 // sampling.py checks that before it uses this operator.
