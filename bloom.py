@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group_size", type=int, metavar="G",
                    help="with --quantize int4: weights per scale, 32, 64 (default), 128 or 256; a smaller group "
                         "keeps more quality, a larger one fewer bytes")
+    p.add_argument("--int8_activations", action="store_true",
+                   help="with quantized weights: integer products, the activations entering each product rounded "
+                        "to int8 per block of 32 values (as llama.cpp's Q8_0); faster prompts on a CPU, a small "
+                        "change in the numbers; see docs/performance.md#integer-products---int8_activations")
     p.add_argument("--limit_hpu_graphs", type=flag_bool,
                    help="hpu: run the prefill without a graph, so its scores are not kept (default: t under "
                         "tensor parallelism, f on one card)")
@@ -192,6 +196,8 @@ def check_flags(args) -> None:
         raise UsageError("--errors goes with --requests")
     if args.quantize and args.mode == "vanilla":
         raise UsageError("--quantize runs in --mode optimized only (vanilla is transformers' own model)")
+    if args.int8_activations and args.mode == "vanilla":
+        raise UsageError("--int8_activations runs in --mode optimized only (vanilla is transformers' own model)")
     if args.group_size is not None and args.quantize != "int4":
         raise UsageError("--group_size goes with --quantize int4")
     if args.api_key is not None and not args.api_key.strip():
@@ -265,7 +271,7 @@ def make_generator(args, opts):
         weights, args.model, dtype=args.dtype, device=args.device, use_graphs=opts.use_graphs,
         compile_steps=args.compile, parallel=PARALLEL, cpu=CpuOptions(path=args.cpu_path),
         peft_weights=args.peft_weights, lora=lora_adapters(args) or None, limit_hpu_graphs=args.limit_hpu_graphs,
-        quantize=args.quantize, group_size=args.group_size,
+        quantize=args.quantize, group_size=args.group_size, int8_activations=args.int8_activations,
         prefix_cache=PREFIX_CACHE_DEFAULT if args.prefix_cache is None else args.prefix_cache,
     )
     if generator.adapter is not None:

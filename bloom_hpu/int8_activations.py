@@ -68,15 +68,13 @@ def block_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     return out.to(x.dtype)
 
 
-def check_rows(model) -> None:
+def check_rows(products, world_size: int = 1) -> None:
     """Every quantized product's rows (this rank's part, under tensor parallelism) are whole blocks
     of 32, so that a rank's blocks are the ones one process rounds."""
-    from .quantize import quantized_products
-
-    for module in quantized_products(model):
+    for module in products:
         q = module.embeddings.qweight if hasattr(module, "embeddings") else module.qweight
         k = q.shape[1] * (2 if q.dtype == torch.uint8 else 1)
         if k % BLOCK:
-            where = " (this rank's part of a row)" if model.parallel.world_size > 1 else ""
+            where = " (this rank's part of a row)" if world_size > 1 else ""
             raise Int8ActivationsError(f"--int8_activations needs rows of a multiple of {BLOCK} values; "
                                        f"this model's have {k}{where}")

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import int4
+from .int8_activations import Int8ActivationsError, block_product, check_rows
 from .int4 import DEFAULT_GROUP_SIZE, GroupSizeError, check_group_size, dequantized_int4, int4_product
 from .model import Linear, StaticBloom, TiedHead
 from .tp import RowParallelLinear, VocabParallelEmbedding
@@ -144,8 +145,12 @@ def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, int8_mm
 def routed_product(module, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """The product of a quantized ``module`` (a linear, or the tied head) as its runtime routes it:
-    the CPU runtime's kernel for the rows it serves, else its fp32 product of many rows (``wide``,
-    on a CPU whose bf16 products are emulated), else ``int8_product`` / ``int4_product``."""
+    with integer products (``int8_activations``), the CPU runtime's integer kernel or else their
+    public-op form; else the CPU runtime's kernel for the rows it serves, else its fp32 product of
+    many rows (``wide``, on a CPU whose bf16 products are emulated), else ``int8_product`` /
+    ``int4_product``."""
+    if module.int8_activations:
+        return (module.block_kernel or block_product)(x, q, scales, bias)
     if module.kernel is not None and x.numel() <= module.kernel_rows * x.shape[-1]:
         return module.kernel(x, q, scales, bias)
     if module.wide is not None and module.wide.takes(x):
@@ -167,6 +172,8 @@ class _QuantProduct:
     kernel = None  # the CPU runtime's own product of a few rows, when it has one
     kernel_rows = INT8_KERNEL_ROWS  # the most rows it serves (set with it)
     wide = None  # the CPU runtime's fp32 products of many rows (runtime/cpu/layers.WidenedProducts), if any
+    int8_activations = False  # integer products: the input rounded per block of 32 (int8_activations.py)
+    block_kernel = None  # with them, the CPU runtime's integer kernel, when it has one
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return routed_product(self, x, self.qweight, self.scales, bias)
@@ -296,6 +303,19 @@ def dequantize_in_products(model: nn.Module) -> None:
     for module in model.modules():
         if getattr(module, "quantized", False) and hasattr(module, "int8_mm"):
             module.int8_mm = False
+
+
+def use_int8_activations(model: StaticBloom) -> None:
+    """Integer products for every quantized product of ``model`` (``int8_activations.py``): their
+    input rounded to int8 per block of 32 values. Raises ``Int8ActivationsError`` for a model
+    that is not quantized or whose rows are not whole blocks."""
+    products = quantized_products(model)
+    if not products:
+        raise Int8ActivationsError("--int8_activations goes with quantized weights (--quantize int8 or int4, "
+                                   "or a checkpoint saved quantized)")
+    check_rows(products, model.parallel.world_size)
+    for module in products:
+        module.int8_activations = True
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -240,6 +240,12 @@ def quantized_kernel_rows(isa: str, dtype: torch.dtype, amx: bool, int4: bool) -
     return INT8_KERNEL_MANY_ROWS if isa == "avx2" else INT8_KERNEL_ROWS
 
 
+def one_call_lacks_integer(quantized: list, kernels: Kernels) -> bool:
+    """The quantized one-call decode step computes weight-only products: integer products decode
+    op by op, each product one call of the integer kernel."""
+    return any(m.int8_activations for m in quantized)
+
+
 # int4's kernel against the weight dequantized into scratch memory and multiplied by oneDNN: the
 # kernel reads the packed weight once, oneDNN's products block many rows better, so on the AVX-512
 # build oneDNN wins past 16 rows in bf16 and past 32 in fp32; on the AVX2 build oneDNN has no bf16
@@ -296,6 +302,8 @@ def widen_many_rows(model: StaticBloom, linears: list, kernels: Kernels | None) 
     if isinstance(model.head, CpuTiedHead):  # the head's many rows: a scoring pass (a prefill's are few)
         model.head.wide = wide
     for module in quantized_products(model):
+        if module.int8_activations:
+            continue  # integer products are never widened
         if hasattr(module, "embeddings") and module.embeddings.qweight.dtype == torch.uint8 and module.kernel:
             continue  # int4's head keeps its kernel for any rows (see ``accelerate``)
         module.wide = wide
@@ -312,6 +320,7 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     kernels, why = choose_kernels(options.path, cap)
     for module in model.modules():  # a choice of an earlier call is undone: it is made again below
         module.__dict__.pop("wide", None)
+        module.__dict__.pop("block_kernel", None)
     # Quantized layers (bloom_hpu/quantize.py) keep their own int8 product.
     linears = [m for m in model.modules() if isinstance(m, tuple(CPU_LINEAR)) and not getattr(m, "quantized", False)]
     for linear in linears:
@@ -347,8 +356,15 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
                 module.kernel = kernels.int8_rows_linear
                 many = quantized_kernel_rows(kernels.isa, dtype, cap.amx, int4=False)
                 module.kernel_rows = many if q.shape[1] % 32 == 0 else INT8_KERNEL_ROWS
-        if quantized:
+        integer = [m for m in quantized if m.int8_activations]
+        if integer:
+            for module in integer:
+                module.block_kernel = kernels.block_q8_linear
+            used.append(f"{quantized_mode(model)} integer products (activations int8 per block of 32)")
+        elif quantized:
             used.append(f"{quantized_mode(model)} few-rows products")
+    if kernels is None and any(m.int8_activations for m in quantized_products(model)):
+        used.append("integer products in public ops (activations int8 per block of 32)")
     widened = options.widen and options.path != "plain" and not compile_steps and dtype in (torch.bfloat16, torch.float16) \
         and cap.emulates_bf16
     if widened:
@@ -367,7 +383,7 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     if kernels is not None and options.one_call_steps:
         quantized = quantized_products(model)
         if quantized:  # every weight quantized, each served by its kernel: the quantized one-call step
-            all_kernel = all(m.kernel is not None for m in quantized)
+            all_kernel = all(m.kernel is not None for m in quantized) and not one_call_lacks_integer(quantized, kernels)
         else:
             all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
         if not compile_steps and model.parallel.world_size == 1 and all_kernel:
