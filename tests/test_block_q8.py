@@ -93,6 +93,21 @@ def test_linear_keeps_leading_dimensions_and_matches_in_dtype(isa):
 
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+def test_an_odd_number_of_blocks(isa):
+    """K = 96: three blocks a row (the AVX-512 build's few-rows path takes them two at a time)."""
+    kernels = kernels_for(isa)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(36, 96, generator=g)
+    int8 = (torch.randint(-127, 128, (36, 96), generator=g, dtype=torch.int8), torch.rand(36, generator=g))
+    int4 = (quantize_groups(w, group_scales(w, 32)), group_scales(w, 32))
+    for rows in (1, 5):
+        x = torch.randn(rows, 96, generator=g)
+        for q, scales in (int8, int4):
+            torch.testing.assert_close(kernels.block_q8_linear(x, q, scales, None), block_product(x, q, scales, None),
+                                       rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
 def test_bad_input_is_refused_with_a_message(isa):
     kernels = kernels_for(isa)
     q8, s8 = weight("int8", 20)

@@ -18,9 +18,12 @@
 // of a row are broadcast (one load) and multiplied into all V columns by one instruction. The panel
 // of a few columns is packed once per call (vector transposes, no gathers) and then read from the
 // cache for every input row, so the packing is paid once per weight byte however many rows there
-// are; at one row it costs less than reading the weight from memory, so one path serves decode and
-// prompts. Work is split over OpenMP threads by column tiles (and by row chunks where there are too
+// are. Work is split over OpenMP threads by column tiles (and by row chunks where there are too
 // few column tiles), each a register tile of R input rows x C vectors of columns.
+//
+// At a few rows (decode) packing would be most of the work, and the product must keep up with
+// the memory streaming the weight: there the weight is read in place (block_q8_few, below), each
+// vector of it multiplied into every input row as soon as it is loaded.
 //
 // The integer dots, per ISA:
 // * AVX-512 (VNNI): VPDPBUSD multiplies unsigned bytes by signed ones into int32 lanes, 64 products
@@ -34,7 +37,9 @@
 // * AVX2, int8 weights: two int8 products of up to 127 * 127 cannot share an int16 lane, and the
 //   sign trick (|x| times w with x's sign) costs an instruction per product vector; instead input
 //   and weight are widened to int16 (the input once per call, the weight in the panel) and VPMADDWD
-//   multiplies pairs straight into int32, 16 products an instruction.
+//   multiplies pairs straight into int32, 16 products an instruction. (The few-rows path, which
+//   loads each weight vector once for all its rows, takes the sign trick: weights in [-127, 127],
+//   as bloom_hpu/quantize.py makes them.)
 
 #pragma once
 
@@ -45,6 +50,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec16.h"
@@ -447,7 +453,7 @@ inline void tile_rows(int64_t rows, const uint8_t* values, const float* d, const
   }
   FVec acc[R][C];
   tile_sums<W, R, C>(x, dr, cr, panel, acc);
-  alignas(64) float row[C * kQ8Lanes];
+  alignas(64) float row[(C * kQ8Lanes + 15) / 16 * 16];  // whole Vec16s: lanes past the tile are never stored
   const int64_t width = std::min<int64_t>(C * kQ8Lanes, N - n0);
   for (int r = 0; r < R; ++r) {
     for (int c = 0; c < C; ++c) {
@@ -466,10 +472,7 @@ inline void tile_rows(int64_t rows, const uint8_t* values, const float* d, const
 
 // Register tiles per ISA and weight kind: rows x vectors of columns, as many as the registers hold
 // (AVX-512: 32 zmm; AVX2: 16 ymm).
-#if defined(DEV_R)
-template <Q8Weight W> constexpr int kQ8Rows = DEV_R;
-template <Q8Weight W> constexpr int kQ8Cols = DEV_C;
-#elif defined(BLOOM_ISA_AVX512)
+#if defined(BLOOM_ISA_AVX512)
 template <Q8Weight W> constexpr int kQ8Rows = 4;
 template <Q8Weight W> constexpr int kQ8Cols = 2;
 #else
@@ -477,11 +480,208 @@ template <Q8Weight W> constexpr int kQ8Rows = 2;
 template <Q8Weight W> constexpr int kQ8Cols = 2;
 #endif
 
+// ---------------------------------------------------------------------------------------------
+// A few input rows (decode): the weight read in place, no panel. The panel's packing is paid once
+// per weight byte however many rows there are; at a row or two it is most of the work, while
+// here each weight vector is loaded once and multiplied into every row straight away, so the
+// product keeps up with the memory streaming the weight. The sums of a block stay spread over
+// lanes (a float sum per lane, the block's scale per lane), and one horizontal sum per output
+// ends the row.
+
+constexpr int64_t kQ8FewRows = 4;        // up to this many input rows take this path
+constexpr int kQ8FewWeightRows = 4;      // weight rows per task step
+constexpr int64_t kQ8FewPrefetch = 2048;  // weight bytes ahead of the loads
+
+// The input as this path reads it: xq (signed), and per row and block its scale d and the start
+// of its integer sums (AVX-512: per pair of blocks, a vector: lanes 0-7 block 2p, lanes 8-15
+// block 2p + 1, each lane's share of the correction; AVX2: per block, one lane's share).
+struct Q8FewInput {
+  std::vector<int8_t> xq;       // [M, K]
+  std::vector<uint8_t> xabs;    // AVX2, int8 weights: |xq| [M, K]
+  std::vector<float> d;         // AVX-512: [M, blocks / 2, 16]; AVX2: [M, blocks]
+  std::vector<int32_t> starts;  // AVX-512: [M, blocks / 2, 16]; AVX2 int4: [M, blocks]
+};
+
+template <typename T, Q8Weight W>
+void quantize_few(const T* x, int64_t M, int64_t K, Q8FewInput& in) {
+  const int64_t blocks = K / kQ8Block;
+  in.xq.resize(size_t(M * K));
+#if defined(BLOOM_ISA_AVX512)
+  in.d.resize(size_t(M * blocks * 8));
+  in.starts.resize(size_t(M * blocks * 8));
+  // int8 weights are read as w + 128 (unsigned): 128 * the block's sum of xq comes off, 16 per
+  // lane of its 8; int4 nibbles v = q + 8: 8 * the sum, 1 per lane.
+  const int32_t share = W == Q8Weight::kInt8 ? 16 : 1;
+#else
+  in.d.resize(size_t(M * blocks));
+  if constexpr (W == Q8Weight::kInt8) in.xabs.resize(size_t(M * K));
+  in.starts.resize(size_t(M * blocks));
+#endif
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t sum;
+      int8_t* xq = in.xq.data() + m * K + b * kQ8Block;
+      const float d = quantize_block(x + m * K + b * kQ8Block, xq, &sum);
+#if defined(BLOOM_ISA_AVX512)
+      for (int l = 0; l < 8; ++l) {
+        in.d[(m * blocks + b) * 8 + l] = d;
+        in.starts[(m * blocks + b) * 8 + l] = -share * sum;
+      }
+#else
+      in.d[m * blocks + b] = d;
+      in.starts[m * blocks + b] = -sum;  // int4: 8 * the sum, 1 per lane of 8
+      if constexpr (W == Q8Weight::kInt8) {
+        for (int k = 0; k < kQ8Block; ++k) in.xabs[m * K + b * kQ8Block + k] = uint8_t(xq[k] < 0 ? -xq[k] : xq[k]);
+      }
+#endif
+    }
+}
+
+#if defined(BLOOM_ISA_AVX512)
+// 64 weights (two blocks) of a row at block b as bytes for VPDPBUSD's unsigned operand, in k order.
+template <Q8Weight W>
+inline __m512i few_weights(const uint8_t* row, int64_t b) {
+  if constexpr (W == Q8Weight::kInt8) {
+    return _mm512_xor_si512(_mm512_loadu_si512(row + b * kQ8Block), _mm512_set1_epi8(char(0x80)));
+  } else {
+    const __m512i z = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 16)));
+    const __m512i twice = _mm512_shuffle_i64x2(z, z, 0x50);  // 128-bit lanes: block b, b, b + 1, b + 1
+    const __m512i shifted = _mm512_srlv_epi64(twice, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4));
+    return _mm512_and_si512(shifted, _mm512_set1_epi8(0x0F));
+  }
+}
+#endif
+
+// sums[m * R + r] = the product of input row m with weight row r (scaled, without bias).
+template <Q8Weight W, int R, int MB>
+struct FewBlock {
+  static void run(const uint8_t* q, int64_t row_bytes, const float* scales, int64_t groups, int64_t G,
+                  const Q8FewInput& in, int64_t m0, int64_t K, float* sums) {
+    const int64_t blocks = K / kQ8Block;
+#if defined(BLOOM_ISA_AVX512)
+    __m512 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b += 2) {
+      __m512i w[R];
+      __m512 sv[R];  // int4: the two blocks' scales, 8 lanes each
+      for (int r = 0; r < R; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(q + r * row_bytes + b * (row_bytes / blocks) + kQ8FewPrefetch), _MM_HINT_T0);
+        w[r] = few_weights<W>(q + r * row_bytes, b);
+        if constexpr (W == Q8Weight::kInt4) {
+          const float* s = scales + r * groups;
+          sv[r] = _mm512_mask_blend_ps(__mmask16(0xFF00), _mm512_set1_ps(s[b * kQ8Block / G]),
+                                       _mm512_set1_ps(s[(b + 1) * kQ8Block / G]));
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        const int64_t at = ((m0 + m) * blocks + b) * 8;
+        const __m512i xv = _mm512_loadu_si512(in.xq.data() + (m0 + m) * K + b * kQ8Block);
+        const __m512i start = _mm512_loadu_si512(in.starts.data() + at);
+        const __m512 d = _mm512_loadu_ps(in.d.data() + at);
+        for (int r = 0; r < R; ++r) {
+          const __m512 sums_f = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, w[r], xv));
+          if constexpr (W == Q8Weight::kInt4) {
+            acc[r][m] = _mm512_fmadd_ps(sums_f, _mm512_mul_ps(d, sv[r]), acc[r][m]);
+          } else {
+            acc[r][m] = _mm512_fmadd_ps(sums_f, d, acc[r][m]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m)
+        sums[m * R + r] = _mm512_reduce_add_ps(acc[r][m]) * (W == Q8Weight::kInt8 ? scales[r] : 1.0f);
+#else
+    __m256 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256i w[R];
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* p = q + r * row_bytes + b * (row_bytes / blocks);
+        _mm_prefetch(reinterpret_cast<const char*>(p + kQ8FewPrefetch), _MM_HINT_T0);
+        if constexpr (W == Q8Weight::kInt8) {
+          w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        } else {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+          w[r] = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1),
+                                  _mm256_set1_epi8(0x0F));
+        }
+      }
+      for (int m = 0; m < MB; ++m) {
+        const int64_t at = (m0 + m) * blocks + b;
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.xq.data() + (m0 + m) * K + b * kQ8Block));
+        const float d = in.d[at];
+        for (int r = 0; r < R; ++r) {
+          __m256i sums_i;
+          if constexpr (W == Q8Weight::kInt8) {
+            // |x| times w with x's sign: each int16 pair sum at most 2 * 127 * 127.
+            const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.xabs.data() + (m0 + m) * K + b * kQ8Block));
+            sums_i = _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w[r], xv)), ones);
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums_i), _mm256_set1_ps(d), acc[r][m]);
+          } else {
+            sums_i = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w[r], xv), ones), _mm256_set1_epi32(in.starts[at]));
+            const float scale = d * scales[r * groups + b * kQ8Block / G];
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums_i), _mm256_set1_ps(scale), acc[r][m]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m)
+        sums[m * R + r] = reduce_add8(acc[r][m]) * (W == Q8Weight::kInt8 ? scales[r] : 1.0f);
+#endif
+  }
+};
+
+template <Q8Weight W, int R, int MB>
+inline void few_block(int64_t mb, const uint8_t* q, int64_t row_bytes, const float* scales, int64_t groups, int64_t G,
+                      const Q8FewInput& in, int64_t K, float* sums) {
+  if constexpr (MB > 1) {
+    if (mb < MB) return few_block<W, R, MB - 1>(mb, q, row_bytes, scales, groups, G, in, K, sums);
+  }
+  FewBlock<W, R, MB>::run(q, row_bytes, scales, groups, G, in, 0, K, sums);
+}
+
+// out [M, N] for M <= kQ8FewRows (AVX-512: K % 64 == 0, two blocks a step).
+template <Q8Weight W, typename T>
+void block_q8_few(const T* x, int64_t M, const uint8_t* q, const float* scales, int64_t N, int64_t K, int64_t G,
+                  const T* bias, T* out) {
+  Q8FewInput in;
+  quantize_few<T, W>(x, M, K, in);
+  const int64_t row_bytes = W == Q8Weight::kInt8 ? K : K / 2;
+  const int64_t groups = W == Q8Weight::kInt4 ? K / G : 1;
+  const int64_t scale_stride = W == Q8Weight::kInt4 ? groups : 1;
+  auto outputs = [&](auto rows, int64_t n) {
+    constexpr int R = decltype(rows)::value;
+    float sums[R * kQ8FewRows];
+    few_block<W, R, kQ8FewRows>(M, q + n * row_bytes, row_bytes, scales + n * scale_stride, groups, G, in, K, sums);
+    for (int64_t m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r)
+        out[m * N + n + r] = T(sums[m * R + r] + (bias ? static_cast<float>(bias[n + r]) : 0.0f));
+  };
+  const int64_t steps = N / kQ8FewWeightRows;
+  const int64_t grain = std::max<int64_t>(1, (32 * 1024) / (kQ8FewWeightRows * row_bytes));
+  at::parallel_for(0, steps, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t step = begin; step < end; ++step)
+      outputs(std::integral_constant<int, kQ8FewWeightRows>{}, step * kQ8FewWeightRows);
+  });
+  for (int64_t n = steps * kQ8FewWeightRows; n < N; ++n) outputs(std::integral_constant<int, 1>{}, n);
+}
+
 // out [M, N] = the product of x [M, K] with the weight (module doc), + bias [N]; K % 32 == 0.
 template <Q8Weight W, typename T>
 void block_q8_linear(const T* x, int64_t M, const uint8_t* q, const float* scales, int64_t N, int64_t K, int64_t G,
                      const T* bias, T* out) {
   if (M == 0 || N == 0) return;
+#if defined(BLOOM_ISA_AVX512)
+  const bool pairs = K % (2 * kQ8Block) == 0;
+#else
+  const bool pairs = true;
+#endif
+  if (M <= kQ8FewRows && pairs) return block_q8_few<W>(x, M, q, scales, N, K, G, bias, out);
   constexpr int R = kQ8Rows<W>, C = kQ8Cols<W>;
   const int64_t blocks = K / kQ8Block;
   std::vector<uint8_t> values(size_t(M * K * Q8Input<W>::kBytes));
