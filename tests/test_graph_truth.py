@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from bloom_hpu.runtime.cpu import CpuOptions
 from generation.generator import Generator
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,13 +108,19 @@ def test_generate_equals_the_eager_run_and_a_second_run_compiles_nothing(graph_s
 
 
 @pytest.mark.parametrize("search", ["sampling", "beams"])
-@pytest.mark.parametrize("quantize", [dict(quantize="int8"), dict(quantize="int4", group_size=32)], ids=["int8", "int4"])
+@pytest.mark.parametrize("quantize", [dict(quantize="int8"), dict(quantize="int4", group_size=32),
+                                      dict(quantize="int4", group_size=32, int8_activations=True)],
+                         ids=["int8", "int4", "int4-integer"])
 def test_quantized_weights_on_the_card_equal_the_cpus(graph_stand_in, checkpoint, quantize, search):
     """Quantized products dequantize on the card (public ops, captured in the graphs: int4's nibbles
     unpacked by shifts and masks) and call the CPU's kernels on the CPU: the same tokens, and once
-    warm, a run captures and compiles nothing."""
+    warm, a run captures and compiles nothing. Integer products (``int8_activations``) run their
+    public-op form on the card, each block's scale and rounding computed on the device; the CPU
+    reference runs the same public ops (the kernel's sums, in another order, may round an
+    activation on the other side of a boundary: tests/test_int8_activations.py)."""
     card = on_card(graph_stand_in, checkpoint, **quantize)
-    cpu = Generator.from_pretrained(checkpoint, device="cpu", **quantize)
+    path = "plain" if quantize.get("int8_activations") else "auto"
+    cpu = Generator.from_pretrained(checkpoint, device="cpu", cpu=CpuOptions(path=path), **quantize)
     options = dict(max_length=24, bucket_width=8, ignore_eos=False, **SEARCHES[search])
     with graph_stand_in.off_card():
         want = sequences(cpu.generate(PROMPTS, **options))
