@@ -9,6 +9,8 @@ length, new tokens, beams...) and prints one table:
                     bytes)
 * ``ours+int4``     the same with int4 weights (``--quantize int4 --group_size`` this run's
                     ``--group_size``; its ``x floor`` against its own bytes)
+* ``ours+int8i``, ``ours+int4i``  the same with integer products (``--int8_activations``: the
+                    activations rounded to int8 per block of 32, multiplied in integer arithmetic)
 * ``ours+compile``  the same with the decode step through ``torch.compile`` (--compile)
 * ``op by op``      CPU: the decode step and the prompt attention run op by op from Python, not
                     as one C++ call each
@@ -77,7 +79,7 @@ SHAPES = {"bloom-560m": (250880, 1024, 24, 16), "bloom-1b1": (250880, 1536, 24, 
           # The GPU target (one H100, bf16, batch 1). Drawing it takes ~60 GB of host memory
           # once (fp32 draws, then the bf16 copy written); 14 GB on disk.
           "bloom-7b1": (250880, 4096, 30, 32)}
-VARIANTS = ("ours", "ours+int8", "ours+int4", "ours+compile", "op by op", "static off", "graphs off", "transformers")
+VARIANTS = ("ours", "ours+int8", "ours+int4", "ours+int8i", "ours+int4i", "ours+compile", "op by op", "static off", "graphs off", "transformers")
 
 
 @dataclass
@@ -213,12 +215,12 @@ def sampling(args) -> dict:
 
 
 def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
-    quantized = variant in ("ours+int8", "ours+int4")
+    quantized = variant in ("ours+int8", "ours+int4", "ours+int8i", "ours+int4i")
     if quantized:
-        mode = variant.removeprefix("ours+")
+        mode = variant.removeprefix("ours+").removesuffix("i")
         gen = Generator.from_pretrained(base.folder, dtype=args.dtype, device=args.device, quantize=mode,
                                         group_size=args.group_size if mode == "int4" else None,
-                                        cpu=CpuOptions(path=args.cpu_path))
+                                        int8_activations=variant.endswith("i"), cpu=CpuOptions(path=args.cpu_path))
         backend = gen.backend
     elif variant == "ours+compile":
         # Its own copy of the weights: the shared model may have been packed for eager CPU steps
