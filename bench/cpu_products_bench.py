@@ -19,13 +19,21 @@ Three measurements, the evidence behind docs/performance.md's "why" paragraphs:
    rows through PyTorch's emulated bf16 instead of fp32 on the widened weight); ms and the ratio to
    fp32, one run. Run it
    as an AVX2 CPU with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ... --cpu_path avx2``.
-4. **The bf16 dot-product peak**: VDPBF16PS on registers only, no memory, on every thread (built
+4. **Integer products** (``--integer``): ``block_q8_linear`` (the input rounded to int8 per block
+   of 32, ``bloom_hpu/int8_activations.py``) over int8 and int4 (G=64) weights, on the four product
+   shapes of a bloom-560m block at M = 1, 16, 128 rows (``--integer_rows``), beside fp32
+   ``F.linear``, bf16 ``F.linear`` on the widened weight (oneDNN's product), and the weight-only
+   int8/int4 kernels (bf16 input); ms and each one's speed-up over fp32, for each kernel build this
+   process runs (as an AVX2 CPU: ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, which also
+   caps PyTorch's own products).
+5. **The bf16 dot-product peak**: VDPBF16PS on registers only, no memory, on every thread (built
    with ``torch.utils.cpp_extension``, a few seconds), in GFLOP/s; and where the CPU has AMX, the
    same for TDPBF16PS on tiles loaded once. Our kernels cannot beat them.
 
     OMP_NUM_THREADS=2 python bench/cpu_products_bench.py --threads 2
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=2 python bench/cpu_products_bench.py \
         --threads 2 --prompt --cpu_path avx2 --skip_products
+    OMP_NUM_THREADS=2 python bench/cpu_products_bench.py --threads 2 --integer --skip_products
 """
 
 from __future__ import annotations
@@ -232,6 +240,62 @@ def prompt_times(repeats: int, tokens: int, path: str, widen_off: bool) -> None:
         print(f"{label:>10s}  " + "   ".join(cells))
 
 
+BLOCK_SHAPES = ((3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (4 * HIDDEN, HIDDEN), (HIDDEN, 4 * HIDDEN))  # [N, K]
+
+
+def integer_products(repeats: int, row_counts: list[int]) -> None:
+    """block_q8_linear against fp32 and bf16 F.linear and the weight-only kernels, per shape and M.
+    Each cell's calls go round-robin with the others' (as prompt_times'), so a drift in the
+    machine's load hits them alike; the median per cell."""
+    from bloom_hpu.int4 import group_scales, quantize_groups
+
+    cap = capability.detect()
+    builds = {}
+    for isa in ("avx512_bf16", "avx2"):
+        if not cap.can_run(isa):
+            continue
+        try:
+            builds[isa] = load(isa)
+        except KernelsUnavailable as error:
+            print(f"(no {isa} kernels: {error})")
+    if not builds:
+        print(f"integer products: no kernel build runs here ({cap.why})")
+        return
+    g = torch.Generator().manual_seed(0)
+    print(f"integer products ({cap.why}; torch dispatch {torch.backends.cpu.get_cpu_capability()}), "
+          f"median of {repeats}: ms (x fp32 F.linear's speed)")
+    for isa, kernels in builds.items():
+        for n, k in BLOCK_SHAPES:
+            w = torch.randn(n, k, generator=g) / k ** 0.5
+            scales8 = w.abs().amax(dim=1) / 127
+            q8 = torch.round(w / scales8[:, None]).to(torch.int8)
+            scales4 = group_scales(w, 64)
+            q4 = quantize_groups(w, scales4)
+            w16 = w.bfloat16()
+            for rows in row_counts:
+                x = torch.randn(rows, k, generator=g)
+                x16 = x.bfloat16()
+                paths = {
+                    "fp32": lambda: F.linear(x, w),
+                    "bf16": lambda: F.linear(x16, w16),
+                    "int8 rows": lambda: kernels.int8_rows_linear(x16, q8, scales8, None),
+                    "int4 rows": lambda: kernels.int4_rows_linear(x16, q4, scales4, None),
+                    "q8 int8": lambda: kernels.block_q8_linear(x16, q8, scales8, None),
+                    "q8 int4": lambda: kernels.block_q8_linear(x16, q4, scales4, None),
+                }
+                times = {name: [] for name in paths}
+                for product in paths.values():
+                    product()
+                for _ in range(repeats):
+                    for name, product in paths.items():
+                        start = time.perf_counter()
+                        product()
+                        times[name].append(time.perf_counter() - start)
+                ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+                cells = "".join(f"  {name} {value:7.3f} ({ms['fp32'] / value:5.2f}x)" for name, value in ms.items())
+                print(f"{isa:>11s} N={n:4d} K={k:4d} M={rows:3d}:{cells}")
+
+
 def build_probe(name: str, source: str, cflags: list[str]):
     """``source`` (a peak probe above) built with ``torch.utils.cpp_extension`` in a fresh folder."""
     from torch.utils import cpp_extension
@@ -289,7 +353,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt_tokens", type=int, default=128)
     parser.add_argument("--widen_off", action="store_true", help="the prompts also without the widened products")
     parser.add_argument("--cpu_path", default="auto", help="the prompts' CPU path (auto, avx512_bf16, avx2, onednn, plain)")
-    parser.add_argument("--skip_products", action="store_true", help="only the prompts (with --prompt)")
+    parser.add_argument("--skip_products", action="store_true", help="only the prompts (with --prompt) or the integer products")
+    parser.add_argument("--integer", action="store_true", help="also time the integer products (block_q8_linear)")
+    parser.add_argument("--integer_rows", default="1,16,128", help="input rows of the integer products")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -299,6 +365,8 @@ def main(argv=None) -> int:
         prefill_products(args.repeats)
     if args.prompt:
         prompt_times(args.repeats, args.prompt_tokens, args.cpu_path, args.widen_off)
+    if args.integer:
+        integer_products(args.repeats, [int(r) for r in args.integer_rows.split(",")])
     if not args.skip_products:
         dot_peak()
         tile_peak()
