@@ -240,12 +240,6 @@ def quantized_kernel_rows(isa: str, dtype: torch.dtype, amx: bool, int4: bool) -
     return INT8_KERNEL_MANY_ROWS if isa == "avx2" else INT8_KERNEL_ROWS
 
 
-def one_call_lacks_integer(quantized: list, kernels: Kernels) -> bool:
-    """The quantized one-call decode step computes weight-only products: integer products decode
-    op by op, each product one call of the integer kernel."""
-    return any(m.int8_activations for m in quantized)
-
-
 # int4's kernel against the weight dequantized into scratch memory and multiplied by oneDNN: the
 # kernel reads the packed weight once, oneDNN's products block many rows better, so on the AVX-512
 # build oneDNN wins past 16 rows in bf16 and past 32 in fp32; on the AVX2 build oneDNN has no bf16
@@ -383,7 +377,8 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     if kernels is not None and options.one_call_steps:
         quantized = quantized_products(model)
         if quantized:  # every weight quantized, each served by its kernel: the quantized one-call step
-            all_kernel = all(m.kernel is not None for m in quantized) and not one_call_lacks_integer(quantized, kernels)
+            # (of weight-only products: integer products decode op by op, each a call of their kernel)
+            all_kernel = all(m.kernel is not None and not m.int8_activations for m in quantized)
         else:
             all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
         if not compile_steps and model.parallel.world_size == 1 and all_kernel:
