@@ -108,6 +108,28 @@ def test_an_odd_number_of_blocks(isa):
 
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+def test_weight_rows_of_zeros(isa):
+    """A vocabulary padded with zero rows: their scales are the smallest normal float, and their
+    products with the input's scales denormal (which the kernel flushes while it multiplies). The
+    result is the reference's, zeros in those columns, and rounding x leaves the caller's thread
+    as it was (a denormal input still rounds as the reference rounds it)."""
+    kernels = kernels_for(isa)
+    from bloom_hpu.quantize import quantize_weight
+
+    w = torch.randn(40, K)
+    w[8:24] = 0
+    for group_size in (None, 64):
+        q, scales = quantize_weight(w, group_size)
+        for rows in (1, 3, 17):
+            x = torch.randn(rows, K) * 3
+            got = kernels.block_q8_linear(x, q, scales, None)
+            torch.testing.assert_close(got, block_product(x, q, scales, None), rtol=1e-5, atol=1e-4)
+            assert not got[:, 8:24].any()
+    tiny = torch.full((1, K), 1e-39)
+    assert [torch.equal(a, b) for a, b in zip(kernels.block_q8_quantize(tiny), quantize_blocks(tiny))] == [True, True]
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
 def test_bad_input_is_refused_with_a_message(isa):
     kernels = kernels_for(isa)
     q8, s8 = weight("int8", 20)
