@@ -100,9 +100,27 @@ NEAR_TIE = 0.3  # nats between the best and the second token
 LOGPROBS = 0.1
 
 
-def test_the_runtime_says_integer_products(integer, public_ops):
+def test_the_runtime_says_integer_products(integer, public_ops, mode):
+    from bloom_hpu.runtime.cpu.capability import detect
+
     assert "integer products" in integer.backend.fast_path
+    if detect().kernel_isa is not None:  # the decode step is one C++ call of the same products
+        assert f"one-call decode step ({mode}, integer)" in integer.backend.fast_path
     assert "integer products in public ops" in public_ops.backend.fast_path
+
+
+def test_the_one_call_decode_step_is_the_op_by_op_one(integer):
+    """The decode step as one C++ call runs the same integer products as the step op by op."""
+    plan = integer.backend.cpu_plan
+    if plan is None or plan.decode is None:
+        pytest.skip("no one-call decode step on this CPU")
+    options = dict(max_new_tokens=12, ignore_eos=True, logprobs=True)
+    one_call = integer.generate(PROMPTS, **options)
+    with plan.op_by_op():
+        op_by_op = integer.generate(PROMPTS, **options)
+    assert [r.token_ids for r in one_call] == [r.token_ids for r in op_by_op]
+    for a, b in zip(one_call, op_by_op):
+        assert a.sequences[0].token_logprobs == pytest.approx(b.sequences[0].token_logprobs, abs=1e-5)
 
 
 @pytest.mark.parametrize("path", ["kernel", "public ops"])

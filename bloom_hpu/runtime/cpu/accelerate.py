@@ -99,12 +99,14 @@ class OneCallDecode:
     """The model's ``decode`` as one call of ``csrc/decode_step.cpp``: the same computation and
     roundings without ~120 Python-dispatched operations per step (for a small model, most of it).
     With ``op_quantized`` the step reads the model's int8 or int4 weights and their scales
-    (``bloom_hpu/quantize.py``) through ``decode_step_quantized``."""
+    (``bloom_hpu/quantize.py``) through ``decode_step_quantized``; with ``integer``, as integer
+    products (``bloom_hpu/int8_activations.py``)."""
 
-    def __init__(self, model: StaticBloom, op: Callable, op_quantized: Callable | None = None):
+    def __init__(self, model: StaticBloom, op: Callable, op_quantized: Callable | None = None, integer: bool = False):
         self.weights, scales = decode_weights(model)
         self.scales = scales if op_quantized is not None else None
-        self.op = op if op_quantized is None else (lambda w, *rest: op_quantized(w, self.scales, *rest))
+        self.op = op if op_quantized is None else \
+            (lambda w, *rest: op_quantized(w, self.scales, *rest, integer=integer))
         self.eps = model.config.layer_norm_epsilon
         self.residual_from_ln = model.config.apply_residual_connection_post_layernorm
 
@@ -376,15 +378,17 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     plan = CpuPlan("", kernels, decode_rows=few_rows)
     if kernels is not None and options.one_call_steps:
         quantized = quantized_products(model)
+        integer = any(m.int8_activations for m in quantized)
         if quantized:  # every weight quantized, each served by its kernel: the quantized one-call step
-            # (of weight-only products: integer products decode op by op, each a call of their kernel)
-            all_kernel = all(m.kernel is not None and not m.int8_activations for m in quantized)
+            all_kernel = all((m.block_kernel if m.int8_activations else m.kernel) is not None for m in quantized)
         else:
             all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
         if not compile_steps and model.parallel.world_size == 1 and all_kernel:
             plan.decode = OneCallDecode(model, kernels.decode_step,
-                                        kernels.decode_step_quantized if quantized else None)
-            if quantized:  # as many rows as the quantized kernel serves (it has no AMX products)
+                                        kernels.decode_step_quantized if quantized else None, integer)
+            if integer:  # integer products of any rows, through one kernel
+                plan.decode_rows = FEW_ROWS
+            elif quantized:  # as many rows as the quantized kernel serves (it has no AMX products)
                 plan.decode_rows = min([untiled_rows] + [m.kernel_rows for m in quantized])
             if plan.decode_rows < FEW_ROWS:
                 plan.mixed_rows = plan.decode_rows
@@ -392,7 +396,8 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
                 plan.mixed_rows = AMX_TILE_ROWS
             else:
                 plan.mixed_rows = MIXED_ROWS_QUANTIZED if quantized else MIXED_ROWS
-            used.append("one-call decode step" + (f" ({quantized_mode(model)})" if quantized else ""))
+            kind = f" ({quantized_mode(model)}{', integer' if integer else ''})" if quantized else ""
+            used.append(f"one-call decode step{kind}")
         for block in model.h:
             swap(block.self_attention, OneCallPromptAttention, op=kernels.prompt_attention)
             plan.prompt_attention.append(block.self_attention)

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "block_q8.h"
 #include "dtypes.h"
 #include "few_rows.h"
 #include "int4_rows.h"
@@ -132,15 +133,25 @@ void attend(const T* qkv, const Tokens& tokens, T* keys, T* values, const T* ali
 
 // The products of one step: the weights' own dtype (few_rows.h), or, with `scales`, quantized
 // weights: int8 whose rows those scales multiply (int8_rows.h), or packed int4 whose groups they
-// multiply (uint8 [N, K / 2], scales [N, K / G]; int4_rows.h).
+// multiply (uint8 [N, K / 2], scales [N, K / G]; int4_rows.h); with `integer`, the integer
+// products of either (the input rounded to int8 per block of 32: block_q8.h).
 template <typename T>
 struct Products {
   const std::vector<at::Tensor>& weights;
   const std::vector<at::Tensor>* scales;  // nullptr: float weights
+  bool integer = false;
 
   void operator()(size_t i, const T* x, int64_t M, int64_t N, int64_t K, const T* bias, T* out) const {
     if (scales == nullptr) {
       linear_rows<T>(x, M, weights[i].data_ptr<T>(), N, K, bias, out);
+    } else if (integer) {
+      const at::Tensor& s = (*scales)[i];
+      const auto* q = static_cast<const uint8_t*>(weights[i].data_ptr());
+      if (weights[i].scalar_type() == at::kByte)
+        bloom_cpu::block_q8_linear<bloom_cpu::Q8Weight::kInt4, T>(x, M, q, s.data_ptr<float>(), N, K, K / s.size(1),
+                                                                  bias, out);
+      else
+        bloom_cpu::block_q8_linear<bloom_cpu::Q8Weight::kInt8, T>(x, M, q, s.data_ptr<float>(), N, K, K, bias, out);
     } else if (weights[i].scalar_type() == at::kByte) {
       const at::Tensor& s = (*scales)[i];
       bloom_cpu::int4_linear<T>(x, M, weights[i].data_ptr<uint8_t>(), s.data_ptr<float>(), N, K, K / s.size(1), bias,
@@ -173,9 +184,9 @@ struct Products {
 template <typename T>
 void step(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>* scales, const Tokens& tokens,
           const int64_t* keep, int64_t kept, at::Tensor& keys, at::Tensor& values, const T* alibi, const Shapes& s,
-          float eps, bool residual_from_ln, T* logits) {
+          float eps, bool residual_from_ln, T* logits, bool integer) {
   auto ptr = [&](size_t i) { return weights[i].data_ptr<T>(); };
-  const Products<T> product{weights, scales};
+  const Products<T> product{weights, scales, integer};
   const int64_t B = tokens.count, V = weights[0].size(0), E = weights[kGlobalWeights].size(0);  // a layer norm's width
   const int64_t layers = (int64_t(weights.size()) - kGlobalWeights) / kBlockWeights;
   const int64_t F = weights[kGlobalWeights + 8].size(0);  // the MLP's width (4 E)
@@ -223,7 +234,8 @@ bool quantizable(size_t i) {
 at::Tensor run_step(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>* scales,
                     const at::Tensor& tokens, const at::Tensor& positions, at::Tensor keys, at::Tensor values,
                     const at::Tensor& alibi, int64_t window, double eps, bool residual_from_ln,
-                    const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& keep) {
+                    const std::optional<at::Tensor>& rows, const std::optional<at::Tensor>& keep,
+                    bool integer = false) {
   TORCH_CHECK(weights.size() > kGlobalWeights && (weights.size() - kGlobalWeights) % kBlockWeights == 0,
               "decode_step: 5 + 12 per block weights");
   TORCH_CHECK(keys.dim() == 5 && keys.is_contiguous() && values.is_contiguous() && alibi.is_contiguous(),
@@ -264,7 +276,7 @@ at::Tensor run_step(const std::vector<at::Tensor>& weights, const std::vector<at
       const at::Tensor live = given.ne(0).nonzero().view(-1);  // the rows that generate
       const at::Tensor some = run_step(weights, scales, tokens.reshape(-1).index_select(0, live),
                                        positions.index_select(0, live), keys, values, alibi, window, eps,
-                                       residual_from_ln, live, at::arange(live.numel(), live.options()));
+                                       residual_from_ln, live, at::arange(live.numel(), live.options()), integer);
       return at::zeros({count, some.size(1)}, some.options()).index_copy_(0, live, some);
     }
   }
@@ -291,7 +303,7 @@ at::Tensor run_step(const std::vector<at::Tensor>& weights, const std::vector<at
   bloom_cpu::with_element_type(dtype, "decode_step", [&](auto zero) {
     using T = decltype(zero);
     step<T>(weights, scales, t, keep_ids, kept.numel(), keys, values, alibi.data_ptr<T>(), s, float(eps),
-            residual_from_ln, logits.data_ptr<T>());
+            residual_from_ln, logits.data_ptr<T>(), integer);
   });
   return logits;
 }
@@ -304,14 +316,16 @@ at::Tensor decode_step(const std::vector<at::Tensor>& weights, const at::Tensor&
 }
 
 // The same step over quantized weights: `scales[i]` holds the scales of `weights[i]` where that is
-// int8 or int4 (the embeddings and the blocks' linear weights), and is ignored elsewhere.
+// int8 or int4 (the embeddings and the blocks' linear weights), and is ignored elsewhere. With
+// `integer`, the products are integer products (--int8_activations).
 at::Tensor decode_step_quantized(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& scales,
                                  const at::Tensor& tokens, const at::Tensor& positions, at::Tensor keys,
                                  at::Tensor values, const at::Tensor& alibi, int64_t window, double eps,
                                  bool residual_from_ln, const std::optional<at::Tensor>& rows,
-                                 const std::optional<at::Tensor>& keep) {
+                                 const std::optional<at::Tensor>& keep, bool integer) {
   TORCH_CHECK(scales.size() == weights.size(), "decode_step_quantized: one scales entry per weight");
-  return run_step(weights, &scales, tokens, positions, keys, values, alibi, window, eps, residual_from_ln, rows, keep);
+  return run_step(weights, &scales, tokens, positions, keys, values, alibi, window, eps, residual_from_ln, rows, keep,
+                  integer);
 }
 
 }  // namespace
@@ -321,7 +335,7 @@ BLOOM_LIBRARY_FRAGMENT(BLOOM_OPS, m) {
         "Tensor alibi, int window, float eps, bool residual_from_ln, Tensor? rows=None, Tensor? keep=None) -> Tensor");
   m.def("decode_step_quantized(Tensor[] weights, Tensor[] scales, Tensor tokens, Tensor positions, Tensor(a!) keys, "
         "Tensor(b!) values, Tensor alibi, int window, float eps, bool residual_from_ln, Tensor? rows=None, "
-        "Tensor? keep=None) -> Tensor");
+        "Tensor? keep=None, bool integer=False) -> Tensor");
 }
 
 BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {
