@@ -2,11 +2,13 @@
 
 The reference: transformers' BloomForCausalLM on the dequantized weights (``q * scale``), every
 linear layer's input (the LM head's too) rounded to int8 per block of 32 values by a pre-hook
-written here: ``d = max|x| / 127``, ``x -> round(x / d) * d`` in fp32. Our model must give its
-greedy and beam tokens and its log-probs, through every CPU path (our integer kernel, PyTorch's
-public ops), the CLI and a request file, the chat shell's generator, the server (the ``openai``
-client), and two ranks. Then the accuracy contract: the embedded default's held-out perplexity
-within 1% (int8) / 5% (int4) of fp32's with the activations rounded; and the one-line errors.
+written here: ``d = max|x| / 127``, ``x -> round(x / d) * d`` in fp32. Through our integer kernel
+and through PyTorch's public ops, our greedy tokens are its tokens until its first near tie and our
+log-probs close to its (see NEAR_TIE for why not closer), beams are its beams; a batch's rows are
+the rows alone; the one-call decode step is the op-by-op one; the CLI, a request file, the server
+(the ``openai`` client) and two ranks give the generator's tokens. Then the accuracy contract: the
+embedded default's held-out perplexity within 1% (int8) / 5% (int4) of fp32's with the
+activations rounded; and the one-line errors.
 """
 
 from __future__ import annotations
