@@ -3,7 +3,9 @@ the reference for our quantized arithmetic."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -37,3 +39,35 @@ def write_dequantized(folder: Path, model, out: Path) -> Path:
     weights.update(replaced)
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+def held_out_perplexities(checkpoint: Path, quantized_model, prepare: Callable | None = None) -> tuple[float, float]:
+    """(fp32's, the reference's) perplexity of ``checkpoint`` (the embedded KJV model) on its held-out
+    chapters (when the corpus can be fetched), else on its own README's text: the reference is
+    transformers on ``quantized_model``'s dequantized weights, after ``prepare(reference)``."""
+    import transformers
+
+    from utils import kjv_corpus
+
+    try:
+        texts = kjv_corpus.load().held_out[:3]
+    except Exception:
+        texts = [(checkpoint / "README.md").read_text()]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    fp32 = transformers.BloomForCausalLM.from_pretrained(checkpoint).eval()
+    reference = transformers.BloomForCausalLM.from_pretrained(checkpoint).eval()
+    state = {f"transformer.{k}": v for k, v in dequantized_state(quantized_model).items()}
+    assert not reference.load_state_dict(state, strict=False).unexpected_keys
+    if prepare is not None:
+        prepare(reference)
+
+    def perplexity(model):
+        total, count = 0.0, 0
+        for text in texts:
+            ids = tokenizer(text, return_tensors="pt").input_ids[:, :512]
+            with torch.no_grad():
+                total += model(ids, labels=ids).loss.item() * (ids.shape[1] - 1)
+            count += ids.shape[1] - 1
+        return math.exp(total / count)
+
+    return perplexity(fp32), perplexity(reference)

@@ -14,7 +14,6 @@ activations rounded; and the one-line errors.
 from __future__ import annotations
 
 import json
-import math
 
 import openai
 import pytest
@@ -23,7 +22,7 @@ import transformers
 
 from bloom_hpu.int8_activations import Int8ActivationsError
 from bloom_hpu.runtime.cpu import CpuOptions
-from dequantized import dequantized_state, write_dequantized
+from dequantized import held_out_perplexities, write_dequantized
 from generation import Generator
 from generation.serving.app import make_app
 from generation.serving.engine import Engine, EngineConfig
@@ -201,11 +200,11 @@ def test_the_server_answers_with_integer_products(integer):
             assert got.choices[0].text == integer.generate(prompt, max_new_tokens=8)[0].text
 
 
-def test_two_ranks_give_one_process_tokens(folder, integer, mode, tmp_path):
-    if mode == "int8":
-        pytest.skip("one mode is enough for the launcher (int4: groups and blocks within each rank's half)")
+def test_two_ranks_give_one_process_tokens(folder, tmp_path):
+    """int4 (one mode is enough for the launcher): groups and blocks within each rank's half of a row."""
     flags = ["--weights", str(folder), "--int8_activations", "--quantize", "int4", "--group_size", str(GROUP)]
-    want = [r.token_ids for r in integer.generate(PROMPTS[1:], max_length=20)]
+    one_process = Generator.from_pretrained(folder, int8_activations=True, **MODES["int4"])
+    want = [r.token_ids for r in one_process.generate(PROMPTS[1:], max_length=20)]
     assert two_rank_tokens(tmp_path, *flags) == want
 
 
@@ -214,30 +213,8 @@ def test_held_out_perplexity_of_the_default_stays_close_to_fp32(tiny_checkpoint,
     """The embedded KJV model, its weights quantized (int4 at its default group size) and every
     product's input rounded per block, against fp32: on its held-out chapters (when the corpus can be
     fetched), else on its own README's text."""
-    from utils import kjv_corpus
-
-    try:
-        texts = kjv_corpus.load().held_out[:3]
-    except Exception:
-        texts = [(tiny_checkpoint / "README.md").read_text()]
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_checkpoint)
-    fp32 = transformers.BloomForCausalLM.from_pretrained(tiny_checkpoint).eval()
-    reference = transformers.BloomForCausalLM.from_pretrained(tiny_checkpoint).eval()
     ours = Generator.from_pretrained(tiny_checkpoint, quantize=mode, int8_activations=True)
-    state = {f"transformer.{k}": v for k, v in dequantized_state(ours.model).items()}
-    assert not reference.load_state_dict(state, strict=False).unexpected_keys
-    with_rounded_inputs(reference)
-
-    def perplexity(model):
-        total, count = 0.0, 0
-        for text in texts:
-            ids = tokenizer(text, return_tensors="pt").input_ids[:, :512]
-            with torch.no_grad():
-                total += model(ids, labels=ids).loss.item() * (ids.shape[1] - 1)
-            count += ids.shape[1] - 1
-        return math.exp(total / count)
-
-    base, got = perplexity(fp32), perplexity(reference)
+    base, got = held_out_perplexities(tiny_checkpoint, ours.model, with_rounded_inputs)
     print(f"held-out perplexity: fp32 {base:.3f}, {mode} with int8 activations {got:.3f} ({got / base - 1:+.2%})")
     assert abs(got / base - 1) <= within
 

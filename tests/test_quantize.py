@@ -13,7 +13,6 @@ itself: weights within half a step of the originals, about half (int8) or a quar
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import subprocess
@@ -28,7 +27,7 @@ import transformers
 from bloom_hpu.int4 import dequantized_int4
 from bloom_hpu.loading import load_model
 from bloom_hpu.quantize import QuantizeError, quantize, weight_bytes
-from dequantized import dequantized_state, dequantized_weight, write_dequantized
+from dequantized import dequantized_weight, held_out_perplexities, write_dequantized
 from generation.generator import Generator
 from utils.random_checkpoint import make_random_checkpoint
 
@@ -162,30 +161,8 @@ def test_every_cpu_path_runs_a_quantized_model(folder, dtype, mode):
 def test_held_out_perplexity_of_the_default_stays_close_to_fp32(tiny_checkpoint, mode, group_size, within):
     """The embedded KJV model quantized (int4 at its default group size) against fp32, on its held-out
     chapters (when the corpus can be fetched), else on its own README's text."""
-    from utils import kjv_corpus
-
-    try:
-        texts = kjv_corpus.load().held_out[:3]
-    except Exception:
-        texts = [(tiny_checkpoint / "README.md").read_text()]
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_checkpoint)
-    fp32 = transformers.BloomForCausalLM.from_pretrained(tiny_checkpoint).eval()
-    reference = transformers.BloomForCausalLM.from_pretrained(tiny_checkpoint).eval()
     ours = Generator.from_pretrained(tiny_checkpoint, quantize=mode, group_size=group_size)
-    state = {f"transformer.{k}": v for k, v in dequantized_state(ours.model).items()}
-    missing = reference.load_state_dict(state, strict=False)
-    assert not missing.unexpected_keys
-
-    def perplexity(model):
-        total, count = 0.0, 0
-        for text in texts:
-            ids = tokenizer(text, return_tensors="pt").input_ids[:, :512]
-            with torch.no_grad():
-                total += model(ids, labels=ids).loss.item() * (ids.shape[1] - 1)
-            count += ids.shape[1] - 1
-        return math.exp(total / count)
-
-    base, got = perplexity(fp32), perplexity(reference)
+    base, got = held_out_perplexities(tiny_checkpoint, ours.model)
     print(f"held-out perplexity: fp32 {base:.3f}, {mode} {got:.3f} ({got / base - 1:+.2%})")
     assert abs(got / base - 1) <= within
 
