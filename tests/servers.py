@@ -50,6 +50,23 @@ def app_in_thread(engine, app):
         engine.stop()
 
 
+@contextlib.contextmanager
+def tiny_server(key: str, max_length: int, bucket_width: int):
+    """The embedded default (fp32, CPU) served with metrics, 8 rows, ``key`` required, in a thread;
+    yields (generator, engine, port)."""
+    from generation import Generator
+    from generation.serving.app import make_app
+    from generation.serving.engine import Engine, EngineConfig
+    from generation.serving.metrics import PrometheusMetrics
+
+    generator = Generator.from_pretrained("checkpoints/bloom-tiny", dtype="fp32", device="cpu")
+    metrics = PrometheusMetrics()
+    engine = Engine(generator, EngineConfig(max_batch=8, max_length=max_length, bucket_width=bucket_width), metrics)
+    metrics.bind(engine)
+    with app_in_thread(engine, make_app(engine, "bloom-tiny", key, metrics)) as port:
+        yield generator, engine, port
+
+
 def wait_until_healthy(proc: subprocess.Popen, port: int, seconds: float, log=lambda: "") -> None:
     """Wait for a server process to answer /health with 200; fail (killing it) if it exits first
     or does not within ``seconds``. ``log()``: what to show when it fails."""

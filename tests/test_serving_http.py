@@ -16,11 +16,9 @@ import openai
 import pytest
 import uvicorn
 
-from generation import Generator
 from generation.serving.app import make_app
 from generation.serving.engine import Engine, EngineConfig
-from generation.serving.metrics import PrometheusMetrics
-from servers import app_in_thread, free_port
+from servers import free_port, tiny_server
 
 MAX_LENGTH, WIDTH, KEY = 128, 32, "test-key"
 WORDS = "the of and a to in is was it for on with as his that by at from her he said".split()
@@ -28,12 +26,8 @@ WORDS = "the of and a to in is was it for on with as his that by at from her he 
 
 @pytest.fixture(scope="module")
 def server():
-    generator = Generator.from_pretrained("checkpoints/bloom-tiny", dtype="fp32", device="cpu")
-    metrics = PrometheusMetrics()
-    engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH), metrics)
-    metrics.bind(engine)
-    with app_in_thread(engine, make_app(engine, "bloom-tiny", KEY, metrics)) as port:
-        yield generator, engine, port
+    with tiny_server(KEY, MAX_LENGTH, WIDTH) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

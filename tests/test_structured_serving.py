@@ -13,11 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from generation import Generator
-from generation.serving.app import make_app
-from generation.serving.engine import Engine, EngineConfig
-from generation.serving.metrics import PrometheusMetrics
-from servers import app_in_thread
+from servers import tiny_server
 from test_structured import BOUNDED, OPEN, REGEXES
 
 MAX_LENGTH, WIDTH, KEY = 128, 32, "test-key"
@@ -25,12 +21,8 @@ MAX_LENGTH, WIDTH, KEY = 128, 32, "test-key"
 
 @pytest.fixture(scope="module")
 def server():
-    generator = Generator.from_pretrained("checkpoints/bloom-tiny", dtype="fp32", device="cpu")
-    metrics = PrometheusMetrics()
-    engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH), metrics)
-    metrics.bind(engine)
-    with app_in_thread(engine, make_app(engine, "bloom-tiny", KEY, metrics)) as port:
-        yield generator, engine, port
+    with tiny_server(KEY, MAX_LENGTH, WIDTH) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
