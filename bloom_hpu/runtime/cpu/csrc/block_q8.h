@@ -388,8 +388,8 @@ inline void tile_sums(const uint8_t* const* x, const float* const* d, const int3
     if constexpr (W == Q8Weight::kInt8) {
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) sums[r][c] = _mm256_setzero_si256();
-  #pragma GCC unroll 16
-    for (int t = 0; t < vectors; ++t) {
+      #pragma GCC unroll 16
+      for (int t = 0; t < vectors; ++t) {
         IVec wv[C];
         for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (c * vectors + t) * kQ8VecBytes));
         for (int r = 0; r < R; ++r) {
@@ -403,8 +403,8 @@ inline void tile_sums(const uint8_t* const* x, const float* const* d, const int3
       IVec pairs[R][C];
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) pairs[r][c] = _mm256_setzero_si256();
-  #pragma GCC unroll 16
-    for (int t = 0; t < vectors; ++t) {
+      #pragma GCC unroll 16
+      for (int t = 0; t < vectors; ++t) {
         IVec wv[C];
         for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (c * vectors + t) * kQ8VecBytes));
         for (int r = 0; r < R; ++r) {
