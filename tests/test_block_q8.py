@@ -2,7 +2,9 @@
 ops (``bloom_hpu/int8_activations.py``), for each build this CPU runs: the rounding of the input bit
 for bit, the products within fp32's rounding of the sums (in bf16 and fp16, within one rounding of
 the dtype), int8 and int4 weights, any number of rows, a row of zeros and a block with one huge
-value, with and without bias; bad input is refused with a message."""
+value, with and without bias; bad input is refused with a message. On a CPU with AMX-INT8, the int8
+products of more than 4 rows on its tiles (``csrc/block_q8_amx.h``) are the panel kernel's bit for bit.
+The threaded GELU (``gelu_tanh``) is F.gelu's within one rounding."""
 
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ from bloom_hpu.int4 import group_scales, quantize_groups
 from bloom_hpu.int8_activations import block_product, quantize_blocks
 from bloom_hpu.runtime.cpu.kernels import load
 
-from isas import ALL_KERNEL_ISAS, needs_isa
+from bloom_hpu.runtime.cpu import capability
+from bloom_hpu.runtime.cpu.layers import AMX_MIN_ROWS
+
+from isas import ALL_KERNEL_ISAS, needs_amx_tiles, needs_isa
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 WEIGHTS = ["int8", "int4 G=32", "int4 G=64", "int4 G=128"]
@@ -94,11 +99,13 @@ def test_linear_keeps_leading_dimensions_and_matches_in_dtype(isa):
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
 def test_an_odd_number_of_blocks(isa):
-    """K = 96: three blocks a row (the AVX-512 build's few-rows path takes them two at a time)."""
+    """K = 96: three blocks a row (the AVX-512 build's few-rows path takes them two at a time); and
+    39 outputs, so that the few-rows path's last 3 weight rows go one by one (on AVX2, int4, each
+    paired with itself)."""
     kernels = kernels_for(isa)
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(36, 96, generator=g)
-    int8 = (torch.randint(-127, 128, (36, 96), generator=g, dtype=torch.int8), torch.rand(36, generator=g))
+    w = torch.randn(39, 96, generator=g)
+    int8 = (torch.randint(-127, 128, (39, 96), generator=g, dtype=torch.int8), torch.rand(39, generator=g))
     int4 = (quantize_groups(w, group_scales(w, 32)), group_scales(w, 32))
     for rows in (1, 5):
         x = torch.randn(rows, 96, generator=g)
@@ -163,3 +170,46 @@ def test_fake_shapes(isa):
         xq, d = kernels.block_q8_quantize(x)
     assert out.shape == (1, 3, 20) and out.dtype == torch.bfloat16
     assert xq.shape == (1, 3, K) and xq.dtype == torch.int8 and d.shape == (1, 3, K // 32) and d.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [64, 160, 256])
+def test_int8_products_on_amx_int8_tiles_are_the_panel_kernels_bit_for_bit(dtype, k):
+    """K = 64, 160, 256: 2, 5 and 8 blocks, so the tiles' pipelined loop (4 blocks a turn) runs not at
+    all, once with a block left over, and twice. Rows past 16 and 32 take more input tiles; 5 rows
+    is the fewest the tiles serve. 40 outputs are not whole tiles: the panel kernel serves them."""
+    kernels = needs_amx_tiles()
+    if "amx_int8" not in (capability.cpu_flags() or set()):
+        pytest.skip("no AMX-INT8 here")
+    g = torch.Generator().manual_seed(k)
+    try:
+        for n in (16, 48, 40):
+            q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+            scales = torch.rand(n, generator=g) / 64 + 1e-3
+            bias = torch.randn(n, generator=g).to(dtype)
+            for rows in (5, 16, 37):
+                x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+                for b in (None, bias):
+                    kernels.enable_amx(AMX_MIN_ROWS)
+                    tiles = kernels.block_q8_linear(x, q, scales, b)
+                    kernels.enable_amx(0)
+                    panel = kernels.block_q8_linear(x, q, scales, b)
+                    assert torch.equal(tiles, panel), (n, rows, b is None, (tiles.float() - panel.float()).abs().max())
+    finally:
+        kernels.enable_amx(AMX_MIN_ROWS)
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_threaded_gelu_is_torchs_within_a_rounding(isa, dtype):
+    kernels = kernels_for(isa)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5000, generator=g) * 4).to(dtype)  # not a whole number of tasks or vectors
+    x[0, :3] = torch.tensor([0.0, -30.0, 30.0])
+    got = kernels.gelu_tanh(x)
+    want = torch.nn.functional.gelu(x.float(), approximate="tanh")
+    step = {torch.float32: 2.0 ** -22, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}[dtype]
+    assert got.dtype == dtype and got.shape == x.shape
+    assert ((got.float() - want).abs() <= step * want.abs() + 1e-6).all()
+    assert got[0, 0] == 0 and got[0, 1] == 0 and got[0, 2] == 30
+    assert kernels.gelu_tanh(x[:, ::2]).shape == (3, 2500)  # a strided input is made contiguous

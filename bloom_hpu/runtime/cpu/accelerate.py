@@ -28,7 +28,7 @@ from ...model import Attention, StaticBloom, segment_layout
 from ...quantize import INT8_KERNEL_MANY_ROWS, INT8_KERNEL_ROWS, quantized_mode, quantized_products
 from . import capability
 from .kernels import Kernels, KernelsUnavailable, load
-from .layers import (AMX_MIN_ROWS, AMX_TILE_ROWS, CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead,
+from .layers import (AMX_MIN_ROWS, AMX_TILE_ROWS, CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, KernelGelu,
                      OneCallPromptAttention, WidenedProducts, kernel_suits, swap, unswap)
 
 PATHS = ("auto", "avx512_bf16", "avx2", "onednn", "plain")
@@ -371,6 +371,13 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
             block.mlp.dense_h_to_4h.fused_gelu = True
             block.mlp.gelu = torch.nn.Identity()
         used.append("oneDNN GELU in the prefill's MLP")
+    quantized = set(quantized_products(model))
+    quantized_mlps = [b.mlp for b in model.h if b.mlp.dense_h_to_4h in quantized]
+    if kernels is not None and not compile_steps and quantized_mlps and \
+            all(isinstance(m.gelu, torch.nn.GELU) for m in quantized_mlps):
+        for mlp in quantized_mlps:
+            mlp.gelu = KernelGelu(kernels.gelu_tanh)
+        used.append("threaded GELU")
     if kernels is None and onednn and not widened and options.pack_weights and capability.onednn_packs(dtype):
         for linear in linears:
             linear.pack()

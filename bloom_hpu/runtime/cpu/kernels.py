@@ -53,7 +53,7 @@ FLAGS = {
 }
 # The AVX-512 build also holds the AMX product (csrc/amx_rows.h), used only once enabled on a CPU
 # with AMX-BF16; a compiler without AMX's intrinsics (GCC < 11) builds it without.
-AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-DBLOOM_AMX"]
+AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-mamx-int8", "-DBLOOM_AMX"]
 NAMESPACE = {"avx512_bf16": "bloom_avx512", "avx2": "bloom_avx2"}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BUILD_TIME = "about a minute"  # g++ -O3 of csrc/ on 2 cores: what a first run says it will wait
@@ -79,6 +79,7 @@ class Kernels:
     counter_uniform: Callable  # (base int64 [R], n) -> [R, n] float32: sampling.py's uniform noise
     block_q8_quantize: Callable  # (x [..., K]) -> (xq int8 [..., K], d fp32 [..., K / 32]): quantize_blocks
     block_q8_linear: Callable  # (x, q int8 [N, K] or uint8 [N, K / 2], scales, bias): block_product
+    gelu_tanh: Callable  # (x) -> F.gelu(x, approximate="tanh"), the decode step's formula, threaded
 
 
 _built: dict[str, Kernels | KernelsUnavailable] = {}
@@ -129,7 +130,7 @@ def _build_and_probe(isa: str) -> Kernels:
     try:
         kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention, ops.int8_rows_linear,
                           ops.int4_rows_linear, ops.int4_dequantize, ops.decode_step_quantized, ops.enable_amx,
-                          ops.counter_uniform, ops.block_q8_quantize, ops.block_q8_linear)
+                          ops.counter_uniform, ops.block_q8_quantize, ops.block_q8_linear, ops.gelu_tanh)
     except AttributeError as error:  # a library built from other sources
         raise KernelsUnavailable(f"were built without their operators ({error})") from None
     _register_fake(namespace)
@@ -159,6 +160,10 @@ def _register_fake(namespace: str) -> None:
     @torch.library.register_fake(f"{namespace}::block_q8_linear")
     def _(x, q, scales, bias):
         return x.new_empty(*x.shape[:-1], q.shape[0])
+
+    @torch.library.register_fake(f"{namespace}::gelu_tanh")
+    def _(x):
+        return torch.empty_like(x)
 
 
 def _probe(kernels: Kernels) -> None:

@@ -180,6 +180,19 @@ class CpuRowParallelLinear(CpuProducts, RowParallelLinear):
 CPU_LINEAR = {Linear: CpuLinear, RowParallelLinear: CpuRowParallelLinear}
 
 
+class KernelGelu(nn.Module):
+    """The MLP's GELU (``nn.GELU(approximate="tanh")``) by the kernels' ``gelu_tanh``: the decode
+    step's formula, split over the threads. For prefills whose product does not fuse it (the
+    quantized products), where ATen's GELU is a tenth of an integer-products prompt."""
+
+    def __init__(self, gelu_tanh: Callable):
+        super().__init__()
+        self.gelu_tanh = gelu_tanh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gelu_tanh(x)
+
+
 class CpuTiedHead(TiedHead):
     plain_class = TiedHead
     kernel: Callable | None = None

@@ -529,7 +529,7 @@ void quantize_few(const T* x, int64_t M, int64_t K, Q8FewInput& in) {
       }
 #else
       in.d[m * blocks + b] = d;
-      in.starts[m * blocks + b] = -sum;  // int4: 8 * the sum, 1 per lane of 8
+      in.starts[m * blocks + b] = -2 * sum;  // int4: 8 * the sum, a quarter per lane of a row's 4
       if constexpr (W == Q8Weight::kInt8) {
         for (int k = 0; k < kQ8Block; ++k) in.xabs[m * K + b * kQ8Block + k] = uint8_t(xq[k] < 0 ? -xq[k] : xq[k]);
       }
@@ -593,6 +593,9 @@ struct FewBlock {
       for (int m = 0; m < MB; ++m)
         sums[m * R + r] = _mm512_reduce_add_ps(acc[r][m]) * (W == Q8Weight::kInt8 ? scales[r] : 1.0f);
 #else
+    if constexpr (W == Q8Weight::kInt4) {
+      return int4_pairs(q, row_bytes, scales, groups, G, in, m0, K, sums);
+    }
     __m256 acc[R][MB];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
@@ -602,38 +605,88 @@ struct FewBlock {
       for (int r = 0; r < R; ++r) {
         const uint8_t* p = q + r * row_bytes + b * (row_bytes / blocks);
         _mm_prefetch(reinterpret_cast<const char*>(p + kQ8FewPrefetch), _MM_HINT_T0);
-        if constexpr (W == Q8Weight::kInt8) {
-          w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        } else {
-          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-          w[r] = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1),
-                                  _mm256_set1_epi8(0x0F));
-        }
+        w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       }
       for (int m = 0; m < MB; ++m) {
         const int64_t at = (m0 + m) * blocks + b;
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.xq.data() + (m0 + m) * K + b * kQ8Block));
         const float d = in.d[at];
+        const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.xabs.data() + (m0 + m) * K + b * kQ8Block));
         for (int r = 0; r < R; ++r) {
-          __m256i sums_i;
-          if constexpr (W == Q8Weight::kInt8) {
-            // |x| times w with x's sign: each int16 pair sum at most 2 * 127 * 127.
-            const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in.xabs.data() + (m0 + m) * K + b * kQ8Block));
-            sums_i = _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w[r], xv)), ones);
-            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums_i), _mm256_set1_ps(d), acc[r][m]);
-          } else {
-            sums_i = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(w[r], xv), ones), _mm256_set1_epi32(in.starts[at]));
-            const float scale = d * scales[r * groups + b * kQ8Block / G];
-            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums_i), _mm256_set1_ps(scale), acc[r][m]);
-          }
+          // |x| times w with x's sign: each int16 pair sum at most 2 * 127 * 127.
+          const __m256i sums_i = _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w[r], xv)), ones);
+          acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums_i), _mm256_set1_ps(d), acc[r][m]);
         }
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int m = 0; m < MB; ++m)
-        sums[m * R + r] = reduce_add8(acc[r][m]) * (W == Q8Weight::kInt8 ? scales[r] : 1.0f);
+      for (int m = 0; m < MB; ++m) sums[m * R + r] = reduce_add8(acc[r][m]) * scales[r];
 #endif
   }
+
+#if !defined(BLOOM_ISA_AVX512)
+  // AVX2, int4: two weight rows share each vector, so every instruction does a full vector of work
+  // where one row's block (16 bytes) would fill half of one. Per pair and block the 16 packed bytes
+  // of each row become lo = [row a: v 0..15 | row b: v 0..15] and hi = [a: v 16..31 | b: v 16..31]
+  // (one load each, an AND, a shift), multiplied by the block's xq with each 128-bit half repeated
+  // (VPMADDUBSW: int16 pair sums of at most 2 * 15 * 127, the lo and hi ones added in int16), widened
+  // by VPMADDWD: lanes 0-3 hold row a's sums, 4-7 row b's. Each lane starts at -2 * the block's sum
+  // of xq (the -8 of q = v - 8, a quarter per lane), and one multiply by d times the two rows'
+  // scales ([a x 4 | b x 4]) ends the block. An odd last row is paired with itself.
+  static void int4_pairs(const uint8_t* q, int64_t row_bytes, const float* scales, int64_t groups, int64_t G,
+                         const Q8FewInput& in, int64_t m0, int64_t K, float* sums) {
+    constexpr int P = (R + 1) / 2;
+    const int64_t blocks = K / kQ8Block, blocks_per_group = G / kQ8Block;
+    __m256 acc[P][MB];
+    for (int p = 0; p < P; ++p)
+      for (int m = 0; m < MB; ++m) acc[p][m] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
+    int64_t g = 0, left = blocks_per_group;
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256i lo[P], hi[P];
+      __m256 s[P];
+      for (int p = 0; p < P; ++p) {
+        const int a = 2 * p, c = std::min(2 * p + 1, R - 1);
+        const uint8_t* pa = q + a * row_bytes + b * 16;
+        const uint8_t* pc = q + c * row_bytes + b * 16;
+        if (b % 4 == 0) {  // one prefetch per 64-byte line of each row
+          _mm_prefetch(reinterpret_cast<const char*>(pa + kQ8FewPrefetch), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(pc + kQ8FewPrefetch), _MM_HINT_T0);
+        }
+        const __m256i bytes = _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pa))),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(pc)), 1);
+        lo[p] = _mm256_and_si256(bytes, mask);
+        hi[p] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);
+        s[p] = _mm256_set_m128(_mm_set1_ps(scales[c * groups + g]), _mm_set1_ps(scales[a * groups + g]));
+      }
+      for (int m = 0; m < MB; ++m) {
+        const int64_t at = (m0 + m) * blocks + b;
+        const int8_t* x = in.xq.data() + (m0 + m) * K + b * kQ8Block;
+        const __m256i xlo = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+        const __m256i xhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16)));
+        const __m256i start = _mm256_set1_epi32(in.starts[at]);
+        const __m256 d = _mm256_set1_ps(in.d[at]);
+        for (int p = 0; p < P; ++p) {
+          const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo[p], xlo), _mm256_maddubs_epi16(hi[p], xhi));
+          const __m256i sums_i = _mm256_add_epi32(_mm256_madd_epi16(pairs, ones), start);
+          acc[p][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums_i), _mm256_mul_ps(d, s[p]), acc[p][m]);
+        }
+      }
+      if (--left == 0) {
+        ++g;
+        left = blocks_per_group;
+      }
+    }
+    for (int p = 0; p < P; ++p)
+      for (int m = 0; m < MB; ++m) {
+        const __m128 halves = _mm_hadd_ps(_mm256_castps256_ps128(acc[p][m]), _mm256_extractf128_ps(acc[p][m], 1));
+        const __m128 both = _mm_hadd_ps(halves, halves);  // [a, b, a, b]
+        sums[m * R + 2 * p] = _mm_cvtss_f32(both);
+        if (2 * p + 1 < R) sums[m * R + 2 * p + 1] = _mm_cvtss_f32(_mm_shuffle_ps(both, both, 1));
+      }
+  }
+#endif
 };
 
 template <Q8Weight W, int R, int MB>
@@ -684,6 +737,14 @@ void block_q8_few(const T* x, int64_t M, const uint8_t* q, const float* scales, 
   for (int64_t n = steps * kQ8FewWeightRows; n < N; ++n) outputs(std::integral_constant<int, 1>{}, n);
 }
 
+#if defined(BLOOM_AMX)
+// Int8 weights and many rows on AMX-INT8 tiles: block_q8_amx.h.
+inline bool q8_amx_ready();
+template <typename T>
+void amx_q8_linear(const T* x, int64_t M, const int8_t* q, const float* scales, int64_t N, int64_t K, const T* bias,
+                   T* out);
+#endif
+
 // out [M, N] = the product of x [M, K] with the weight (module doc), + bias [N]; K % 32 == 0.
 template <Q8Weight W, typename T>
 void block_q8_linear(const T* x, int64_t M, const uint8_t* q, const float* scales, int64_t N, int64_t K, int64_t G,
@@ -695,6 +756,12 @@ void block_q8_linear(const T* x, int64_t M, const uint8_t* q, const float* scale
   const bool pairs = true;
 #endif
   if (M <= kQ8FewRows && pairs) return block_q8_few<W>(x, M, q, scales, N, K, G, bias, out);
+#if defined(BLOOM_AMX)
+  if constexpr (W == Q8Weight::kInt8) {
+    if (N % 16 == 0 && q8_amx_ready())
+      return amx_q8_linear(x, M, reinterpret_cast<const int8_t*>(q), scales, N, K, bias, out);
+  }
+#endif
   constexpr int R = kQ8Rows<W>, C = kQ8Cols<W>;
   const int64_t blocks = K / kQ8Block;
   std::vector<uint8_t> values(size_t(M * K * Q8Input<W>::kBytes));
@@ -732,3 +799,5 @@ void block_q8_linear(const T* x, int64_t M, const uint8_t* q, const float* scale
 }
 
 BLOOM_CPU_END
+
+#include "block_q8_amx.h"  // after block_q8_linear, which calls it

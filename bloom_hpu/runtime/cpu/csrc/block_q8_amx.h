@@ -1,0 +1,202 @@
+// The integer products (block_q8.h) of int8 weights and many input rows on AMX-INT8 tiles (Xeon
+// Sapphire Rapids and later):
+//
+//   y[i, j] = s[j] * sum_b d[i, b] * S[i, j, b],   S[i, j, b] = sum_{k in block b} xq[i, k] * q[j, k]
+//
+// One TDPBSSD multiplies a tile of 16 weight rows x 32 int8 of k (one block) by a tile of the same
+// 32 k of 16 input rows (as 8 rows of [16 input rows x 4 k]) into 16 x 16 int32 block sums S:
+// 8192 products an instruction, where VPDPBUSD makes 64. The sums are exact and each block's is
+// scaled and added in fp32 in the same order as the panel kernel's, so the result is the panel
+// kernel's bit for bit; what is left per block is that float work: the 16 x 16 sums stored, and per
+// weight row one conversion and one multiply-add into an accumulator kept in a register.
+//
+// The weight is read in place (16 rows at the row stride). The input is rounded once per call
+// (quantize_block, as everywhere) and laid out per 16 rows and block as the tile reads it. A task
+// is 16 weight rows; within it, per 16 input rows, a loop over the blocks (q8_tile_sums). The
+// result tile is C[weight row][input row]; the accumulators are transposed once at the end, as
+// amx_rows.h's store_tile does.
+//
+// int4 weights stay on the panel kernel: their per-block scale makes the float work per block
+// twice int8's (d[i, b] * s[j, b] for every pair), and with the nibbles unpacked per task the tiles
+// were no faster than VPDPBUSD at 8-37 rows and at most 1.3x at 128.
+//
+// Used where the process has the tile state (enable_amx, amx_rows.h) and the CPU has AMX-INT8
+// (CPUID, checked once), for N a multiple of 16 and more than kQ8FewRows input rows.
+
+#pragma once
+
+#include "block_q8.h"
+
+#if defined(BLOOM_AMX)
+#include <cpuid.h>
+
+#include "amx_rows.h"
+#endif
+
+BLOOM_CPU_BEGIN
+
+#if defined(BLOOM_AMX)
+
+inline bool cpu_has_amx_int8() {
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25)) != 0;  // CPUID.(7,0):EDX[25]
+  }();
+  return has;
+}
+
+// Tiles: 0-1 and 6-7 the sums C [16 weight rows, 16 int32] of two pairs of blocks, 2-3 the weights
+// A [16 rows, 32 bytes] and 4-5 the inputs B [8 groups of 4 k, 16 input rows x 4 bytes] of a pair.
+// A constant in memory, as amx_rows.h explains.
+inline constexpr TileConfig kQ8TileConfig = {1, 0, {}, {64, 64, 32, 32, 64, 64, 64, 64}, {16, 16, 16, 16, 8, 8, 16, 16}};
+
+constexpr int64_t kQ8TileRows = 16;
+
+// xv [groups of 16 rows][blocks][8][16 rows][4 bytes] and dv [groups][blocks][16] (zeros for rows
+// past M) from xq [M, K], d [M, blocks].
+inline void q8_tile_inputs(const int8_t* xq, const float* d, int64_t M, int64_t K, int32_t* xv, float* dv) {
+  const int64_t blocks = K / kQ8Block, groups = (M + kQ8TileRows - 1) / kQ8TileRows;
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i row_starts = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(int(K / 4)));
+  const __m512i d_starts = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(int(blocks)));
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const __mmask16 present = __mmask16((1u << std::min(kQ8TileRows, M - j * kQ8TileRows)) - 1);
+      const int* rows = reinterpret_cast<const int*>(xq + j * kQ8TileRows * K);
+      const float* d_rows = d + j * kQ8TileRows * blocks;
+      for (int64_t b = 0; b < blocks; ++b) {
+        int32_t* tile = xv + (j * blocks + b) * 8 * kQ8TileRows;
+        for (int64_t t = 0; t < 8; ++t)
+          _mm512_storeu_si512(tile + t * kQ8TileRows, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, row_starts,
+                                                                                  rows + b * 8 + t, 4));
+        _mm512_storeu_ps(dv + (j * blocks + b) * kQ8TileRows,
+                         _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present, d_starts, d_rows + b, 4));
+      }
+    }
+  });
+}
+
+// acc[r] += one block's sums c [16 weight rows][16 input rows] times d (the input rows' block scales).
+inline void q8_add_block(const int32_t* c, __m512 d, __m512 acc[kQ8TileRows]) {
+#pragma GCC unroll 16
+  for (int64_t r = 0; r < kQ8TileRows; ++r)
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + r * kQ8TileRows)), d, acc[r]);
+}
+
+// acc[r] (16 input rows) = the products of 16 weight rows (A at a stride of `stride` bytes) with
+// input group xv (its blocks), block by block in order, before the weight rows' scales.
+//
+// A block's sums must be stored and read back before its float work, and a tile is free again only
+// once its store is done: block after block, the tiles and the vector units would wait on each
+// other. So the sums of blocks b + 2 and b + 3 are computed (tiles 6-7) while those of b and b + 1
+// (tiles 0-1) are added, and the other way round. GCC pastes tile numbers into the instructions, so
+// they are literals (amx_rows.h).
+inline void q8_tile_sums(const int8_t* A, int64_t stride, const int32_t* xv, const float* dv, int64_t blocks,
+                         __m512 acc[kQ8TileRows]) {
+  alignas(64) int32_t c[4][kQ8TileRows * kQ8TileRows];
+  constexpr int64_t B = 8 * kQ8TileRows;  // int32 of xv per block
+  const auto scales = [&](int64_t b) { return _mm512_loadu_ps(dv + b * kQ8TileRows); };
+  for (int64_t r = 0; r < kQ8TileRows; ++r) acc[r] = _mm512_setzero_ps();
+  const int64_t pipelined = blocks / 4 * 4;
+  int64_t b = 0;
+  if (pipelined > 0) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_loadd(2, A, stride);
+    _tile_loadd(4, xv, 64);
+    _tile_loadd(3, A + kQ8Block, stride);
+    _tile_loadd(5, xv + B, 64);
+    _tile_dpbssd(0, 2, 4);
+    _tile_dpbssd(1, 3, 5);
+  }
+  for (; b < pipelined; b += 4) {
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_zero(6);
+    _tile_zero(7);
+    _tile_loadd(2, A + (b + 2) * kQ8Block, stride);
+    _tile_loadd(4, xv + (b + 2) * B, 64);
+    _tile_loadd(3, A + (b + 3) * kQ8Block, stride);
+    _tile_loadd(5, xv + (b + 3) * B, 64);
+    _tile_dpbssd(6, 2, 4);
+    _tile_dpbssd(7, 3, 5);
+    q8_add_block(c[0], scales(b), acc);
+    q8_add_block(c[1], scales(b + 1), acc);
+    _tile_stored(6, c[2], 64);
+    _tile_stored(7, c[3], 64);
+    if (b + 4 < pipelined) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_loadd(2, A + (b + 4) * kQ8Block, stride);
+      _tile_loadd(4, xv + (b + 4) * B, 64);
+      _tile_loadd(3, A + (b + 5) * kQ8Block, stride);
+      _tile_loadd(5, xv + (b + 5) * B, 64);
+      _tile_dpbssd(0, 2, 4);
+      _tile_dpbssd(1, 3, 5);
+    }
+    q8_add_block(c[2], scales(b + 2), acc);
+    q8_add_block(c[3], scales(b + 3), acc);
+  }
+  for (; b < blocks; ++b) {  // K / 32 not a multiple of 4: the last blocks one by one
+    _tile_zero(0);
+    _tile_loadd(2, A + b * kQ8Block, stride);
+    _tile_loadd(4, xv + b * B, 64);
+    _tile_dpbssd(0, 2, 4);
+    _tile_stored(0, c[0], 64);
+    q8_add_block(c[0], scales(b), acc);
+  }
+}
+
+// out[m0 + m, n0 + r] = acc[r][m] * s[n0 + r] + bias[n0 + r], for m < rows. Each row's sums times
+// its scale are rounded as the panel kernel rounds them (in memory, so that the compiler cannot
+// fuse the multiply with the bias's add).
+template <typename T>
+inline void q8_tile_store(const __m512 acc[kQ8TileRows], const float* scales, const T* bias, int64_t n0, int64_t m0,
+                          int64_t rows, T* out, int64_t N) {
+  alignas(64) float tile[kQ8TileRows * kQ8TileRows];
+  for (int64_t r = 0; r < kQ8TileRows; ++r)
+    _mm512_store_ps(tile + r * kQ8TileRows, _mm512_mul_ps(acc[r], _mm512_set1_ps(scales[n0 + r])));
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(int(kQ8TileRows)));
+  const Vec16 add = bias ? load16(bias + n0) : zero16();
+  for (int64_t m = 0; m < rows; ++m) {
+    const Vec16 v{_mm512_i32gather_ps(column, tile + m, 4)};
+    store_first(out + (m0 + m) * N + n0, v + add, kQ8TileRows);
+  }
+}
+
+// out [M, N] of x [M, K] and int8 q [N, K] at row scales [N], as block_q8_linear defines it, on the
+// tiles. The caller has checked q8_amx_ready() and N % 16 == 0.
+template <typename T>
+void amx_q8_linear(const T* x, int64_t M, const int8_t* q, const float* scales, int64_t N, int64_t K, const T* bias,
+                   T* out) {
+  const int64_t blocks = K / kQ8Block, groups = (M + kQ8TileRows - 1) / kQ8TileRows;
+  std::vector<int8_t> xq(size_t(M * K));
+  std::vector<float> d(size_t(M * blocks));
+  block_q8_quantize(x, M, K, xq.data(), d.data());
+  std::vector<int32_t> xv(size_t(groups * blocks * 8 * kQ8TileRows));
+  std::vector<float> dv(size_t(groups * blocks * kQ8TileRows));
+  q8_tile_inputs(xq.data(), d.data(), M, K, xv.data(), dv.data());
+
+  at::parallel_for(0, N / kQ8TileRows, 1, [&](int64_t begin, int64_t end) {
+    FlushDenormals flushed;
+    _tile_loadconfig(&kQ8TileConfig);
+    __m512 acc[kQ8TileRows];
+    for (int64_t strip = begin; strip < end; ++strip) {
+      const int64_t n0 = strip * kQ8TileRows;
+      for (int64_t j = 0; j < groups; ++j) {
+        q8_tile_sums(q + n0 * K, K, xv.data() + j * blocks * 8 * kQ8TileRows, dv.data() + j * blocks * kQ8TileRows,
+                     blocks, acc);
+        const int64_t m0 = j * kQ8TileRows;
+        q8_tile_store(acc, scales, bias, n0, m0, std::min(kQ8TileRows, M - m0), out, N);
+      }
+    }
+    _tile_release();
+  });
+}
+
+inline bool q8_amx_ready() { return amx_min_rows().load() > 0 && cpu_has_amx_int8(); }
+
+#endif  // BLOOM_AMX
+
+BLOOM_CPU_END
