@@ -79,8 +79,11 @@ void add_into(const T* residual, T* x, int64_t count) {
 // GELU with the tanh approximation (F.gelu(approximate="tanh")), in place. Written as
 // x * sigmoid(2u), which equals 0.5 x (1 + tanh(u)) and costs one exp instead of a tanh (libm's
 // tanhf was about a quarter of a tiny model's step); both round the same fp32 value to within an fp32 step.
+// Not inlined: the decode step and the gelu_tanh operator (the prefill's, and the op-by-op step's)
+// then run the same machine code, so they agree bit for bit (inlined, the compiler may fuse a multiply
+// and an add in one caller and not in the other).
 template <typename T>
-void gelu_tanh(T* x, int64_t count) {
+__attribute__((noinline)) void gelu_tanh(T* x, int64_t count) {
   const Vec16 beta = set16(0.7978845608028654f);  // sqrt(2 / pi)
   const Vec16 kappa = set16(0.044715f), minus_two = set16(-2.0f), one = set16(1.0f);
   auto gelu = [&](Vec16 v) {
