@@ -15,7 +15,10 @@ The operators, the same sources compiled for each ISA into its own library and n
   ``decode_step_quantized``: the decode step over quantized weights;
 * ``block_q8_quantize(x)`` and ``block_q8_linear(x, q, scales, bias)``: the integer products
   (``bloom_hpu/int8_activations.py``): x rounded to int8 per block of 32 values, multiplied by an
-  int8 or int4 weight with integer dot products (``csrc/block_q8.h``);
+  int8 or int4 weight with integer dot products (``csrc/block_q8.h``; int8 weights and more than 4
+  rows on AMX-INT8 tiles once ``enable_amx`` turned the tiles on, ``csrc/block_q8_amx.h``);
+* ``gelu_tanh(x)``: the MLP's GELU with the decode step's formula, split over the threads (the
+  prefill's, where no product fuses it);
 * ``counter_uniform(base [R], n)``: the uniform noise of sampled search
   (``generation/search/sampling.py``), bit for bit, in one pass instead of some forty.
 
@@ -51,8 +54,9 @@ FLAGS = {
                     "-DBLOOM_ISA_AVX512"],
     "avx2": ["-mavx2", "-mfma", "-mf16c", "-DBLOOM_ISA_AVX2"],
 }
-# The AVX-512 build also holds the AMX product (csrc/amx_rows.h), used only once enabled on a CPU
-# with AMX-BF16; a compiler without AMX's intrinsics (GCC < 11) builds it without.
+# The AVX-512 build also holds the AMX products (csrc/amx_rows.h: bf16; csrc/block_q8_amx.h: the
+# integer products, where CPUID also shows AMX-INT8), used only once enabled on a CPU with AMX-BF16;
+# a compiler without AMX's intrinsics (GCC < 11) builds it without.
 AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-mamx-int8", "-DBLOOM_AMX"]
 NAMESPACE = {"avx512_bf16": "bloom_avx512", "avx2": "bloom_avx2"}
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

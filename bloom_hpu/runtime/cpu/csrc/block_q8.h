@@ -25,6 +25,9 @@
 // the memory streaming the weight: there the weight is read in place (block_q8_few, below), each
 // vector of it multiplied into every input row as soon as it is loaded.
 //
+// On a CPU with AMX-INT8, int8 weights and more than kQ8FewRows rows go to the tiles instead
+// (block_q8_amx.h), with the same result bit for bit.
+//
 // The integer dots, per ISA:
 // * AVX-512 (VNNI): VPDPBUSD multiplies unsigned bytes by signed ones into int32 lanes, 64 products
 //   an instruction. The input is stored as xq + 128 (unsigned), the weight signed (int4: v - 8,
