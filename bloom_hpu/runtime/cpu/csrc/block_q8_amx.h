@@ -84,7 +84,8 @@ inline void q8_add_block(const int32_t* c, __m512 d, __m512 acc[kQ8TileRows]) {
 }
 
 // acc[r] (16 input rows) = the products of 16 weight rows (A at a stride of `stride` bytes) with
-// input group xv (its blocks), block by block in order, before the weight rows' scales.
+// input group xv (its blocks), block by block in order, before the weight rows' scales; `next`, if
+// given, the next 16 weight rows, fetched into the cache meanwhile.
 //
 // A block's sums must be stored and read back before its float work, and a tile is free again only
 // once its store is done: block after block, the tiles and the vector units would wait on each
@@ -92,7 +93,7 @@ inline void q8_add_block(const int32_t* c, __m512 d, __m512 acc[kQ8TileRows]) {
 // (tiles 0-1) are added, and the other way round. GCC pastes tile numbers into the instructions, so
 // they are literals (amx_rows.h).
 inline void q8_tile_sums(const int8_t* A, int64_t stride, const int32_t* xv, const float* dv, int64_t blocks,
-                         __m512 acc[kQ8TileRows]) {
+                         const int8_t* next, __m512 acc[kQ8TileRows]) {
   alignas(64) int32_t c[4][kQ8TileRows * kQ8TileRows];
   constexpr int64_t B = 8 * kQ8TileRows;  // int32 of xv per block
   const auto scales = [&](int64_t b) { return _mm512_loadu_ps(dv + b * kQ8TileRows); };
@@ -110,6 +111,11 @@ inline void q8_tile_sums(const int8_t* A, int64_t stride, const int32_t* xv, con
     _tile_dpbssd(1, 3, 5);
   }
   for (; b < pipelined; b += 4) {
+    if (next != nullptr)  // the next 16 weight rows' same 4 blocks (128 bytes a row) into the cache
+      for (int64_t r = 0; r < kQ8TileRows; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * stride + b * kQ8Block), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * stride + b * kQ8Block + 64), _MM_HINT_T0);
+      }
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
     _tile_zero(6);
@@ -185,8 +191,11 @@ void amx_q8_linear(const T* x, int64_t M, const int8_t* q, const float* scales, 
     for (int64_t strip = begin; strip < end; ++strip) {
       const int64_t n0 = strip * kQ8TileRows;
       for (int64_t j = 0; j < groups; ++j) {
+        // While the first group of input rows runs, the next strip's weight is fetched (the tiles'
+        // loads wait on memory in order; the hardware's prefetch follows 16 strided rows poorly).
+        const int8_t* next = j == 0 && strip + 1 < end ? q + (n0 + kQ8TileRows) * K : nullptr;
         q8_tile_sums(q + n0 * K, K, xv.data() + j * blocks * 8 * kQ8TileRows, dv.data() + j * blocks * kQ8TileRows,
-                     blocks, acc);
+                     blocks, next, acc);
         const int64_t m0 = j * kQ8TileRows;
         q8_tile_store(acc, scales, bias, n0, m0, std::min(kQ8TileRows, M - m0), out, N);
       }
