@@ -123,7 +123,9 @@ def dequantized(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
 # torch._weight_int8pack_mm up to 64 rows (INT8_KERNEL_MANY_ROWS; fewer where AMX gives oneDNN's
 # bf16 products of many rows the edge, as for bf16 weights). With fp32/fp16 inputs on the AVX-512
 # build it serves 1-2 rows and torch._weight_int8pack_mm the next ones. Past 64 rows (a long
-# prefill, a scoring pass) dequantizing the weight in the product and multiplying through oneDNN wins.
+# prefill, a scoring pass) dequantizing the weight in the product and multiplying through oneDNN wins,
+# except where the kernels' AMX tiles are on: there the kernel serves every row, from 8 rows on the
+# tiles, widening the weight a strip at a time (runtime/cpu/csrc/amx_rows.h).
 INT8_KERNEL_ROWS = 2
 INT8_KERNEL_MANY_ROWS = 64
 INT8_MM_ROWS = 64

@@ -22,6 +22,7 @@ from pathlib import Path
 import pexpect
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from bloom_hpu.int4 import dequantized_int4
@@ -312,6 +313,47 @@ def test_the_int4_kernel_is_the_dequantized_product(isa, dtype):
         out = torch.empty(n, k, dtype=dtype)
         kernels.int4_dequantize(packed, packed_scales, out)
         assert torch.equal(out, dequantized_int4(packed, packed_scales, dtype))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_products_of_many_rows_on_amx_tiles_are_the_exact_product_rounded_once(kind):
+    """With the AMX tiles on (a CPU with AMX only), bf16 products over int8 and int4 weights of 8 rows
+    or more run on them, the weight widened (int8) or dequantized (int4, as int4_dequantize does it) a
+    strip of 32 rows at a time: the exact product over those weights, rounded once, to the bounds of
+    the bf16 tiles' test. 48 outputs: a strip and a half; rows past 16 and 32 take more input tiles."""
+    from bloom_hpu.int4 import group_scales, quantize_groups
+    from bloom_hpu.runtime.cpu.layers import AMX_MIN_ROWS
+
+    from isas import needs_amx_tiles
+
+    kernels = needs_amx_tiles()
+    g = torch.Generator().manual_seed(5)
+    for rows, n, k in ((8, 48, 256), (16, 32, 1024), (37, 48, 96), (130, 16, 512)):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        bias = torch.randn(n, generator=g).bfloat16()
+        if kind == "int8":
+            q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+            scales = torch.rand(n, generator=g) / 100
+            weight64 = q.double() * scales.double()[:, None]
+            product = kernels.int8_rows_linear
+        else:
+            w = torch.randn(n, k, generator=g)
+            scales = group_scales(w, 32)
+            q = quantize_groups(w, scales)
+            weight64 = dequantized_int4(q, scales, torch.bfloat16).double()
+            product = kernels.int4_rows_linear
+        exact = F.linear(x.double(), weight64, bias.double())
+        terms = F.linear(x.double().abs(), weight64.abs(), bias.double().abs())
+        bound = 2.0 ** -8 * exact.abs() + k * 2.0 ** -24 * terms + 1e-30
+        try:
+            tiles = product(x, q, scales, bias)
+            kernels.enable_amx(0)
+            loop = product(x, q, scales, bias)
+        finally:
+            kernels.enable_amx(AMX_MIN_ROWS)
+        assert tiles.dtype == torch.bfloat16 and tiles.shape == (rows, n)
+        assert ((tiles.double() - exact).abs() <= bound).all(), (rows, n, k)
+        assert ((tiles.double() - loop.double()).abs() <= 2 * bound).all()
 
 
 @pytest.mark.parametrize("mode", MODES)

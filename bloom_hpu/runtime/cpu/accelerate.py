@@ -229,10 +229,14 @@ def use_amx_tiles(kernels: Kernels, wanted: bool) -> bool:
     return False
 
 
-def quantized_kernel_rows(isa: str, dtype: torch.dtype, amx: bool, int4: bool) -> int:
+def quantized_kernel_rows(isa: str, dtype: torch.dtype, amx: bool, int4: bool, tiles: bool = False) -> int:
     """The most rows the quantized kernel serves (see ``quantize.py``): int8, many with bf16 inputs on
     the AVX-512 build and on the AVX2 build, 1-2 with fp32/fp16 inputs on the AVX-512 build; int4
-    (which has no int8 op to fall back on), as many as it beats the dequantized weight through oneDNN."""
+    (which has no int8 op to fall back on), as many as it beats the dequantized weight through oneDNN.
+    With the kernels' AMX tiles on (``tiles``, bf16), every row: from 8 rows they widen the weight a
+    strip at a time on the tiles (``csrc/amx_rows.h``), where oneDNN needs it widened whole first."""
+    if tiles and isa == "avx512_bf16" and dtype == torch.bfloat16:
+        return INT4_KERNEL_ANY_ROWS
     if int4:
         if isa != "avx512_bf16":
             return INT4_KERNEL_ANY_ROWS
@@ -346,11 +350,11 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
                 module.kernel, module.kernel_rows = kernels.int4_rows_linear, INT4_KERNEL_ANY_ROWS
             elif q.dtype == torch.uint8:  # int4: every row is whole groups of 32
                 module.kernel = kernels.int4_rows_linear
-                module.kernel_rows = quantized_kernel_rows(kernels.isa, dtype, cap.amx, int4=True)
+                module.kernel_rows = quantized_kernel_rows(kernels.isa, dtype, cap.amx, int4=True, tiles=amx_tiles)
                 module.int4_dequantize = None if compile_steps else scratch
             elif q.shape[1] % 16 == 0:
                 module.kernel = kernels.int8_rows_linear
-                many = quantized_kernel_rows(kernels.isa, dtype, cap.amx, int4=False)
+                many = quantized_kernel_rows(kernels.isa, dtype, cap.amx, int4=False, tiles=amx_tiles)
                 module.kernel_rows = many if q.shape[1] % 32 == 0 else INT8_KERNEL_ROWS
         integer = [m for m in quantized if m.int8_activations]
         if integer:

@@ -95,18 +95,19 @@ inline void pair_inputs(const at::BFloat16* x, int64_t M, int64_t K, uint32_t* x
   }
 }
 
-// out[m0 + m, n0 + r] = tile[r][m] + bias[n0 + r] for m < rows, rounded once to bf16: each input
-// row's 16 sums are a column of the tile, gathered into one register.
-inline void store_tile(const float* tile, const at::BFloat16* bias, int64_t n0, int64_t m0, int64_t rows,
-                       at::BFloat16* out, int64_t ld) {
+// out[m0 + m, n0 + r] = tile[r][m] (* scales[n0 + r]) + bias[n0 + r] for m < rows, rounded once to
+// bf16: each input row's 16 sums are a column of the tile, gathered into one register.
+inline void store_tile(const float* tile, const float* scales, const at::BFloat16* bias, int64_t n0, int64_t m0,
+                       int64_t rows, at::BFloat16* out, int64_t ld) {
   const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                             _mm512_set1_epi32(int(kTileRows)));
   __m512 add = _mm512_setzero_ps();
   if (bias)
     add = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n0))), 16));
+  const __m512 scale = scales ? _mm512_loadu_ps(scales + n0) : _mm512_set1_ps(1.0f);
   for (int64_t m = 0; m < rows; ++m) {
-    const __m512 sums = _mm512_add_ps(_mm512_i32gather_ps(column, tile + m, 4), add);
+    const __m512 sums = _mm512_fmadd_ps(_mm512_i32gather_ps(column, tile + m, 4), scale, add);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + m) * ld + n0), (__m256i)_mm512_cvtneps_pbh(sums));
   }
 }
@@ -151,9 +152,13 @@ inline void tile_grid_of(int64_t na, int64_t nb, const at::BFloat16* w, int64_t 
   tile_grid<1, 1>(w, K, xv, c);
 }
 
-// out [M, N] (row stride `ld`) = x [M, K] @ w [N, K]^T (+ bias), for N a multiple of 16 and K of 32.
-inline void amx_linear(const at::BFloat16* x, int64_t M, const at::BFloat16* w, int64_t N, int64_t K,
-                       const at::BFloat16* bias, at::BFloat16* out, int64_t ld) {
+// out [M, N] (row stride `ld`) = x [M, K] @ w [N, K]^T (* scales [N]) (+ bias), for N a multiple of
+// 16 and K of 32, where strip_of(n0, rows, scratch) gives weight rows n0 .. n0 + rows - 1 ([rows, K]
+// bf16): in place for a bf16 weight, or written into `scratch` (room for 2 * 16 rows) for a
+// quantized one, which is then widened a strip at a time, in the cache, never whole.
+template <typename StripOf>
+inline void amx_products(const at::BFloat16* x, int64_t M, int64_t N, int64_t K, StripOf strip_of, bool scratch,
+                         const float* scales, const at::BFloat16* bias, at::BFloat16* out, int64_t ld) {
   // The inputs, rearranged once on the calling thread, in a buffer it keeps (a few hundred KB at
   // most: a fresh one per product would cost more in page faults than the rearranging).
   thread_local std::vector<uint32_t> paired;
@@ -168,20 +173,37 @@ inline void amx_linear(const at::BFloat16* x, int64_t M, const at::BFloat16* w, 
   at::parallel_for(0, strips, grain, [&](int64_t begin, int64_t end) {
     configure_tiles();
     alignas(64) float c[4 * kTileRows * kTileRows];
+    std::vector<at::BFloat16> widened(scratch ? size_t(2 * kTileRows * K) : 0);
     for (int64_t strip = begin; strip < end; ++strip) {
       const int64_t n0 = strip * 2 * kTileRows, na = std::min<int64_t>(2, (N - n0) / kTileRows);
+      const at::BFloat16* w = strip_of(n0, na * kTileRows, widened.data());
       for (int64_t j0 = 0; j0 < blocks; j0 += 2) {
         const int64_t nb = std::min<int64_t>(2, blocks - j0);
-        tile_grid_of(na, nb, w + n0 * K, K, xv + j0 * (K / 2) * kTileRows, c);
+        tile_grid_of(na, nb, w, K, xv + j0 * (K / 2) * kTileRows, c);
         for (int64_t a = 0; a < na; ++a)
           for (int64_t b = 0; b < nb; ++b) {
             const int64_t m0 = (j0 + b) * kTileRows, rows = std::min(kTileRows, M - m0);
-            store_tile(c + (2 * a + b) * kTileRows * kTileRows, bias, n0 + a * kTileRows, m0, rows, out, ld);
+            store_tile(c + (2 * a + b) * kTileRows * kTileRows, scales, bias, n0 + a * kTileRows, m0, rows, out, ld);
           }
       }
     }
     _tile_release();
   });
+}
+
+inline void amx_linear(const at::BFloat16* x, int64_t M, const at::BFloat16* w, int64_t N, int64_t K,
+                       const at::BFloat16* bias, at::BFloat16* out, int64_t ld) {
+  amx_products(x, M, N, K, [&](int64_t n0, int64_t, at::BFloat16*) { return w + n0 * K; }, false, nullptr, bias, out,
+               ld);
+}
+
+// The fewest rows a product over a quantized weight sends to the tiles: below, the quantized
+// kernels' own loops, which widen each weight once into vector registers, keep up with them.
+constexpr int64_t kAmxQuantizedMinRows = 8;
+
+inline bool amx_takes_quantized(int64_t M, int64_t N, int64_t K) {
+  const int64_t min_rows = amx_min_rows().load(std::memory_order_relaxed);
+  return min_rows > 0 && M >= std::max(min_rows, kAmxQuantizedMinRows) && N % kTileRows == 0 && K % kTileK == 0;
 }
 
 #endif  // BLOOM_AMX

@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "int8_rows.h"
+#include "amx_rows.h"
 #include "vec16.h"
 
 BLOOM_CPU_BEGIN
@@ -215,8 +216,25 @@ inline void int4_products(const X* x, int64_t M, const uint8_t* q, const float* 
 // out [M, N] = x [M, K] @ dequantized(q [N, K / 2], scales [N, K / G])^T (+ bias [N]): bf16 inputs on
 // the AVX-512 build as they are, others widened to fp32 once (a few rows). K % G == 0, G % 32 == 0.
 template <typename T>
+inline void dequantize_row(const uint8_t* q, const float* scales, int64_t K, int64_t G, T* w);
+
+template <typename T>
 void int4_linear(const T* x_in, int64_t M, const uint8_t* q, const float* scales, int64_t N, int64_t K, int64_t G,
                  const T* bias, T* out) {
+#if defined(BLOOM_AMX)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    // Many rows on AMX tiles (amx_rows.h), where enabled: each strip of weight rows dequantized as
+    // int4_dequantize does it (the weights the reference multiplies), in the cache, as it is needed.
+    if (amx_takes_quantized(M, N, K)) {
+      const auto strip_of = [&](int64_t n0, int64_t rows, at::BFloat16* strip) {
+        for (int64_t r = 0; r < rows; ++r)
+          dequantize_row(q + (n0 + r) * (K / 2), scales + (n0 + r) * (K / G), K, G, strip + r * K);
+        return static_cast<const at::BFloat16*>(strip);
+      };
+      return amx_products(x_in, M, N, K, strip_of, true, nullptr, bias, out, N);
+    }
+  }
+#endif
 #if defined(BLOOM_ISA_AVX512)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     return int4_products<Int4Bf16DotBlock, kInt4Bf16Rows, kInt4Bf16XRows>(x_in, M, q, scales, N, K, G, bias, out);

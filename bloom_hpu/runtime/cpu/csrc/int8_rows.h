@@ -29,6 +29,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_rows.h"
 #include "vec16.h"
 
 BLOOM_CPU_BEGIN
@@ -173,6 +174,24 @@ inline void int8_products(const X* x, int64_t M, const int8_t* q, const float* s
 template <typename T>
 void int8_linear(const T* x_in, int64_t M, const int8_t* q, const float* scales, int64_t N, int64_t K, const T* bias,
                  T* out) {
+#if defined(BLOOM_AMX)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    // Many rows on AMX tiles (amx_rows.h), where enabled: each strip of weight rows widened to bf16
+    // (exact) in the cache as it is needed, each output's sum times its row's scale.
+    if (amx_takes_quantized(M, N, K)) {
+      const auto strip_of = [&](int64_t n0, int64_t rows, at::BFloat16* strip) {
+        const int8_t* src = q + n0 * K;
+        for (int64_t i = 0; i < rows * K; i += 32) {
+          const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+          const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16))));
+          _mm512_storeu_si512(strip + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+        return static_cast<const at::BFloat16*>(strip);
+      };
+      return amx_products(x_in, M, N, K, strip_of, true, scales, bias, out, N);
+    }
+  }
+#endif
 #if defined(BLOOM_ISA_AVX512)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (K % 32 == 0) return int8_products<Bf16DotBlock, kInt8Bf16Rows, kInt8Bf16XRows>(x_in, M, q, scales, N, K, bias, out);
