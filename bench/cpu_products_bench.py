@@ -23,7 +23,8 @@ Three measurements, the evidence behind docs/performance.md's "why" paragraphs:
    of 32, ``bloom_hpu/int8_activations.py``) over int8 and int4 (G=64) weights, on the four product
    shapes of a bloom-560m block at M = 1, 16, 128 rows (``--integer_rows``), beside fp32
    ``F.linear``, bf16 ``F.linear`` on the widened weight (oneDNN's product), and the weight-only
-   int8/int4 kernels (bf16 input); ms and each one's speed-up over fp32, for each kernel build this
+   int8/int4 kernels (bf16 input), and on a CPU with AMX the int8 one again with the AMX-INT8 tiles
+   on (``q8 int8 tiles``); ms and each one's speed-up over fp32, for each kernel build this
    process runs (as an AVX2 CPU: ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, which also
    caps PyTorch's own products).
 5. **The bf16 dot-product peak**: VDPBF16PS on registers only, no memory, on every thread (built
@@ -54,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.generate_bench import read_bandwidth  # noqa: E402
 from bloom_hpu.runtime.cpu import capability  # noqa: E402
 from bloom_hpu.runtime.cpu.kernels import KernelsUnavailable, load  # noqa: E402
+from bloom_hpu.runtime.cpu.layers import AMX_MIN_ROWS  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB = 1024, 24, 250880  # bloom-560m
 
@@ -243,6 +245,15 @@ def prompt_times(repeats: int, tokens: int, path: str, widen_off: bool) -> None:
 BLOCK_SHAPES = ((3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (4 * HIDDEN, HIDDEN), (HIDDEN, 4 * HIDDEN))  # [N, K]
 
 
+def with_tiles(kernels, product, x, q, scales):
+    """``product(x, q, scales, None)`` with the kernels' AMX tiles on, then off again."""
+    kernels.enable_amx(AMX_MIN_ROWS)
+    try:
+        return product(x, q, scales, None)
+    finally:
+        kernels.enable_amx(0)
+
+
 def integer_products(repeats: int, row_counts: list[int]) -> None:
     """block_q8_linear against fp32 and bf16 F.linear and the weight-only kernels, per shape and M.
     Each cell's calls go round-robin with the others' (as prompt_times'), so a drift in the
@@ -261,6 +272,12 @@ def integer_products(repeats: int, row_counts: list[int]) -> None:
     if not builds:
         print(f"integer products: no kernel build runs here ({cap.why})")
         return
+    # The AVX-512 build's AMX tiles, where this CPU and process can have them; off for every other
+    # path (the library's switch is per process).
+    tiles = {isa: isa == "avx512_bf16" and cap.amx and kernels.enable_amx(AMX_MIN_ROWS) > 0
+             for isa, kernels in builds.items()}
+    for kernels in builds.values():
+        kernels.enable_amx(0)
     g = torch.Generator().manual_seed(0)
     print(f"integer products ({cap.why}; torch dispatch {torch.backends.cpu.get_cpu_capability()}), "
           f"median of {repeats}: ms (x fp32 F.linear's speed)")
@@ -283,6 +300,8 @@ def integer_products(repeats: int, row_counts: list[int]) -> None:
                     "q8 int8": lambda: kernels.block_q8_linear(x16, q8, scales8, None),
                     "q8 int4": lambda: kernels.block_q8_linear(x16, q4, scales4, None),
                 }
+                if tiles.get(isa):  # the same call with the AMX tiles on (int8 weights, 5 rows or more)
+                    paths["q8 int8 tiles"] = lambda: with_tiles(kernels, kernels.block_q8_linear, x16, q8, scales8)
                 times = {name: [] for name in paths}
                 for product in paths.values():
                     product()

@@ -15,6 +15,12 @@
 // one rearranged: xv, per block of 16 input rows, xv[j][k / 2][m][k % 2] = x[16 j + m][k] (zeros
 // past M). The result tile is then out transposed: C[n][m], written out with the bias, rounded once.
 //
+// Products over int8 and int4 weights (int8_rows.h, int4_rows.h) of 8 rows or more take the same
+// tiles: each strip of 32 weight rows is widened (int8: exactly; int4: dequantized as
+// int4_dequantize does it) into a per-thread bf16 buffer as the strip's turn comes, so the weight
+// is read once, as quantized bytes, where the product through oneDNN first writes a bf16 copy of
+// all of it; int8's row scales multiply the finished sums.
+//
 // The tile state belongs to each thread, and oneDNN (which PyTorch runs on the same threads) sets
 // its own: every task loads this kernel's configuration first and releases the tiles when done.
 // Linux gives a process the tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), which
