@@ -181,11 +181,7 @@ void int8_linear(const T* x_in, int64_t M, const int8_t* q, const float* scales,
     if (amx_takes_quantized(M, N, K)) {
       const auto strip_of = [&](int64_t n0, int64_t rows, at::BFloat16* strip) {
         const int8_t* src = q + n0 * K;
-        for (int64_t i = 0; i < rows * K; i += 32) {
-          const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-          const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16))));
-          _mm512_storeu_si512(strip + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-        }
+        for (int64_t i = 0; i < rows * K; i += 32) _mm512_storeu_si512(strip + i, (__m512i)load32_int8_as_bf16(src + i));
         return static_cast<const at::BFloat16*>(strip);
       };
       return amx_products(x_in, M, N, K, strip_of, true, scales, bias, out, N);
