@@ -85,35 +85,45 @@ inline constexpr TileConfig kTileConfig = {
 
 inline void configure_tiles() { _tile_loadconfig(&kTileConfig); }
 
-// x [M, K] -> xv (see above), ceil(M / 16) blocks of [K / 2, 16, 2]. A pair of bf16 moves as one
-// uint32; each 64-byte row of xv is one gather of a pair from 16 input rows.
-inline void pair_inputs(const at::BFloat16* x, int64_t M, int64_t K, uint32_t* xv) {
-  const int64_t pairs = K / 2, blocks = (M + kTileRows - 1) / kTileRows;
+// rows [M, words] of 32-bit words -> ceil(M / 16) blocks of [words, 16] (zeros past M): the operand
+// layout of a tile of 16 input rows, each 64-byte row of a block one gather of a word from 16 rows.
+inline void words_of_16_rows(const uint32_t* rows, int64_t M, int64_t words, uint32_t* out) {
+  const int64_t blocks = (M + kTileRows - 1) / kTileRows;
   const __m512i row_starts = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                _mm512_set1_epi32(int(pairs)));
+                                                _mm512_set1_epi32(int(words)));
   for (int64_t j = 0; j < blocks; ++j) {
-    const int* rows = reinterpret_cast<const int*>(x + j * kTileRows * K);
+    const int* first = reinterpret_cast<const int*>(rows + j * kTileRows * words);
     const __mmask16 present = __mmask16((1u << std::min(kTileRows, M - j * kTileRows)) - 1);  // 0xFFFF when 16
-    uint32_t* block = xv + j * pairs * kTileRows;
-    for (int64_t p = 0; p < pairs; ++p)
-      _mm512_storeu_si512(block + p * kTileRows,
-                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, row_starts, rows + p, 4));
+    uint32_t* block = out + j * words * kTileRows;
+    for (int64_t w = 0; w < words; ++w)
+      _mm512_storeu_si512(block + w * kTileRows,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, row_starts, first + w, 4));
   }
+}
+
+// x [M, K] -> xv (see above), ceil(M / 16) blocks of [K / 2, 16, 2]: a pair of bf16 moves as one word.
+inline void pair_inputs(const at::BFloat16* x, int64_t M, int64_t K, uint32_t* xv) {
+  words_of_16_rows(reinterpret_cast<const uint32_t*>(x), M, K / 2, xv);
+}
+
+// Input row m's 16 sums in a result tile [16 weight rows][16 input rows] of fp32: its column m.
+inline __m512 tile_column(const float* tile, int64_t m) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(int(kTileRows)));
+  return _mm512_i32gather_ps(column, tile + m, 4);
 }
 
 // out[m0 + m, n0 + r] = tile[r][m] (* scales[n0 + r]) + bias[n0 + r] for m < rows, rounded once to
 // bf16: each input row's 16 sums are a column of the tile, gathered into one register.
 inline void store_tile(const float* tile, const float* scales, const at::BFloat16* bias, int64_t n0, int64_t m0,
                        int64_t rows, at::BFloat16* out, int64_t ld) {
-  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(int(kTileRows)));
   __m512 add = _mm512_setzero_ps();
   if (bias)
     add = _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bias + n0))), 16));
   const __m512 scale = scales ? _mm512_loadu_ps(scales + n0) : _mm512_set1_ps(1.0f);
   for (int64_t m = 0; m < rows; ++m) {
-    const __m512 sums = _mm512_fmadd_ps(_mm512_i32gather_ps(column, tile + m, 4), scale, add);
+    const __m512 sums = _mm512_fmadd_ps(tile_column(tile, m), scale, add);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + m) * ld + n0), (__m256i)_mm512_cvtneps_pbh(sums));
   }
 }

@@ -517,8 +517,11 @@ void quantize_few(const T* x, int64_t M, int64_t K, Q8FewInput& in) {
   const int32_t share = W == Q8Weight::kInt8 ? 16 : 1;
 #else
   in.d.resize(size_t(M * blocks));
-  if constexpr (W == Q8Weight::kInt8) in.xabs.resize(size_t(M * K));
-  in.starts.resize(size_t(M * blocks));
+  if constexpr (W == Q8Weight::kInt8) {
+    in.xabs.resize(size_t(M * K));
+  } else {
+    in.starts.resize(size_t(M * blocks));
+  }
 #endif
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b) {
@@ -532,9 +535,10 @@ void quantize_few(const T* x, int64_t M, int64_t K, Q8FewInput& in) {
       }
 #else
       in.d[m * blocks + b] = d;
-      in.starts[m * blocks + b] = -2 * sum;  // int4: 8 * the sum, a quarter per lane of a row's 4
       if constexpr (W == Q8Weight::kInt8) {
         for (int k = 0; k < kQ8Block; ++k) in.xabs[m * K + b * kQ8Block + k] = uint8_t(xq[k] < 0 ? -xq[k] : xq[k]);
+      } else {
+        in.starts[m * blocks + b] = -2 * sum;  // 8 * the sum, a quarter per lane of a row's 4
       }
 #endif
     }
@@ -560,8 +564,8 @@ template <Q8Weight W, int R, int MB>
 struct FewBlock {
   static void run(const uint8_t* q, int64_t row_bytes, const float* scales, int64_t groups, int64_t G,
                   const Q8FewInput& in, int64_t m0, int64_t K, float* sums) {
-    const int64_t blocks = K / kQ8Block;
 #if defined(BLOOM_ISA_AVX512)
+    const int64_t blocks = K / kQ8Block;
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -597,8 +601,19 @@ struct FewBlock {
         sums[m * R + r] = _mm512_reduce_add_ps(acc[r][m]) * (W == Q8Weight::kInt8 ? scales[r] : 1.0f);
 #else
     if constexpr (W == Q8Weight::kInt4) {
-      return int4_pairs(q, row_bytes, scales, groups, G, in, m0, K, sums);
+      int4_pairs(q, row_bytes, scales, groups, G, in, m0, K, sums);
+    } else {
+      int8_signs(q, row_bytes, scales, in, m0, K, sums);
     }
+#endif
+  }
+
+#if !defined(BLOOM_ISA_AVX512)
+  // AVX2, int8: each block of a weight row (32 bytes) multiplied into every input row by the sign
+  // trick (module doc), the sums spread over 8 lanes.
+  static void int8_signs(const uint8_t* q, int64_t row_bytes, const float* scales, const Q8FewInput& in, int64_t m0,
+                         int64_t K, float* sums) {
+    const int64_t blocks = K / kQ8Block;
     __m256 acc[R][MB];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
@@ -624,10 +639,8 @@ struct FewBlock {
     }
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) sums[m * R + r] = reduce_add8(acc[r][m]) * scales[r];
-#endif
   }
 
-#if !defined(BLOOM_ISA_AVX512)
   // AVX2, int4: two weight rows share each vector, so every instruction does a full vector of work
   // where one row's block (16 bytes) would fill half of one. Per pair and block the 16 packed bytes
   // of each row become lo = [row a: v 0..15 | row b: v 0..15] and hi = [a: v 16..31 | b: v 16..31]

@@ -52,28 +52,13 @@ inline constexpr TileConfig kQ8TileConfig = {1, 0, {}, {64, 64, 32, 32, 64, 64, 
 
 constexpr int64_t kQ8TileRows = 16;
 
-// xv [groups of 16 rows][blocks][8][16 rows][4 bytes] and dv [groups][blocks][16] (zeros for rows
-// past M) from xq [M, K], d [M, blocks].
-inline void q8_tile_inputs(const int8_t* xq, const float* d, int64_t M, int64_t K, int32_t* xv, float* dv) {
-  const int64_t blocks = K / kQ8Block, groups = (M + kQ8TileRows - 1) / kQ8TileRows;
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i row_starts = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(int(K / 4)));
-  const __m512i d_starts = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(int(blocks)));
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const __mmask16 present = __mmask16((1u << std::min(kQ8TileRows, M - j * kQ8TileRows)) - 1);
-      const int* rows = reinterpret_cast<const int*>(xq + j * kQ8TileRows * K);
-      const float* d_rows = d + j * kQ8TileRows * blocks;
-      for (int64_t b = 0; b < blocks; ++b) {
-        int32_t* tile = xv + (j * blocks + b) * 8 * kQ8TileRows;
-        for (int64_t t = 0; t < 8; ++t)
-          _mm512_storeu_si512(tile + t * kQ8TileRows, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, row_starts,
-                                                                                  rows + b * 8 + t, 4));
-        _mm512_storeu_ps(dv + (j * blocks + b) * kQ8TileRows,
-                         _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present, d_starts, d_rows + b, 4));
-      }
-    }
-  });
+// dv [groups of 16 rows][blocks][16]: each block's scales of 16 input rows (zeros past M), the
+// vector the block's sums are multiplied by; d [M, blocks].
+inline void q8_tile_scales(const float* d, int64_t M, int64_t blocks, float* dv) {
+  const int64_t groups = (M + kQ8TileRows - 1) / kQ8TileRows;
+  std::fill(dv, dv + groups * blocks * kQ8TileRows, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b) dv[((m / kQ8TileRows) * blocks + b) * kQ8TileRows + m % kQ8TileRows] = d[m * blocks + b];
 }
 
 // acc[r] += one block's sums c [16 weight rows][16 input rows] times d (the input rows' block scales).
@@ -91,25 +76,28 @@ inline void q8_add_block(const int32_t* c, __m512 d, __m512 acc[kQ8TileRows]) {
 // once its store is done: block after block, the tiles and the vector units would wait on each
 // other. So the sums of blocks b + 2 and b + 3 are computed (tiles 6-7) while those of b and b + 1
 // (tiles 0-1) are added, and the other way round. GCC pastes tile numbers into the instructions, so
-// they are literals (amx_rows.h).
-inline void q8_tile_sums(const int8_t* A, int64_t stride, const int32_t* xv, const float* dv, int64_t blocks,
+// they must be literals (amx_rows.h): hence a macro, not a function, starts each pair.
+inline void q8_tile_sums(const int8_t* A, int64_t stride, const uint32_t* xv, const float* dv, int64_t blocks,
                          const int8_t* next, __m512 acc[kQ8TileRows]) {
   alignas(64) int32_t c[4][kQ8TileRows * kQ8TileRows];
-  constexpr int64_t B = 8 * kQ8TileRows;  // int32 of xv per block
+  constexpr int64_t B = 8 * kQ8TileRows;  // words of xv per block
   const auto scales = [&](int64_t b) { return _mm512_loadu_ps(dv + b * kQ8TileRows); };
   for (int64_t r = 0; r < kQ8TileRows; ++r) acc[r] = _mm512_setzero_ps();
   const int64_t pipelined = blocks / 4 * 4;
   int64_t b = 0;
-  if (pipelined > 0) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_loadd(2, A, stride);
-    _tile_loadd(4, xv, 64);
-    _tile_loadd(3, A + kQ8Block, stride);
-    _tile_loadd(5, xv + B, 64);
-    _tile_dpbssd(0, 2, 4);
-    _tile_dpbssd(1, 3, 5);
-  }
+// Blocks b and b + 1 into result tiles ca and cb (zeroed), through weight tiles 2-3 and input tiles 4-5.
+#define Q8_START_PAIR(ca, cb, b)                    \
+  do {                                              \
+    _tile_zero(ca);                                 \
+    _tile_zero(cb);                                 \
+    _tile_loadd(2, A + (b) * kQ8Block, stride);     \
+    _tile_loadd(4, xv + (b) * B, 64);               \
+    _tile_loadd(3, A + ((b) + 1) * kQ8Block, stride); \
+    _tile_loadd(5, xv + ((b) + 1) * B, 64);         \
+    _tile_dpbssd(ca, 2, 4);                         \
+    _tile_dpbssd(cb, 3, 5);                         \
+  } while (0)
+  if (pipelined > 0) Q8_START_PAIR(0, 1, 0);
   for (; b < pipelined; b += 4) {
     if (next != nullptr)  // the next 16 weight rows' same 4 blocks (128 bytes a row) into the cache
       for (int64_t r = 0; r < kQ8TileRows; ++r) {
@@ -118,28 +106,12 @@ inline void q8_tile_sums(const int8_t* A, int64_t stride, const int32_t* xv, con
       }
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
-    _tile_zero(6);
-    _tile_zero(7);
-    _tile_loadd(2, A + (b + 2) * kQ8Block, stride);
-    _tile_loadd(4, xv + (b + 2) * B, 64);
-    _tile_loadd(3, A + (b + 3) * kQ8Block, stride);
-    _tile_loadd(5, xv + (b + 3) * B, 64);
-    _tile_dpbssd(6, 2, 4);
-    _tile_dpbssd(7, 3, 5);
+    Q8_START_PAIR(6, 7, b + 2);
     q8_add_block(c[0], scales(b), acc);
     q8_add_block(c[1], scales(b + 1), acc);
     _tile_stored(6, c[2], 64);
     _tile_stored(7, c[3], 64);
-    if (b + 4 < pipelined) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_loadd(2, A + (b + 4) * kQ8Block, stride);
-      _tile_loadd(4, xv + (b + 4) * B, 64);
-      _tile_loadd(3, A + (b + 5) * kQ8Block, stride);
-      _tile_loadd(5, xv + (b + 5) * B, 64);
-      _tile_dpbssd(0, 2, 4);
-      _tile_dpbssd(1, 3, 5);
-    }
+    if (b + 4 < pipelined) Q8_START_PAIR(0, 1, b + 4);
     q8_add_block(c[2], scales(b + 2), acc);
     q8_add_block(c[3], scales(b + 3), acc);
   }
@@ -151,6 +123,7 @@ inline void q8_tile_sums(const int8_t* A, int64_t stride, const int32_t* xv, con
     _tile_stored(0, c[0], 64);
     q8_add_block(c[0], scales(b), acc);
   }
+#undef Q8_START_PAIR
 }
 
 // out[m0 + m, n0 + r] = acc[r][m] * s[n0 + r] + bias[n0 + r], for m < rows. Each row's sums times
@@ -162,13 +135,8 @@ inline void q8_tile_store(const __m512 acc[kQ8TileRows], const float* scales, co
   alignas(64) float tile[kQ8TileRows * kQ8TileRows];
   for (int64_t r = 0; r < kQ8TileRows; ++r)
     _mm512_store_ps(tile + r * kQ8TileRows, _mm512_mul_ps(acc[r], _mm512_set1_ps(scales[n0 + r])));
-  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32(int(kQ8TileRows)));
   const Vec16 add = bias ? load16(bias + n0) : zero16();
-  for (int64_t m = 0; m < rows; ++m) {
-    const Vec16 v{_mm512_i32gather_ps(column, tile + m, 4)};
-    store_first(out + (m0 + m) * N + n0, v + add, kQ8TileRows);
-  }
+  for (int64_t m = 0; m < rows; ++m) store_first(out + (m0 + m) * N + n0, Vec16{tile_column(tile, m)} + add, kQ8TileRows);
 }
 
 // out [M, N] of x [M, K] and int8 q [N, K] at row scales [N], as block_q8_linear defines it, on the
@@ -180,9 +148,12 @@ void amx_q8_linear(const T* x, int64_t M, const int8_t* q, const float* scales, 
   std::vector<int8_t> xq(size_t(M * K));
   std::vector<float> d(size_t(M * blocks));
   block_q8_quantize(x, M, K, xq.data(), d.data());
-  std::vector<int32_t> xv(size_t(groups * blocks * 8 * kQ8TileRows));
+  // The input tiles: per 16 rows, [K / 4 groups of 4 k][16 rows][4 bytes], so block b's tile is the
+  // 8 groups from 8 b on (amx_rows.h's layout, 4 int8 to a word where it puts 2 bf16).
+  std::vector<uint32_t> xv(size_t(groups * (K / 4) * kQ8TileRows));
+  words_of_16_rows(reinterpret_cast<const uint32_t*>(xq.data()), M, K / 4, xv.data());
   std::vector<float> dv(size_t(groups * blocks * kQ8TileRows));
-  q8_tile_inputs(xq.data(), d.data(), M, K, xv.data(), dv.data());
+  q8_tile_scales(d.data(), M, blocks, dv.data());
 
   at::parallel_for(0, N / kQ8TileRows, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals flushed;
