@@ -31,6 +31,10 @@ BLOCK = 32
 QMAX = 127
 
 
+NEEDS_QUANTIZED = ("--int8_activations goes with quantized weights (--quantize int8 or int4, or a checkpoint "
+                   "saved quantized)")
+
+
 class Int8ActivationsError(ValueError):
     """A model that cannot take integer products (one line for the user)."""
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import int4
-from .int8_activations import Int8ActivationsError, block_product, check_rows
+from .int8_activations import NEEDS_QUANTIZED, Int8ActivationsError, block_product, check_rows
 from .int4 import DEFAULT_GROUP_SIZE, GroupSizeError, check_group_size, dequantized_int4, int4_product
 from .model import Linear, StaticBloom, TiedHead
 from .tp import RowParallelLinear, VocabParallelEmbedding
@@ -313,8 +313,7 @@ def use_int8_activations(model: StaticBloom) -> None:
     that is not quantized or whose rows are not whole blocks."""
     products = quantized_products(model)
     if not products:
-        raise Int8ActivationsError("--int8_activations goes with quantized weights (--quantize int8 or int4, "
-                                   "or a checkpoint saved quantized)")
+        raise Int8ActivationsError(NEEDS_QUANTIZED)
     check_rows(products, model.parallel.world_size)
     for module in products:
         module.int8_activations = True

@@ -20,7 +20,7 @@ from bloom_hpu.config import BloomConfig
 from bloom_hpu.loading import LoadReport, load_model
 from bloom_hpu.lora import read_adapter
 from bloom_hpu.lora_rows import ServedAdapters, stack
-from bloom_hpu.int8_activations import Int8ActivationsError
+from bloom_hpu.int8_activations import NEEDS_QUANTIZED, Int8ActivationsError
 from bloom_hpu.quantize import (MODES as QUANTIZE_MODES, QuantizeError, resolve_group_size, stored_quantization,
                                 use_int8_activations)
 from bloom_hpu.quantize import quantize as quantize_weights
@@ -123,8 +123,7 @@ class Generator:
                                 f"{f' with groups of {group_size}' if group_size else ''} (leave out --quantize, "
                                 "or give the float checkpoint)")
         if int8_activations and quantize is None and stored is None:
-            raise Int8ActivationsError("--int8_activations goes with quantized weights (--quantize int8 or int4, "
-                                       "or a checkpoint saved quantized)")
+            raise Int8ActivationsError(NEEDS_QUANTIZED)
         adapter, served = None, {}
         if peft_weights is not None or lora:  # checked against the config before the model is read
             adapter = read_adapter(peft_weights, config) if peft_weights is not None else None

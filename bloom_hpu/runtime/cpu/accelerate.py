@@ -325,6 +325,8 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     linears = [m for m in model.modules() if isinstance(m, tuple(CPU_LINEAR)) and not getattr(m, "quantized", False)]
     for linear in linears:
         swap(linear, CPU_LINEAR[getattr(linear, "plain_class", type(linear))])
+    quantized = quantized_products(model)
+    integer = [m for m in quantized if m.int8_activations]
     used = []
     amx_tiles = kernels is not None and dtype == torch.bfloat16 and cap.amx and use_amx_tiles(kernels, options.amx)
     # The kernel's row limit: higher where its bf16 products run on AMX tiles; lower where AMX
@@ -340,7 +342,6 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
                  few_rows_limit=few_rows * model.word_embeddings.weight.shape[1])
         tiles = f", from {AMX_MIN_ROWS} on AMX tiles" if amx_tiles else ""
         used.append(f"few-rows products (up to {few_rows} rows{tiles})")
-        quantized = quantized_products(model)
         scratch = DequantizeScratch(kernels.int4_dequantize)
         for module in quantized:
             q = module.embeddings.qweight if hasattr(module, "embeddings") else module.qweight
@@ -356,14 +357,13 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
                 module.kernel = kernels.int8_rows_linear
                 many = quantized_kernel_rows(kernels.isa, dtype, cap.amx, int4=False, tiles=amx_tiles)
                 module.kernel_rows = many if q.shape[1] % 32 == 0 else INT8_KERNEL_ROWS
-        integer = [m for m in quantized if m.int8_activations]
         if integer:
             for module in integer:
                 module.block_kernel = kernels.block_q8_linear
             used.append(f"{quantized_mode(model)} integer products (activations int8 per block of 32)")
         elif quantized:
             used.append(f"{quantized_mode(model)} few-rows products")
-    if kernels is None and any(m.int8_activations for m in quantized_products(model)):
+    if kernels is None and integer:
         used.append("integer products in public ops (activations int8 per block of 32)")
     widened = options.widen and options.path != "plain" and not compile_steps and dtype in (torch.bfloat16, torch.float16) \
         and cap.emulates_bf16
@@ -375,7 +375,6 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
             block.mlp.dense_h_to_4h.fused_gelu = True
             block.mlp.gelu = torch.nn.Identity()
         used.append("oneDNN GELU in the prefill's MLP")
-    quantized = set(quantized_products(model))
     quantized_mlps = [b.mlp for b in model.h if b.mlp.dense_h_to_4h in quantized]
     if kernels is not None and not compile_steps and quantized_mlps and \
             all(isinstance(m.gelu, torch.nn.GELU) for m in quantized_mlps):
@@ -388,18 +387,16 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         used.append("oneDNN packed weights")
     plan = CpuPlan("", kernels, decode_rows=few_rows)
     if kernels is not None and options.one_call_steps:
-        quantized = quantized_products(model)
-        integer = any(m.int8_activations for m in quantized)
         if quantized:  # every weight quantized, each served by its kernel: the quantized one-call step
             all_kernel = all((m.block_kernel if m.int8_activations else m.kernel) is not None for m in quantized)
         else:
             all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
         if not compile_steps and model.parallel.world_size == 1 and all_kernel:
             plan.decode = OneCallDecode(model, kernels.decode_step,
-                                        kernels.decode_step_quantized if quantized else None, integer)
+                                        kernels.decode_step_quantized if quantized else None, bool(integer))
             if integer:  # integer products of any rows, through one kernel
                 plan.decode_rows = FEW_ROWS
-            elif quantized:  # as many rows as the quantized kernel serves (it has no AMX products)
+            elif quantized:  # as many rows as the quantized kernel serves, at most the bf16 step's untiled ones
                 plan.decode_rows = min([untiled_rows] + [m.kernel_rows for m in quantized])
             if plan.decode_rows < FEW_ROWS:
                 plan.mixed_rows = plan.decode_rows
