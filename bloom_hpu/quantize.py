@@ -122,23 +122,26 @@ def dequantized(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torc
 # VDPBF16PS products, and on the AVX2 build its sums fit the registers: both stay faster than
 # torch._weight_int8pack_mm up to 64 rows (INT8_KERNEL_MANY_ROWS; fewer where AMX gives oneDNN's
 # bf16 products of many rows the edge, as for bf16 weights). With fp32/fp16 inputs on the AVX-512
-# build it serves 1-2 rows and torch._weight_int8pack_mm the next ones. Past 64 rows (a long
-# prefill, a scoring pass) dequantizing the weight in the product and multiplying through oneDNN wins,
-# except where the kernels' AMX tiles are on: there the kernel serves every row, from 8 rows on the
-# tiles, widening the weight a strip at a time (runtime/cpu/csrc/amx_rows.h).
+# build it serves up to 32 rows (INT8_KERNEL_FLOAT_ROWS); torch._weight_int8pack_mm takes only bf16
+# inputs here, as with fp32 or fp16 ones it is slower than the dequantized product even at one row
+# (torch 2.13: about 3 ms per row for a 4096 x 1024 weight on 2 cores). Past those rows (a long
+# prefill, a scoring pass) dequantizing the weight in the product and multiplying through oneDNN
+# wins, except where the kernels' AMX tiles are on: there the kernel serves every row, from 8 rows
+# on the tiles, widening the weight a strip at a time (runtime/cpu/csrc/amx_rows.h).
 INT8_KERNEL_ROWS = 2
 INT8_KERNEL_MANY_ROWS = 64
+INT8_KERNEL_FLOAT_ROWS = 32
 INT8_MM_ROWS = 64
 
 
 def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, int8_mm: bool = True) -> torch.Tensor:
     """x [..., K] @ (q [N, K] * scales [N]).T in x's dtype; ``int8_mm``: through
-    ``torch._weight_int8pack_mm`` (the CPU's) for a few rows, else dequantized in the product.
+    ``torch._weight_int8pack_mm`` (the CPU's) for a few rows of bf16, else dequantized in the product.
 
     Dequantized, the scales multiply the product's columns rather than the weight, as the kernels
     do (``(x @ q.T) * scales``, the same sum): the int8 weight is widened to x's dtype (every int8
     value is exact there) and nothing else of the weight's size is written or read again."""
-    if int8_mm and x.numel() <= INT8_MM_ROWS * x.shape[-1]:
+    if int8_mm and x.dtype == torch.bfloat16 and x.numel() <= INT8_MM_ROWS * x.shape[-1]:
         flat = x.reshape(-1, x.shape[-1]).contiguous()
         return torch._weight_int8pack_mm(flat, q, scales.to(x.dtype)).view(*x.shape[:-1], q.shape[0])
     return F.linear(x, q.to(x.dtype)) * scales.to(x.dtype)

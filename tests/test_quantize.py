@@ -284,6 +284,25 @@ def test_the_int8_kernel_is_the_dequantized_product(isa, dtype):
         torch.testing.assert_close(got.float(), want, **tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int8_products_of_float_rows_never_take_the_int8pack_op(monkeypatch, dtype):
+    """torch._weight_int8pack_mm is for bf16 rows: with fp32 or fp16 ones it takes milliseconds per
+    row (a 16-token fp32 prompt ran 8 s), so the public-op product dequantizes instead, with the
+    same sum."""
+    from bloom_hpu.quantize import int8_product
+
+    def refuse(*args):
+        raise AssertionError("torch._weight_int8pack_mm called with " + str(args[0].dtype))
+
+    monkeypatch.setattr(torch, "_weight_int8pack_mm", refuse)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-127, 128, (48, 64), generator=g, dtype=torch.int8)
+    scales = torch.rand(48, generator=g) / 100
+    x = torch.randn(5, 64, generator=g).to(dtype)
+    want = F.linear(x.float(), q.float() * scales[:, None])
+    torch.testing.assert_close(int8_product(x, q, scales).float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("isa", KERNEL_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_int4_kernel_is_the_dequantized_product(isa, dtype):

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from ...model import Attention, StaticBloom, segment_layout
-from ...quantize import INT8_KERNEL_MANY_ROWS, INT8_KERNEL_ROWS, quantized_mode, quantized_products
+from ...quantize import INT8_KERNEL_FLOAT_ROWS, INT8_KERNEL_MANY_ROWS, INT8_KERNEL_ROWS, quantized_mode, quantized_products
 from . import capability
 from .kernels import Kernels, KernelsUnavailable, load
 from .layers import (AMX_MIN_ROWS, AMX_TILE_ROWS, CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, KernelGelu,
@@ -231,7 +231,7 @@ def use_amx_tiles(kernels: Kernels, wanted: bool) -> bool:
 
 def quantized_kernel_rows(isa: str, dtype: torch.dtype, amx: bool, int4: bool, tiles: bool = False) -> int:
     """The most rows the quantized kernel serves (see ``quantize.py``): int8, many with bf16 inputs on
-    the AVX-512 build and on the AVX2 build, 1-2 with fp32/fp16 inputs on the AVX-512 build; int4
+    the AVX-512 build and on the AVX2 build, up to 32 with fp32/fp16 inputs on the AVX-512 build; int4
     (which has no int8 op to fall back on), as many as it beats the dequantized weight through oneDNN.
     With the kernels' AMX tiles on (``tiles``, bf16), every row: from 8 rows they widen the weight a
     strip at a time on the tiles (``csrc/amx_rows.h``), where oneDNN needs it widened whole first."""
@@ -243,7 +243,7 @@ def quantized_kernel_rows(isa: str, dtype: torch.dtype, amx: bool, int4: bool, t
         return INT4_KERNEL_BF16_ROWS if dtype == torch.bfloat16 else INT4_KERNEL_FLOAT_ROWS
     if isa == "avx512_bf16" and dtype == torch.bfloat16:
         return FEW_ROWS_AMX if amx else INT8_KERNEL_MANY_ROWS
-    return INT8_KERNEL_MANY_ROWS if isa == "avx2" else INT8_KERNEL_ROWS
+    return INT8_KERNEL_MANY_ROWS if isa == "avx2" else INT8_KERNEL_FLOAT_ROWS
 
 
 # int4's kernel against the weight dequantized into scratch memory and multiplied by oneDNN: the

@@ -714,17 +714,6 @@ inline void few_block(int64_t mb, const uint8_t* q, int64_t row_bytes, const flo
   FewBlock<W, R, MB>::run(q, row_bytes, scales, groups, G, in, 0, K, sums);
 }
 
-// A weight group of zeros keeps the smallest normal scale (quantize.py clamps it there), and its
-// scale times an input block's is a denormal float, which x86 multiplies through microcode assists
-// at about a hundred times the cost (a vocabulary padded with zero rows made the LM head 30x slower).
-// The products' threads flush such values to zero while they run: the result is the same, as
-// every q of such a group is 0.
-struct FlushDenormals {
-  unsigned saved;
-  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040); }  // FTZ | DAZ
-  ~FlushDenormals() { _mm_setcsr(saved); }
-};
-
 // out [M, N] for M <= kQ8FewRows (AVX-512: K % 64 == 0, two blocks a step).
 template <Q8Weight W, typename T>
 void block_q8_few(const T* x, int64_t M, const uint8_t* q, const float* scales, int64_t N, int64_t K, int64_t G,

@@ -205,10 +205,12 @@ inline void int4_products(const X* x, int64_t M, const uint8_t* q, const float* 
   const int64_t blocks = N / Rows;
   const int64_t grain = std::max<int64_t>(1, (32 * 1024) / (Rows * K / 2));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    FlushDenormals flushed;  // a group of zeros (vec16.h)
     for (int64_t b = begin; b < end; ++b)
       int4_outputs<Block, Rows, XRows>(q + b * Rows * (K / 2), scales, x, x_groups.data(), bias, out, b * Rows, M, N,
                                        K, G);
   });
+  FlushDenormals flushed;
   for (int64_t n = blocks * Rows; n < N; ++n)
     int4_outputs<Block, 1, XRows>(q + n * (K / 2), scales, x, x_groups.data(), bias, out, n, M, N, K, G);
 }
