@@ -238,8 +238,8 @@ def quantized_kernel_rows(isa: str, dtype: torch.dtype, amx: bool, int4: bool, t
     if tiles and isa == "avx512_bf16" and dtype == torch.bfloat16:
         return INT4_KERNEL_ANY_ROWS
     if int4:
-        if isa != "avx512_bf16":
-            return INT4_KERNEL_ANY_ROWS
+        if isa != "avx512_bf16":  # fp32 has an fp32 GEMM to dequantize into; bf16 and fp16 do not
+            return INT4_KERNEL_FLOAT_ROWS if dtype == torch.float32 else INT4_KERNEL_ANY_ROWS
         return INT4_KERNEL_BF16_ROWS if dtype == torch.bfloat16 else INT4_KERNEL_FLOAT_ROWS
     if isa == "avx512_bf16" and dtype == torch.bfloat16:
         return FEW_ROWS_AMX if amx else INT8_KERNEL_MANY_ROWS
@@ -248,8 +248,9 @@ def quantized_kernel_rows(isa: str, dtype: torch.dtype, amx: bool, int4: bool, t
 
 # int4's kernel against the weight dequantized into scratch memory and multiplied by oneDNN: the
 # kernel reads the packed weight once, oneDNN's products block many rows better, so on the AVX-512
-# build oneDNN wins past 16 rows in bf16 and past 32 in fp32; on the AVX2 build oneDNN has no bf16
-# products of its own and the kernel keeps every size (bench/cpu_products_bench.py compares them).
+# build oneDNN wins past 16 rows in bf16 and past 32 in fp32; on the AVX2 build past 32 in fp32,
+# while bf16 and fp16 have no fast product there and the kernel keeps every size (where the widened
+# fp32 products are on, they take the many rows: widen_many_rows) (bench/cpu_products_bench.py).
 INT4_KERNEL_BF16_ROWS = 16
 INT4_KERNEL_FLOAT_ROWS = 32
 INT4_KERNEL_ANY_ROWS = 1 << 30
