@@ -18,21 +18,21 @@ Three measurements, the evidence behind docs/performance.md's "why" paragraphs:
    ``CpuOptions(widen=False)``: where this CPU's bf16 products are emulated, the products of many
    rows through PyTorch's emulated bf16 instead of fp32 on the widened weight); ms and the ratio to
    fp32, one run. Run it
-   as an AVX2 CPU with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 ... --cpu_path avx2``.
+   as an AVX2 CPU with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ... --cpu_path avx2``.
 4. **Integer products** (``--integer``): ``block_q8_linear`` (the input rounded to int8 per block
    of 32, ``bloom_hpu/int8_activations.py``) over int8 and int4 (G=64) weights, on the four product
    shapes of a bloom-560m block at M = 1, 16, 128 rows (``--integer_rows``), beside fp32
    ``F.linear``, bf16 ``F.linear`` on the widened weight (oneDNN's product), and the weight-only
    int8/int4 kernels (bf16 input), and on a CPU with AMX the int8 one again with the AMX-INT8 tiles
    on (``q8 int8 tiles``); ms and each one's speed-up over fp32, for each kernel build this
-   process runs (as an AVX2 CPU: ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``, which also
+   process runs (as an AVX2 CPU: ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``, which also
    caps PyTorch's own products).
 5. **The bf16 dot-product peak**: VDPBF16PS on registers only, no memory, on every thread (built
    with ``torch.utils.cpp_extension``, a few seconds), in GFLOP/s; and where the CPU has AMX, the
    same for TDPBF16PS on tiles loaded once. Our kernels cannot beat them.
 
     OMP_NUM_THREADS=2 python bench/cpu_products_bench.py --threads 2
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 OMP_NUM_THREADS=2 python bench/cpu_products_bench.py \
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=2 python bench/cpu_products_bench.py \
         --threads 2 --prompt --cpu_path avx2 --skip_products
     OMP_NUM_THREADS=2 python bench/cpu_products_bench.py --threads 2 --integer --skip_products
 """

@@ -12,6 +12,8 @@ length, new tokens, beams...) and prints one table:
 * ``ours+int8i``, ``ours+int4i``  the same with integer products (``--int8_activations``: the
                     activations rounded to int8 per block of 32, multiplied in integer arithmetic)
 * ``ours+compile``  the same with the decode step through ``torch.compile`` (--compile)
+* ``ours+fp32``     the same with the model in fp32 whatever ``--dtype`` is: the fp32 baseline of
+                    a bf16 run (its own weights and floor)
 * ``op by op``      CPU: the decode step and the prompt attention run op by op from Python, not
                     as one C++ call each
 * ``static off``    shapes follow the batch (``static_shapes=false``)
@@ -79,7 +81,7 @@ SHAPES = {"bloom-560m": (250880, 1024, 24, 16), "bloom-1b1": (250880, 1536, 24, 
           # The GPU target (one H100, bf16, batch 1). Drawing it takes ~60 GB of host memory
           # once (fp32 draws, then the bf16 copy written); 14 GB on disk.
           "bloom-7b1": (250880, 4096, 30, 32)}
-VARIANTS = ("ours", "ours+int8", "ours+int4", "ours+int8i", "ours+int4i", "ours+compile", "op by op", "static off", "graphs off", "transformers")
+VARIANTS = ("ours", "ours+int8", "ours+int4", "ours+int8i", "ours+int4i", "ours+compile", "ours+fp32", "op by op", "static off", "graphs off", "transformers")
 
 
 @dataclass
@@ -222,6 +224,9 @@ def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
                                         group_size=args.group_size if mode == "int4" else None,
                                         int8_activations=variant.endswith("i"), cpu=CpuOptions(path=args.cpu_path))
         backend = gen.backend
+    elif variant == "ours+fp32":
+        gen = Generator.from_pretrained(base.folder, dtype="fp32", device=args.device, cpu=CpuOptions(path=args.cpu_path))
+        backend = gen.backend
     elif variant == "ours+compile":
         # Its own copy of the weights: the shared model may have been packed for eager CPU steps
         # (see Backend.prepare_model), and the compiled step packs its own.
@@ -248,7 +253,7 @@ def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
         with gen.backend.cpu_plan.op_by_op():  # the shared model without its one-call CPU steps
             return gen.generate(prompts, opts.updated(max_new_tokens=n))
 
-    return Variant(variant, generate, describe, gen.model if quantized else None)
+    return Variant(variant, generate, describe, gen.model if quantized or variant == "ours+fp32" else None)
 
 
 def transformers_variant(folder: Path, args, prompts, device) -> Variant:

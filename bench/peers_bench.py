@@ -118,7 +118,25 @@ def cpu_description() -> dict:
         elif key.strip() == "flags" and not flags:
             flags = set(value.split())
     isa = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8") if f in flags]
-    return {"model": model, "isa": isa, "cpus": os.cpu_count()}
+    caps = {name: os.environ[name] for name in ISA_CAPS if os.environ.get(name)}
+    return {"model": model, "isa": isa, "cpus": os.cpu_count(), "caps": caps, "llama.cpp": llama_features()}
+
+
+# The switches that make each engine run below this CPU's instruction set (an AVX2-only CPU emulated
+# on an AVX-512 one): PyTorch's own kernels, oneDNN, MKL (PyTorch's fp32 GEMM) and CTranslate2.
+# llama.cpp's instruction set is fixed when it is built (GGML_NATIVE=OFF GGML_AVX512=OFF ...).
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "CT2_FORCE_CPU_ISA")
+
+
+def llama_features() -> str | None:
+    """The instruction sets the importable llama.cpp was built for (its system info), or None."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    info = llama_cpp.llama_print_system_info()
+    info = info.decode() if isinstance(info, bytes) else info
+    return " ".join(part.strip() for part in info.split("|") if part.strip().endswith("= 1")) or info.strip()
 
 
 def load_average() -> tuple[float, float, float]:
@@ -565,7 +583,9 @@ def fmt_num(x: float | None, digits: int = 1) -> str:
 def markdown(report: dict) -> str:
     spec, rows = report["spec"], report["rows"]
     cpu = report["cpu"]
-    out = [f"CPU: {cpu['model']} ({cpu['cpus']} logical CPUs; flags: {', '.join(cpu['isa'])}); "
+    caps = " ".join(f"{k}={v}" for k, v in cpu.get("caps", {}).items())
+    out = [f"CPU: {cpu['model']} ({cpu['cpus']} logical CPUs; flags: {', '.join(cpu['isa'])}"
+           f"{'; capped: ' + caps if caps else ''}; llama.cpp built with: {cpu.get('llama.cpp') or '-'}); "
            f"{spec['threads']} threads per engine; load average (1, 5, 15 min) before "
            f"{', '.join(map(str, report['load_before']))}, after {', '.join(map(str, report['load_after']))}",
            f"model: random {report['shape']} checkpoint (vocab {spec['vocab']}, hidden {spec['hidden']}, "
