@@ -293,10 +293,11 @@ def test_many_rows_decode_op_by_op_where_amx_serves_them_better(amx, tiles, amx_
     assert accelerate(random_model(torch.float32, hidden_size=64, n_layer=2, n_head=4),
                       CpuOptions(path="avx512_bf16", amx=tiles)).decode_rows == 16  # fp32: the kernel up to 16 rows
     # int8 weights: the one-call int8 step takes as many rows as the int8 kernel serves (bf16: the
-    # VDPBF16PS path, as many as the bf16 step; fp32 on AVX-512: 1-2 rows; AVX2: as the bf16 step).
+    # VDPBF16PS path, as many as the bf16 step; fp32 on AVX-512: up to 32 rows, so the step's 16;
+    # AVX2: as the bf16 step).
     from bloom_hpu.quantize import quantize
 
-    for dtype, path, rows in ((torch.bfloat16, "avx512_bf16", 8 if amx else 16), (torch.float32, "avx512_bf16", 2),
+    for dtype, path, rows in ((torch.bfloat16, "avx512_bf16", 8 if amx else 16), (torch.float32, "avx512_bf16", 16),
                               (torch.bfloat16, "avx2", 8 if amx else 16), (torch.float32, "avx2", 16)):
         int8 = quantize(random_model(dtype, hidden_size=64, n_layer=2, n_head=4))
         assert accelerate(int8, CpuOptions(path=path, amx=tiles)).decode_rows == rows, (dtype, path)
