@@ -341,8 +341,7 @@ class LlamaCpp:
         self._quiet = L.llama_log_callback(lambda level, text, data: None)  # kept: llama.cpp holds the pointer
         L.llama_log_set(self._quiet, None)
         mparams = L.llama_model_default_params()
-        info = L.llama_print_system_info()
-        info = info.decode() if isinstance(info, bytes) else info
+        info = llama_features() or ""
         # llama.cpp's AMX buffers (Q4_0, Q8_0 on a CPU with AMX-INT8) die on an illegal instruction
         # here (tilezero before any tile configuration, llama-cpp-python 0.3.36 in a KVM guest with
         # AMX); without extra buffer types (its AMX and its REPACK layouts) it runs.

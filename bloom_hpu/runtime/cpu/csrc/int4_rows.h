@@ -215,11 +215,11 @@ inline void int4_products(const X* x, int64_t M, const uint8_t* q, const float* 
     int4_outputs<Block, 1, XRows>(q + n * (K / 2), scales, x, x_groups.data(), bias, out, n, M, N, K, G);
 }
 
+template <typename T>
+inline void dequantize_row(const uint8_t* q, const float* scales, int64_t K, int64_t G, T* w);  // below
+
 // out [M, N] = x [M, K] @ dequantized(q [N, K / 2], scales [N, K / G])^T (+ bias [N]): bf16 inputs on
 // the AVX-512 build as they are, others widened to fp32 once (a few rows). K % G == 0, G % 32 == 0.
-template <typename T>
-inline void dequantize_row(const uint8_t* q, const float* scales, int64_t K, int64_t G, T* w);
-
 template <typename T>
 void int4_linear(const T* x_in, int64_t M, const uint8_t* q, const float* scales, int64_t N, int64_t K, int64_t G,
                  const T* bias, T* out) {
