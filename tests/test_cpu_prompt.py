@@ -57,6 +57,15 @@ def test_pytorchs_avx2_switch_makes_bf16_emulated():
     assert out.stdout.strip() == str({"avx2", "fma", "f16c"} <= flags)
 
 
+def test_onednns_cap_below_amx_turns_our_tiles_off_too():
+    code = "from bloom_hpu.runtime.cpu import capability; c = capability.detect(); print(c.isa, c.amx)"
+    flags = capability.cpu_flags() or set()
+    for cap, amx in (("", "amx_bf16" in flags), ("AVX512_CORE_BF16", False), ("avx2", False)):
+        env = {**os.environ, "ONEDNN_MAX_CPU_ISA": cap}
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split()[1] == str(amx and out.stdout.split()[0] == "avx512_bf16"), (cap, out.stdout)
+
+
 def inputs(m, n, k, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype),

@@ -73,6 +73,16 @@ def onednn_capped_below_bf16() -> bool:
     return os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_ISAS_WITHOUT_BF16
 
 
+# oneDNN's ISA caps below its first with AMX tiles.
+ONEDNN_ISAS_WITHOUT_AMX = ONEDNN_ISAS_WITHOUT_BF16 + ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512")
+
+
+def onednn_capped_below_amx() -> bool:
+    """``ONEDNN_MAX_CPU_ISA`` rules out AMX: then our kernels leave the tiles alone too, so that one
+    switch runs a CPU with AMX as one without (an AMD Zen 4) does."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_ISAS_WITHOUT_AMX
+
+
 def cpu_flags() -> set[str] | None:
     """The flags of the first CPU in /proc/cpuinfo (Linux), or None where there is none."""
     try:
@@ -108,6 +118,9 @@ def detect() -> Capability:
     if isa != hardware:
         why += f", capped by torch's {torch_level} dispatch"
     amx = isa == "avx512_bf16" and "amx_bf16" in flags
+    if amx and onednn_capped_below_amx():
+        amx = False
+        why += ", AMX ruled out by ONEDNN_MAX_CPU_ISA"
     return Capability(isa, why + (" with AMX" if amx else ""), amx)
 
 
