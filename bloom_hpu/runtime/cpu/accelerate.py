@@ -28,7 +28,7 @@ from ...model import Attention, StaticBloom, segment_layout
 from ...quantize import INT8_KERNEL_FLOAT_ROWS, INT8_KERNEL_MANY_ROWS, INT8_KERNEL_ROWS, quantized_mode, quantized_products
 from . import capability
 from .kernels import Kernels, KernelsUnavailable, load
-from .layers import (AMX_MIN_ROWS, AMX_TILE_ROWS, CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, FEW_ROWS_FP32_AVX2, CpuTiedHead, KernelGelu,
+from .layers import (AMX_MIN_ROWS, AMX_TILE_ROWS, CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, KernelGelu,
                      OneCallPromptAttention, WidenedProducts, kernel_suits, swap, unswap)
 
 PATHS = ("auto", "avx512_bf16", "avx2", "onednn", "plain")
@@ -334,16 +334,13 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     # gives oneDNN's bf16 products of many rows the edge over the kernel's AVX-512 loop.
     untiled_rows = FEW_ROWS_AMX if cap.amx and dtype == torch.bfloat16 else FEW_ROWS
     few_rows = AMX_TILE_ROWS if amx_tiles else untiled_rows
-    # The products of a prompt (op by op) may hand rows to the GEMM sooner than the one-call steps do.
-    op_rows = FEW_ROWS_FP32_AVX2 if kernels is not None and kernels.isa == "avx2" and dtype == torch.float32 \
-        else few_rows
     if kernels is not None:
         for linear in linears:
             if kernel_suits(linear.weight):
-                linear.kernel, linear.few_rows_limit = kernels.few_rows_linear, op_rows * linear.weight.shape[1]
+                linear.kernel, linear.few_rows_limit = kernels.few_rows_linear, few_rows * linear.weight.shape[1]
         if kernel_suits(model.word_embeddings.weight) and not getattr(model.head, "quantized", False):
             swap(model.head, CpuTiedHead, kernel=kernels.few_rows_linear,
-                 few_rows_limit=op_rows * model.word_embeddings.weight.shape[1])
+                 few_rows_limit=few_rows * model.word_embeddings.weight.shape[1])
         tiles = f", from {AMX_MIN_ROWS} on AMX tiles" if amx_tiles else ""
         used.append(f"few-rows products (up to {few_rows} rows{tiles})")
         scratch = DequantizeScratch(kernels.int4_dequantize)

@@ -30,10 +30,6 @@ FEW_ROWS = 16  # up to this many rows the kernel, which reads each weight once, 
 # With AMX, oneDNN's bf16 products of more rows than this beat the kernel's AVX-512 loop: oneDNN
 # multiplies on the tiles, the loop widens bf16 pairs in vector registers.
 FEW_ROWS_AMX = 8
-# fp32 on the AVX2 build: past this many rows MKL's AVX2 GEMM beats the kernel's FMA loop (a
-# bloom-560m block's four products of 16 rows: 5.1 against 6.1 ms on 2 cores), so a prompt's
-# products go there; the one-call steps keep the kernel up to FEW_ROWS rows.
-FEW_ROWS_FP32_AVX2 = 10
 # The kernel's bf16 products on AMX tiles (csrc/amx_rows.h): from AMX_MIN_ROWS rows (below, its
 # AVX-512 loop is as fast: the tiles' set-up costs what a few rows save), up to AMX_TILE_ROWS rows,
 # past which oneDNN's blocking of many rows wins (bench/cpu_products_bench.py times each choice;
