@@ -122,10 +122,12 @@ def cpu_description() -> dict:
     return {"model": model, "isa": isa, "cpus": os.cpu_count(), "caps": caps, "llama.cpp": llama_features()}
 
 
-# The switches that make each engine run below this CPU's instruction set (an AVX2-only CPU emulated
-# on an AVX-512 one): PyTorch's own kernels, oneDNN, MKL (PyTorch's fp32 GEMM) and CTranslate2.
-# llama.cpp's instruction set is fixed when it is built (GGML_NATIVE=OFF GGML_AVX512=OFF ...).
-ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "CT2_FORCE_CPU_ISA")
+# The switches that make each engine run below this CPU's instruction set (an AVX2-only CPU, or an
+# AVX-512 one without AMX, emulated on a Xeon with AMX): PyTorch's own kernels, oneDNN (also our AMX
+# tiles: bloom_hpu/runtime/cpu/capability.py), MKL (PyTorch's fp32 GEMM) and CTranslate2 (CT2_USE_MKL=0:
+# its oneDNN GEMMs, as on an AMD CPU). llama.cpp's instruction set is fixed when it is built
+# (GGML_NATIVE=OFF GGML_AVX512=OFF ...).
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "CT2_FORCE_CPU_ISA", "CT2_USE_MKL")
 
 
 def llama_features() -> str | None:
@@ -366,7 +368,7 @@ class LlamaCpp:
             if not ctx:
                 raise RuntimeError("llama.cpp could not make a context")
             self.contexts[seqs] = (ctx, L.llama_batch_init(c.n_batch, 0, seqs))
-        self.describe = (f"{Path(path).name}, use_extra_bufts={extra} (AMX, REPACK), n_threads {spec['threads']}; "
+        self.describe = (f"{Path(path).name}, use_extra_bufts={extra} (its AMX and REPACK layouts, as built), n_threads {spec['threads']}; "
                          f"{info}").strip()
 
     def _clear(self, ctx) -> None:
