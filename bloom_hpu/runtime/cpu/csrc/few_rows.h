@@ -155,8 +155,9 @@ struct Lanes<at::Half> {  // F16C conversions, 8 per instruction
 
 #endif
 
-// sums[m * R + r] = dot(w row r, x row m) for R weight rows and MB input rows.
-template <typename T, int R, int MB>
+// sums[m * R + r] = dot(w row r, x row m) for R weight rows and MB input rows; with Prefetch, the
+// weight rows a few blocks ahead are prefetched (only the first pass over a block needs that).
+template <typename T, int R, int MB, bool Prefetch>
 inline void dot_block(const T* w, const T* x, int64_t K, float* sums) {
   using L = Lanes<T>;
   static_assert(L::step * L::parts * int64_t(sizeof(T)) == kStepBytes, "a step reads 64 bytes of a weight row");
@@ -165,7 +166,8 @@ inline void dot_block(const T* w, const T* x, int64_t K, float* sums) {
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) acc[r][m] = acc_zero();
   for (int64_t k = 0; k < K; k += L::step * L::parts) {
-    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + ahead), _MM_HINT_T0);
+    if constexpr (Prefetch)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + ahead), _MM_HINT_T0);
     for (int part = 0; part < L::parts; ++part) {
       const int64_t kp = k + part * L::step;
       typename L::X xv[MB];
@@ -179,12 +181,12 @@ inline void dot_block(const T* w, const T* x, int64_t K, float* sums) {
 }
 
 // dot_block for mb (1..MB) input rows.
-template <typename T, int R, int MB>
+template <typename T, int R, int MB, bool Prefetch>
 inline void dot_rows(int64_t mb, const T* w, const T* x, int64_t K, float* sums) {
   if constexpr (MB > 1) {
-    if (mb < MB) return dot_rows<T, R, MB - 1>(mb, w, x, K, sums);
+    if (mb < MB) return dot_rows<T, R, MB - 1, Prefetch>(mb, w, x, K, sums);
   }
-  dot_block<T, R, MB>(w, x, K, sums);
+  dot_block<T, R, MB, Prefetch>(w, x, K, sums);
 }
 
 // Outputs n .. n+R-1 of every input row, in as few passes over the block as kXRows allows, the
@@ -196,7 +198,10 @@ inline void output_rows(const T* w, const T* x, const T* bias, T* out, int64_t n
   const int64_t passes = (M + xr - 1) / xr;
   for (int64_t p = 0, m0 = 0; p < passes; ++p) {
     const int64_t mb = (M - m0 + passes - p - 1) / (passes - p);
-    dot_rows<T, R, xr>(mb, w, x + m0 * K, K, sums);
+    if (p == 0)
+      dot_rows<T, R, xr, true>(mb, w, x + m0 * K, K, sums);
+    else  // the block is in L1 now: prefetching the rows ahead again would only cost issue slots
+      dot_rows<T, R, xr, false>(mb, w, x + m0 * K, K, sums);
     for (int64_t m = 0; m < mb; ++m)
       for (int r = 0; r < R; ++r) {
         float value = sums[m * R + r] + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
