@@ -156,7 +156,7 @@ struct Lanes<at::Half> {  // F16C conversions, 8 per instruction
 #endif
 
 // sums[m * R + r] = dot(w row r, x row m) for R weight rows and MB input rows; with Prefetch, the
-// weight rows a few blocks ahead are prefetched (only the first pass over a block needs that).
+// weight rows a few blocks ahead are prefetched as they are read.
 template <typename T, int R, int MB, bool Prefetch>
 inline void dot_block(const T* w, const T* x, int64_t K, float* sums) {
   using L = Lanes<T>;
@@ -189,26 +189,35 @@ inline void dot_rows(int64_t mb, const T* w, const T* x, int64_t K, float* sums)
   dot_block<T, R, MB, Prefetch>(w, x, K, sums);
 }
 
-// Outputs n .. n+R-1 of every input row, in as few passes over the block as kXRows allows, the
-// rows shared evenly among them (5 rows of AVX-512: 3 + 2, not 4 + 1).
-template <typename T, int R>
-inline void output_rows(const T* w, const T* x, const T* bias, T* out, int64_t n, int64_t M, int64_t N, int64_t K) {
+// The passes over one block of R weight rows w [R, K] for the M input rows x [M, K]: as few as
+// kXRows allows, the rows shared evenly among them (5 rows of AVX-512: 3 + 2, not 4 + 1).
+// done(m, r, sum) takes the fp32 dot of input row m and weight row r. With PrefetchAhead the first
+// pass prefetches the weight rows a few blocks ahead (the later passes read the block from L1, where
+// prefetching again would only cost issue slots); without, nothing is prefetched (a block in scratch).
+template <typename T, int R, bool PrefetchAhead, typename Done>
+inline void block_passes(const T* w, const T* x, int64_t M, int64_t K, Done&& done) {
   constexpr int xr = kXRows<T>;
   float sums[R * xr];
   const int64_t passes = (M + xr - 1) / xr;
   for (int64_t p = 0, m0 = 0; p < passes; ++p) {
     const int64_t mb = (M - m0 + passes - p - 1) / (passes - p);
-    if (p == 0)
+    if (PrefetchAhead && p == 0)
       dot_rows<T, R, xr, true>(mb, w, x + m0 * K, K, sums);
-    else  // the block is in L1 now: prefetching the rows ahead again would only cost issue slots
+    else
       dot_rows<T, R, xr, false>(mb, w, x + m0 * K, K, sums);
     for (int64_t m = 0; m < mb; ++m)
-      for (int r = 0; r < R; ++r) {
-        float value = sums[m * R + r] + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
-        out[(m0 + m) * N + n + r] = T(value);  // bf16, fp16: rounded to nearest even once, as F.linear
-      }
+      for (int r = 0; r < R; ++r) done(m0 + m, r, sums[m * R + r]);
     m0 += mb;
   }
+}
+
+// Outputs n .. n+R-1 of every input row.
+template <typename T, int R>
+inline void output_rows(const T* w, const T* x, const T* bias, T* out, int64_t n, int64_t M, int64_t N, int64_t K) {
+  block_passes<T, R, true>(w, x, M, K, [&](int64_t m, int r, float sum) {
+    const float value = sum + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
+    out[m * N + n + r] = T(value);  // bf16, fp16: rounded to nearest even once, as F.linear
+  });
 }
 
 // out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), all contiguous; M at most a few rows; K * sizeof(T)

@@ -20,7 +20,9 @@
 //   16 nibbles are widened to the fp32 values v and multiplied in by FMAs, into sums per group that
 //   the group's scale multiplies. The 8 of v - 8 (times the scale and the group's sum of x) is taken
 //   off once per group and row at the end, from sums of x per group computed once per call,
-//   instead of once per weight.
+//   instead of once per weight. That path widens a block again for every pair of input rows; from
+//   kWidenOnceRows rows each block of weight rows is dequantized to fp32 once, into scratch, and
+//   multiplied by few_rows.h's fp32 loop instead.
 //
 // Weight rows are taken a few at a time and prefetched ahead; work is split over PyTorch's intra-op
 // threads by blocks of rows, as in int8_rows.h.
@@ -36,8 +38,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "int8_rows.h"
 #include "amx_rows.h"
+#include "few_rows.h"
+#include "int8_rows.h"
 #include "vec16.h"
 
 BLOOM_CPU_BEGIN
@@ -218,6 +221,45 @@ inline void int4_products(const X* x, int64_t M, const uint8_t* q, const float* 
 template <typename T>
 inline void dequantize_row(const uint8_t* q, const float* scales, int64_t K, int64_t G, T* w);  // below
 
+// Input rows from which the widening path dequantizes each block once: unpacking nibbles for every
+// pass costs more than the products (int8's sign extension is cheap enough to keep, int8_rows.h).
+constexpr int64_t kWidenOnceRows = 4;
+
+// out [M, N] (T) for fp32 inputs x [M, K], M >= kWidenOnceRows: each block of kRows weight rows is
+// widened to fp32 once, into scratch that stays in the cache (kRows * K floats), by widen(n, rows,
+// block) (weight rows n .. n + rows - 1 as block [rows, K]), and multiplied into every input row by
+// few_rows.h's fp32 loop; finish(sum, n) makes output n's value of its fp32 sum (the bias). Blocks
+// split over the threads; the last N % kRows rows alone. Denormals flushed: a weight group of zeros
+// has the smallest scale, and its weights come out denormal.
+template <typename T, typename Widen, typename Finish>
+void widened_once_products(const float* x, int64_t M, int64_t N, int64_t K, T* out, const Widen& widen,
+                           const Finish& finish) {
+  const auto run = [&](int64_t n, auto rows_constant, float* block) {
+    constexpr int rows = decltype(rows_constant)::value;
+    widen(n, rows, block);
+    block_passes<float, rows, false>(block, x, M, K, [&](int64_t m, int r, float sum) {
+      out[m * N + n + r] = T(finish(sum, n + r));
+    });
+  };
+  const auto scratch = [K](std::vector<float>& buffer) {  // 64-byte aligned: whole cache lines per load
+    buffer.resize(size_t(kRows * K + 16));
+    const auto address = reinterpret_cast<uintptr_t>(buffer.data());
+    return reinterpret_cast<float*>((address + 63) & ~uintptr_t(63));
+  };
+  const int64_t blocks = N / kRows;
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kRows * K * int64_t(sizeof(float))));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    FlushDenormals flushed;
+    std::vector<float> buffer;
+    float* block = scratch(buffer);
+    for (int64_t b = begin; b < end; ++b) run(b * kRows, std::integral_constant<int, kRows>{}, block);
+  });
+  FlushDenormals flushed;
+  std::vector<float> buffer;
+  float* block = scratch(buffer);
+  for (int64_t n = blocks * kRows; n < N; ++n) run(n, std::integral_constant<int, 1>{}, block);
+}
+
 // out [M, N] = x [M, K] @ dequantized(q [N, K / 2], scales [N, K / G])^T (+ bias [N]): bf16 inputs on
 // the AVX-512 build as they are, others widened to fp32 once (a few rows). K % G == 0, G % 32 == 0.
 template <typename T>
@@ -244,6 +286,13 @@ void int4_linear(const T* x_in, int64_t M, const uint8_t* q, const float* scales
 #endif
   std::vector<float> x(M * K);
   for (int64_t i = 0; i < M * K; ++i) x[i] = static_cast<float>(x_in[i]);
+  if (M >= kWidenOnceRows) {
+    const auto widen = [&](int64_t n, int rows, float* block) {
+      for (int r = 0; r < rows; ++r) dequantize_row(q + (n + r) * (K / 2), scales + (n + r) * (K / G), K, G, block + r * K);
+    };
+    const auto finish = [&](float sum, int64_t n) { return sum + (bias ? static_cast<float>(bias[n]) : 0.0f); };
+    return widened_once_products(x.data(), M, N, K, out, widen, finish);
+  }
   int4_products<Int4WidenedBlock, kInt4Rows, kInt4XRows>(x.data(), M, q, scales, N, K, G, bias, out);
 }
 
