@@ -10,9 +10,9 @@ by the turn marker "\\n<human>:", so that the shell must really cut a reply at t
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
-import time
 from pathlib import Path
 
 import pexpect
@@ -205,14 +205,14 @@ def reference_reply(folder: Path, prompt: str, max_new_tokens: int, eos: bool = 
     return text.lstrip()
 
 
-def spawn(*args: str, launcher: list[str] = ()) -> pexpect.spawn:
+def spawn(*args: str, launcher: list[str] = (), preexec_fn=None) -> pexpect.spawn:
     """``./bloom.py ARGS`` in a pseudo-terminal; with ``launcher``, ``python LAUNCHER bloom.py ARGS``."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TERM": "dumb", "PYTHONPATH": str(ROOT)}
     bloom_py = str(ROOT / "bloom.py")
     # Through this interpreter, not the script's shebang: the suite runs without an activated venv.
     program, argv = sys.executable, [*launcher, bloom_py, *args]
     return pexpect.spawn(program, argv, cwd=str(ROOT), env=env, encoding="utf-8", codec_errors="replace",
-                         timeout=TIMEOUT, dimensions=(50, 400))
+                         timeout=TIMEOUT, dimensions=(50, 400), preexec_fn=preexec_fn)
 
 
 def ask(shell: pexpect.spawn, line: str) -> str:
@@ -221,6 +221,20 @@ def ask(shell: pexpect.spawn, line: str) -> str:
     shell.expect_exact(line)  # the terminal's echo
     shell.expect_exact(">>> ")
     return shell.before.replace("\r\n", "\n").removeprefix("\n")
+
+
+def test_ctrl_c_at_the_prompt_gives_a_fresh_prompt_even_when_started_with_sigint_ignored(marker_checkpoint):
+    """A shell without job control starts its background jobs with SIGINT ignored, and Python keeps
+    that: the chat must still take Ctrl-C at its prompt (as it does during a reply)."""
+    shell = spawn("--chat", "--weights", str(marker_checkpoint), "--sample", "f", "--max_length", "64", "--max_tokens",
+                  "48", "--cpu_path", "plain", preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    shell.expect_exact(">>> ", timeout=STARTUP)
+    shell.sendintr()
+    shell.expect_exact(">>> ", timeout=20)
+    assert ask(shell, "hello") == "Hi there\n"
+    shell.sendeof()
+    shell.expect(pexpect.EOF)
+    assert shell.wait() == 0
 
 
 def test_a_session_with_the_marker_model(marker_checkpoint):
@@ -285,12 +299,7 @@ def test_greedy_replies_equal_transformers_and_ctrl_c_stops_a_reply(make_ckpt):
     assert ask(shell, "/hyperparameters max_tokens=8").startswith("set:")
     # The partial reply stays in the conversation, and the shell goes on.
     assert "<human>: Tell me a long story.\n<bot>: " in ask(shell, "/raw_prompt")
-    # Ctrl-C at the prompt: a fresh prompt. Not the instant the prompt is printed: Python's input()
-    # can miss a SIGINT that lands between printing its prompt and blocking on the terminal (the
-    # select() or read() it then blocks in is not woken by a signal already handled), as a run on a
-    # busy machine showed; a person's Ctrl-C comes later than that.
-    time.sleep(0.5)
-    shell.sendintr()
+    shell.sendintr()  # Ctrl-C at the prompt: a fresh prompt
     shell.expect_exact(">>> ")
     shell.sendeof()  # Ctrl-D leaves cleanly
     shell.expect(pexpect.EOF)

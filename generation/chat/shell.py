@@ -60,6 +60,22 @@ def ctrl_c_sets(event: threading.Event, enabled: bool = True):
         signal.signal(signal.SIGINT, previous)
 
 
+@contextmanager
+def ctrl_c_interrupts(enabled: bool = True):
+    """While inside: Ctrl-C raises KeyboardInterrupt, as in Python's own shell, even in a process
+    that started with SIGINT ignored (a background job of a shell without job control inherits
+    that, and Python keeps it), so that Ctrl-C at the prompt always gives a fresh prompt. Only in the
+    main thread."""
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class ChatShell:
     def __init__(self, generator, settings: Settings, conversation: Conversation, lines, *, out=None,
                  interruptible: bool = True, name: str = "BLOOM"):
@@ -82,6 +98,10 @@ class ChatShell:
         self.out.flush()
 
     def run(self) -> int:
+        with ctrl_c_interrupts(enabled=self.interruptible):
+            return self._session()
+
+    def _session(self) -> int:
         opts = self.settings.options
         self.say(f"Chat with {self.name} ({self.conversation.format.describe()}; max_length {opts.max_length}, "
                  f"{opts.max_new_tokens} new tokens per reply).")
