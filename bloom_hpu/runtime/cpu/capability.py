@@ -68,9 +68,14 @@ class Capability:
 ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI")
 
 
+def onednn_cap() -> str:
+    """``ONEDNN_MAX_CPU_ISA`` (oneDNN's own switch, read when it starts), upper case; '' if unset."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+
+
 def onednn_capped_below_bf16() -> bool:
-    """``ONEDNN_MAX_CPU_ISA`` (oneDNN's own switch, read when it starts) rules out its bf16 products."""
-    return os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_ISAS_WITHOUT_BF16
+    """``ONEDNN_MAX_CPU_ISA`` rules out oneDNN's bf16 products."""
+    return onednn_cap() in ONEDNN_ISAS_WITHOUT_BF16
 
 
 # oneDNN's ISA caps below its first with AMX tiles.
@@ -80,7 +85,7 @@ ONEDNN_ISAS_WITHOUT_AMX = ONEDNN_ISAS_WITHOUT_BF16 + ("AVX512_CORE_BF16", "AVX51
 def onednn_capped_below_amx() -> bool:
     """``ONEDNN_MAX_CPU_ISA`` rules out AMX: then our kernels leave the tiles alone too, so that one
     switch runs a CPU with AMX as one without (an AMD Zen 4) does."""
-    return os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ONEDNN_ISAS_WITHOUT_AMX
+    return onednn_cap() in ONEDNN_ISAS_WITHOUT_AMX
 
 
 def cpu_flags() -> set[str] | None:

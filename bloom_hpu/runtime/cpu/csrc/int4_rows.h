@@ -226,19 +226,18 @@ inline void dequantize_row(const uint8_t* q, const float* scales, int64_t K, int
 constexpr int64_t kWidenOnceRows = 4;
 
 // out [M, N] (T) for fp32 inputs x [M, K], M >= kWidenOnceRows: each block of kRows weight rows is
-// widened to fp32 once, into scratch that stays in the cache (kRows * K floats), by widen(n, rows,
-// block) (weight rows n .. n + rows - 1 as block [rows, K]), and multiplied into every input row by
-// few_rows.h's fp32 loop; finish(sum, n) makes output n's value of its fp32 sum (the bias). Blocks
-// split over the threads; the last N % kRows rows alone. Denormals flushed: a weight group of zeros
-// has the smallest scale, and its weights come out denormal.
-template <typename T, typename Widen, typename Finish>
-void widened_once_products(const float* x, int64_t M, int64_t N, int64_t K, T* out, const Widen& widen,
-                           const Finish& finish) {
+// dequantized to fp32 once (dequantize_row), into scratch that stays in the cache (kRows * K
+// floats), and multiplied into every input row by few_rows.h's fp32 loop. Blocks split over the
+// threads; the last N % kRows rows alone. Denormals flushed: a weight group of zeros has the
+// smallest scale, and its weights come out denormal.
+template <typename T>
+void int4_dequantized_products(const float* x, int64_t M, const uint8_t* q, const float* scales, int64_t N,
+                               int64_t K, int64_t G, const T* bias, T* out) {
   const auto run = [&](int64_t n, auto rows_constant, float* block) {
     constexpr int rows = decltype(rows_constant)::value;
-    widen(n, rows, block);
+    for (int r = 0; r < rows; ++r) dequantize_row(q + (n + r) * (K / 2), scales + (n + r) * (K / G), K, G, block + r * K);
     block_passes<float, rows, false>(block, x, M, K, [&](int64_t m, int r, float sum) {
-      out[m * N + n + r] = T(finish(sum, n + r));
+      out[m * N + n + r] = T(sum + (bias ? static_cast<float>(bias[n + r]) : 0.0f));
     });
   };
   const auto scratch = [K](std::vector<float>& buffer) {  // 64-byte aligned: whole cache lines per load
@@ -286,13 +285,7 @@ void int4_linear(const T* x_in, int64_t M, const uint8_t* q, const float* scales
 #endif
   std::vector<float> x(M * K);
   for (int64_t i = 0; i < M * K; ++i) x[i] = static_cast<float>(x_in[i]);
-  if (M >= kWidenOnceRows) {
-    const auto widen = [&](int64_t n, int rows, float* block) {
-      for (int r = 0; r < rows; ++r) dequantize_row(q + (n + r) * (K / 2), scales + (n + r) * (K / G), K, G, block + r * K);
-    };
-    const auto finish = [&](float sum, int64_t n) { return sum + (bias ? static_cast<float>(bias[n]) : 0.0f); };
-    return widened_once_products(x.data(), M, N, K, out, widen, finish);
-  }
+  if (M >= kWidenOnceRows) return int4_dequantized_products(x.data(), M, q, scales, N, K, G, bias, out);
   int4_products<Int4WidenedBlock, kInt4Rows, kInt4XRows>(x.data(), M, q, scales, N, K, G, bias, out);
 }
 
