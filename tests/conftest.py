@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -10,6 +11,11 @@ import pytest
 
 from bloom_hpu.checkpoint import DEFAULT_MODEL, DEFAULT_WEIGHTS
 from utils.random_checkpoint import make_random_checkpoint
+
+# Tests send Ctrl-C (SIGINT) to the servers, launchers and shells they start and expect Python's
+# default. A suite started with SIGINT ignored (a background job of a shell without job control)
+# would hand the ignore on to every child; with a handler here, the children start with the default.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ pool served; warm-up's step shapes are all a load needs."""
 from __future__ import annotations
 
 import random
-import signal
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -154,7 +153,4 @@ def test_two_ranks_serve_hits_with_one_process_answers(folders, references, tmp_
                 assert answer.choices[0].text == alone(references["base"], prompt, max_tokens), prompt
         assert all(cached_of(a) > 0 for (p, _, _), a in zip(cases, answers) if p.startswith(SYSTEM))
     finally:
-        # Where the suite runs with SIGINT ignored (a background job of a shell without job control),
-        # the deepspeed runner keeps ignoring it and returns its launcher's exit 1 (the launcher's own
-        # handler kills the ranks): only a hang (stop's SIGKILL after 60 s) would be ours.
-        assert stop(proc) != -signal.SIGKILL
+        assert stop(proc) in (0, -2, 130)
