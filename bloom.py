@@ -30,7 +30,7 @@ def set_hpu_environment(argv: list[str]) -> None:
 # generation/); the rest when needed.
 set_hpu_environment(sys.argv[1:])
 
-from generation.options import parse_bool  # noqa: E402  (after the HPU environment)
+from generation.request.options import parse_bool  # noqa: E402  (after the HPU environment)
 
 ROOT = Path(__file__).resolve().parent
 
@@ -232,7 +232,7 @@ def lora_adapters(args) -> dict[str, str]:
 
 
 def collect_options(args):
-    from generation.options import build_options
+    from generation.request.options import build_options
 
     flags = {name: getattr(args, name) for name in ("max_length", "ignore_eos", "use_graphs", "static_shapes", "seed")}
     if args.chat:
@@ -256,7 +256,7 @@ def make_generator(args, opts):
     if args.mode == "vanilla":
         from bloom_hpu.runtime.backends import make_backend
         from bloom_hpu.checkpoint import resolve_checkpoint
-        from generation.vanilla import VanillaGenerator
+        from generation.run.vanilla import VanillaGenerator
 
         if args.peft_weights:
             raise UsageError("--peft_weights runs in --mode optimized only")
@@ -265,7 +265,7 @@ def make_generator(args, opts):
         folder = resolve_checkpoint(weights, args.model)  # weights None: checkpoints/
         return VanillaGenerator(folder, parse_dtype(args.dtype), str(make_backend(args.device, use_graphs=False).device))
     from bloom_hpu.runtime.cpu import CpuOptions
-    from generation.prefix import DEFAULT_SIZE as PREFIX_CACHE_DEFAULT
+    from generation.run.prefix_pool import DEFAULT_SIZE as PREFIX_CACHE_DEFAULT
 
     generator = Generator.from_pretrained(
         weights, args.model, dtype=args.dtype, device=args.device, use_graphs=opts.use_graphs,
@@ -290,7 +290,7 @@ def log(message: str) -> None:
 
 
 def shows_progress(args) -> bool:
-    """Progress on stderr (generation/progress.py): not with --quiet, and from rank 0 only, since
+    """Progress on stderr (generation/run/progress.py): not with --quiet, and from rank 0 only, since
     the ranks of a tensor-parallel run share one terminal."""
     return not args.quiet and PARALLEL.rank == 0
 
@@ -420,7 +420,7 @@ def stream_prompts(args, generator, prompts, opts, writer) -> int:
     --output_file each finished result is saved as without --stream."""
     if args.mode == "vanilla":
         raise UsageError("--stream runs in --mode optimized only")
-    from generation.streaming import generate_streaming
+    from generation.run.streaming import generate_streaming
 
     for prompt in prompts:
         print(prompt, end="", flush=True)
@@ -452,7 +452,7 @@ def show(args, results) -> None:
 def check_prompts_fit(args, generator, prompts, opts) -> None:
     """Every prompt (numbered over all of them) and the largest batch's memory, before the first
     batch runs: a bad third prompt must not be found after two batches were spent."""
-    from generation.validate import check_prompts
+    from generation.request.validate import check_prompts
 
     ids = check_prompts(generator.tokenizer, prompts, opts)
     size = 1 if args.stream else min(args.batch_size, len(prompts))
@@ -462,7 +462,7 @@ def check_prompts_fit(args, generator, prompts, opts) -> None:
 
 def run(args) -> int:
     if args.help_options:
-        from generation.options import options_help
+        from generation.request.options import options_help
 
         print(options_help())
         return 0
@@ -489,7 +489,7 @@ def run(args) -> int:
     if fast_path != "none":
         log(f"CPU fast path: {fast_path}")
     if args.warmup:
-        from generation.warmup import chunk_sizes, warm_up
+        from generation.run.warmup import chunk_sizes, warm_up
 
         sizes = [1] if args.stream else chunk_sizes(len(prompts), args.batch_size)
         log(warm_up(generator, opts, sizes, progress=shows_progress(args)).describe())
@@ -520,10 +520,10 @@ def main(argv=None) -> int:
     from bloom_hpu.runtime.backends import DeviceError
     from bloom_hpu.runtime.cpu import CpuPathError
     from bloom_hpu.checkpoint import CheckpointError
-    from generation.batch import InputError
+    from generation.run.batch import InputError
     from bloom_hpu.runtime.launch import shutdown
     from bloom_hpu.tp import ParallelError
-    from generation.options import OptionError
+    from generation.request.options import OptionError
 
     try:
         return run(args)

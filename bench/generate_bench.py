@@ -70,9 +70,9 @@ from bloom_hpu.quantize import weight_bytes  # noqa: E402
 from bloom_hpu.runtime.backends import make_backend  # noqa: E402
 from bloom_hpu.runtime.cpu import PATHS, CpuOptions  # noqa: E402
 from bloom_hpu.runtime.steps import StepRunner  # noqa: E402
-from generation.batch import make_batch  # noqa: E402
+from generation.run.batch import make_batch  # noqa: E402
 from generation.generator import Generator, parse_dtype  # noqa: E402
-from generation.options import build_options  # noqa: E402
+from generation.request.options import build_options  # noqa: E402
 
 TINY = ROOT / "checkpoints" / "bloom-tiny"
 CORPUS = ROOT / "utils" / "tiny_corpus.txt"
@@ -257,7 +257,7 @@ def ours_variant(base: Generator, variant: str, args, prompts) -> Variant:
 
 
 def transformers_variant(folder: Path, args, prompts, device) -> Variant:
-    from generation.vanilla import VanillaGenerator
+    from generation.run.vanilla import VanillaGenerator
 
     hf = VanillaGenerator(folder, parse_dtype(args.dtype), str(device))
     opts = build_options(max_length=args.max_length, num_beams=args.num_beams, ignore_eos=True, **sampling(args))

@@ -1,5 +1,5 @@
 """The grammar libraries side by side on a vocabulary of BLOOM's size: how the library of
-``generation/structured.py`` was chosen (``python bench/structured_bench.py libraries``).
+``generation/request/grammar.py`` was chosen (``python bench/structured_bench.py libraries``).
 
 For each of llguidance, xgrammar and outlines-core, on the same tokenizer of 250,880 tokens:
 

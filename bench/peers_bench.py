@@ -185,7 +185,7 @@ def prompts(folder: Path) -> dict:
     """The requests' prompts, as text (ours) and token ids (the peers): text that re-encodes to
     exactly those ids, cut from the corpus as ``bench/generate_bench.py`` does."""
     from bench.generate_bench import make_prompts
-    from generation.batch import BloomTokenizer
+    from generation.run.batch import BloomTokenizer
 
     tok = BloomTokenizer(folder)
     texts = {"p16": make_prompts(tok, 1, 16), "p128": make_prompts(tok, 1, 128), "b8": make_prompts(tok, 8, 16)}
@@ -297,7 +297,7 @@ class Ours:
 
         from bloom_hpu.runtime.cpu import CpuOptions
         from generation.generator import Generator
-        from generation.options import build_options
+        from generation.request.options import build_options
 
         self.build_options = build_options
         torch.set_num_threads(spec["threads"])

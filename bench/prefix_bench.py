@@ -111,7 +111,7 @@ def run_job(args, folder: Path) -> None:
     for generator in (plain, cached):
         run_requests(generator, warm, work / f"warm-{id(generator)}.jsonl", budget=args.budget, progress=False)
         if generator.runner.prefix is not None:  # what the warm-up job stored is forgotten
-            from generation.prefix import enable_prefix_cache
+            from generation.run.prefix_pool import enable_prefix_cache
             enable_prefix_cache(generator, args.prefix_cache)
     times, outputs = {}, {}
     for name, generator in (("no cache", plain), ("prefix cache", cached)):

@@ -69,7 +69,7 @@ def bloom_sized_copy(folder: Path) -> Path:
 def step(args) -> None:
     from bench.generate_bench import checkpoint_folder
     from generation.generator import Generator
-    from generation.structured import grammar_from_fields
+    from generation.request.grammar import grammar_from_fields
 
     folder = bloom_sized_copy(checkpoint_folder(args.config, torch.float32 if args.dtype == "fp32" else torch.bfloat16))
     generator = Generator.from_pretrained(folder, dtype=args.dtype)

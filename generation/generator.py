@@ -27,20 +27,20 @@ from bloom_hpu.quantize import quantize as quantize_weights
 from bloom_hpu.tp import Parallel, SINGLE
 from bloom_hpu.runtime.steps import StepRunner
 
-from .batch import Batch, BloomTokenizer, make_batch  # noqa: F401 (BloomTokenizer: re-exported)
-from .options import GenerationOptions, OptionError, build_options
-from .prefix import cached_counts, enable_prefix_cache, parse_size, store_generated
-from .progress import Progress
-from .results import BatchStats, GenerationResult, Sequence, make_sequence
+from .run.batch import Batch, BloomTokenizer, make_batch  # noqa: F401 (BloomTokenizer: re-exported)
+from .request.options import GenerationOptions, OptionError, build_options
+from .run.prefix_pool import cached_counts, enable_prefix_cache, parse_size, store_generated
+from .run.progress import Progress
+from .run.results import BatchStats, GenerationResult, Sequence, make_sequence
 from .search.beam import beam_search
 from .search.choose import GrammarSteps, chooser
 from .search.processors import LogitsProcessors
 from .search.sampling import UniformKernel, checked_uniform_kernel, repeat_rows, row_keys, sampling_seeds
 from .search.stopping import StopChecker, stops_per_prompt
 from .search.token_loop import FINISH_REASONS, LoopHooks, run_token_loop
-from .structured import FIELDS as GRAMMAR_FIELDS, Grammar, GrammarRows, for_tokenizer, grammar_from_fields
-from .structured import options_grammar
-from .validate import (check_against_model, check_call, check_checkpoint, check_dtype, check_memory,
+from .request.grammar import FIELDS as GRAMMAR_FIELDS, Grammar, GrammarRows, for_tokenizer, grammar_from_fields
+from .request.grammar import options_grammar
+from .request.validate import (check_against_model, check_call, check_checkpoint, check_dtype, check_memory,
                        load_tokenizer, rows_per_prompt)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -105,7 +105,7 @@ class Generator:
         dequantized weight with the activations as they are.
         ``prefix_cache``: the size of the prefix cache's pool (bytes, or a string such as "1GB";
         None or 0: none): the keys and values of prompt prefixes seen before are copied instead
-        of computed (``generation/prefix.py``)."""
+        of computed (``generation/run/prefix_pool.py``)."""
         parse_size(prefix_cache)  # a bad size is named before anything is loaded
         if quantize is not None and quantize not in QUANTIZE_MODES:
             raise QuantizeError(f"unknown quantization {quantize!r}: choose {', '.join(QUANTIZE_MODES)}")
@@ -183,14 +183,14 @@ class Generator:
                  grammar_each: list[Grammar | None] | None = None, **kwargs):
         """Continue each prompt; returns one ``GenerationResult`` per prompt, in order.
 
-        Keyword arguments are generation options (see ``generation.options.OPTIONS``), e.g.
+        Keyword arguments are generation options (see ``generation.request.options.OPTIONS``), e.g.
         ``generate(["Hello"], max_length=32, ignore_eos=False)``. All prompts run as one batch.
         ``stop``: a string or list of strings (or one list per prompt) that ends a sequence; the
         text excludes it and the finish reason is "stop". ``logprobs``: fill each sequence's
-        ``token_logprobs`` (the model's log-probabilities, see ``generation/logprobs.py``).
+        ``token_logprobs`` (the model's log-probabilities, see ``generation/run/logprobs.py``).
         ``on_step(tokens [B], done [B])``: called with device tensors after each token of greedy
-        search or sampling (streaming, see ``generation/streaming.py``). ``progress``: steps done on
-        stderr (``generation/progress.py``) once the call has taken a few seconds. ``max_new_tokens_each``: a
+        search or sampling (streaming, see ``generation/run/streaming.py``). ``progress``: steps done on
+        stderr (``generation/run/progress.py``) once the call has taken a few seconds. ``max_new_tokens_each``: a
         budget of new tokens per prompt, under ``max_new_tokens`` (one batch for requests that want
         different lengths: each row stops at its own; the batch runs to the largest). ``seed_each``: a
         sampling seed per prompt (None: the options' seed), for one batch of requests with different
@@ -217,7 +217,7 @@ class Generator:
             hooks = LoopHooks(on_step=on_step, stop_check=checker, tick=(lambda: bar.update(1)) if progress else None)
             sequences = self._search(batch, opts, stops, hooks, seed_each, self.grammar_rows(grammar_each, opts))
         if logprobs:
-            from .logprobs import fill_token_logprobs
+            from .run.logprobs import fill_token_logprobs
 
             fill_token_logprobs(self, batch, sequences)
         self.backend.synchronize()
@@ -329,8 +329,8 @@ class Generator:
                **kwargs):
         """Iterate over text pieces of one prompt's continuation as they are generated; the pieces
         join to ``generate(prompt, ...)[0].text``. ``on_result(GenerationResult)`` is called with
-        the finished result (to save it). See ``generation/streaming.py``."""
-        from .streaming import stream_text
+        the finished result (to save it). See ``generation/run/streaming.py``."""
+        from .run.streaming import stream_text
 
         if not isinstance(prompt, str):
             raise TypeError(f"stream takes one prompt (a string), got {type(prompt).__name__}")

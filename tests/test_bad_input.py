@@ -15,8 +15,8 @@ from bloom_hpu.checkpoint import CheckpointError
 from generation.generator import Generator
 from generation.jobs import runner
 from generation.jobs.runner import run_requests
-from generation.memory import MemoryCheckError
-from generation.options import OptionError
+from generation.request.memory import MemoryCheckError
+from generation.request.options import OptionError
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "checkpoints" / "bloom-tiny"  # vocabulary of 2048, 4 heads
@@ -78,7 +78,7 @@ def test_bad_command_lines_get_one_clear_line(tmp_path, capsys, argv, message):
 def test_the_memory_refusal_names_the_numbers(capsys, monkeypatch):
     # As on a machine with 4 GiB free, whatever this one has: 10 million slots of the tiny model's
     # cache need ~30 GiB.
-    monkeypatch.setattr("generation.memory.free_bytes", lambda device: 4 << 30)
+    monkeypatch.setattr("generation.request.memory.free_bytes", lambda device: 4 << 30)
     _, line = cli(["--max_length", "10000000", "Hello"], capsys)
     assert "GiB" in line and "4.0 GiB is free" in line and "lower" in line
 

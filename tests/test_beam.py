@@ -111,8 +111,8 @@ def test_beam_results_do_not_depend_on_the_shape_recipe(eos_generator, shapes):
 def test_beam_loop_stays_on_device(eos_generator, monkeypatch):
     """No host round-trip per token: the loop reads a device value only in its batched done-check
     (every EOS_CHECK_EVERY steps), and runs one prefill and one decode shape for mixed lengths."""
-    from generation.batch import make_batch
-    from generation.options import build_options
+    from generation.run.batch import make_batch
+    from generation.request.options import build_options
 
     opts = build_options(max_length=MAX_LENGTH, num_beams=4, ignore_eos=False, early_stopping=True)
     batch = make_batch(eos_generator.tokenizer, PROMPTS, opts, eos_generator.device)

@@ -11,8 +11,8 @@ import transformers
 
 import bloom
 from generation.generator import Generator
-from generation.options import build_options
-from generation.warmup import chunk_sizes, step_shapes, warm_up
+from generation.request.options import build_options
+from generation.run.warmup import chunk_sizes, step_shapes, warm_up
 
 PROMPTS = [
     "a",

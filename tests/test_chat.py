@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import bloom
 from generation.chat.settings import Settings, SettingError, chat_options
 from generation.chat.turns import BOT, HUMAN, Conversation, MarkerFormat, TemplateFormat, TurnTooLong, turn_format
-from generation.options import OptionError
+from generation.request.options import OptionError
 
 ROOT = Path(__file__).resolve().parent.parent
 RANDOM = dict(hidden_size=64, n_layer=2, n_head=4, seed=7)
@@ -155,7 +155,7 @@ def make_marker_checkpoint(folder: Path, reply: str = " Hi there") -> Path:
     ``reply`` after the ``:`` of ``<bot>:``, then the turn marker, then the reply again."""
     from safetensors.torch import load_file, save_file
 
-    from generation.batch import BloomTokenizer
+    from generation.run.batch import BloomTokenizer
     from utils.random_checkpoint import make_random_checkpoint
 
     folder = make_random_checkpoint(folder, hidden_size=128, n_layer=1, n_head=4, seed=3)
@@ -191,7 +191,7 @@ def reference_reply(folder: Path, prompt: str, max_new_tokens: int, eos: bool = 
     """transformers' greedy continuation of ``prompt``, cut at the first turn marker, as shown."""
     from transformers import BloomForCausalLM
 
-    from generation.batch import BloomTokenizer
+    from generation.run.batch import BloomTokenizer
 
     tokenizer = BloomTokenizer(folder)
     hf = BloomForCausalLM.from_pretrained(folder).eval()

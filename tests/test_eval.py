@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import bloom
-from generation.batch import InputError
+from generation.run.batch import InputError
 from generation.jobs.evaluate import evaluate, read_passages, split_last_word
 
 CONTEXTS = ["The cat sat on the mat and", "Hello world, my friend", "She walked into the", "A long time ago in",

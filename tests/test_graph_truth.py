@@ -216,7 +216,7 @@ def assert_same(ours, theirs, path="") -> None:
 def test_engine_mixed_load_lora_rows_and_cancellation(graph_stand_in, checkpoint, tmp_path, weights):
     from lora_adapters import make_adapter
 
-    from generation.requests import parse_request
+    from generation.request.parse import parse_request
     from generation.serving.engine import Engine, EngineConfig
     from generation.serving.params import SamplingParams
 

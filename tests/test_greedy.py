@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from generation.batch import InputError
+from generation.run.batch import InputError
 from generation.generator import Generator
 from utils.random_checkpoint import make_random_checkpoint
 

@@ -24,10 +24,10 @@ from bloom_hpu.loading import load_model
 from bloom_hpu.runtime import backends, hpu_env
 from bloom_hpu.runtime.backends import Backend, DeviceError, HpuBackend
 from bloom_hpu.runtime.steps import DecodeStep, PrefillStep, StepRunner
-from generation.batch import BloomTokenizer
+from generation.run.batch import BloomTokenizer
 from generation.generator import Generator
-from generation.options import GenerationOptions
-from generation.warmup import warm_up
+from generation.request.options import GenerationOptions
+from generation.run.warmup import warm_up
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["Hi", "It was the best of times", "a b c d e f g h i j k", "Hello there, how are you?", "The"]

@@ -3,8 +3,8 @@ size of the server's functions, and the one range check of each request field.
 
 ``generation/`` is a library with applications over it:
 
-- the library: the top-level modules (``options``, ``requests``, ``answers``, ``generator``...)
-  and ``search/``, the loops they run;
+- the library: ``generator``, ``request/`` (options, one request, grammars, checks), ``run/``
+  (one batch: padding, results, log-probs, the prefix pool) and ``search/``, the loops they run;
 - the applications: ``jobs/`` (request files, evaluation), ``serving/`` (engine and HTTP) and
   ``chat/`` (the shell).
 
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from generation.options import GenerationOptions, OptionError
-from generation.requests import RequestError, parse_request
+from generation.request.options import GenerationOptions, OptionError
+from generation.request.parse import RequestError, parse_request
 from generation.serving.openai_format import ApiError, parse_chat, parse_completion
 from generation.serving.schema import ChatBody, CompletionBody
 
@@ -64,9 +64,9 @@ def test_the_import_resolver_sees_relative_and_lazy_imports():
     # (a check of the checker: a rule it cannot see is a rule we have not checked)
     serving_app = PACKAGE / "serving" / "routes.py"
     targets = {t for _, t in imported(serving_app)}
-    assert ("generation", "serving", "answer") in targets and ("generation", "logprobs") in targets
+    assert ("generation", "serving", "in_flight") in targets and ("generation", "run", "logprobs") in targets
     rows = PACKAGE / "serving" / "device_rows.py"
-    assert ("generation", "answers") in {t for _, t in imported(rows)}  # a lazy import inside a method
+    assert ("generation", "run", "request_batch") in {t for _, t in imported(rows)}  # a lazy import inside a method
 
 
 def test_nothing_imports_upward_and_no_application_imports_another():

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from generation.logprobs import TokenText, offsets_of, score_rows
+from generation.run.logprobs import TokenText, offsets_of, score_rows
 
 PROMPTS = ["Hello world", "The cat sat on the mat and then", "A"]
 

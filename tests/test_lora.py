@@ -221,7 +221,7 @@ def test_cli_merges_the_adapter(base, adapters, capsys):
     captured = capsys.readouterr()
     assert "LoRA adapter" in captured.err and "merged" in captured.err
     reference = peft_reference(base, folder)
-    from generation.batch import BloomTokenizer  # noqa: F401 (the CLI's tokenizer: same file)
+    from generation.run.batch import BloomTokenizer  # noqa: F401 (the CLI's tokenizer: same file)
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(base / "tokenizer.json"))

@@ -156,7 +156,7 @@ def test_per_row_steps_equal_each_adapter_merged(folders, dtype, cpu_path):
     """The model's steps directly (no engine): row k of one prefill and one decode uses adapter k,
     on each CPU path (kernels, plain PyTorch; bf16: where the MLP's GELU was fused into the product)."""
     from bloom_hpu.runtime.cpu import CpuOptions
-    from generation.batch import make_batch
+    from generation.run.batch import make_batch
 
     base, adapters = folders
     served = Generator.from_pretrained(base, device="cpu", dtype=dtype, lora=adapters, cpu=CpuOptions(path=cpu_path))

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from generation.options import OPTIONS, GenerationOptions, OptionError, build_options, options_help, parse_options
-from generation.vanilla import VanillaGenerator
+from generation.request.options import OPTIONS, GenerationOptions, OptionError, build_options, options_help, parse_options
+from generation.run.vanilla import VanillaGenerator
 
 ROOT = Path(__file__).resolve().parent.parent
 

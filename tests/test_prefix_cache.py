@@ -1,4 +1,4 @@
-"""The prefix cache (bloom_hpu/prefix_cache.py, bloom_hpu/runtime/prefixed.py, generation/prefix.py):
+"""The prefix cache (bloom_hpu/prefix_cache.py, bloom_hpu/runtime/prefixed.py, generation/run/prefix_pool.py):
 with it, prompts that share whole blocks with earlier ones (or with each other) copy their keys and
 values instead of computing them, and every result is transformers' on the same weights: greedy
 tokens, beams and log-probs (fp32, 1e-5); seeded samples those of the same generator without it.
@@ -15,7 +15,7 @@ import transformers
 from bloom_hpu.prefix_cache import PrefixCache
 from dequantized import write_dequantized
 from generation.generator import Generator
-from generation.prefix import PrefixCacheError, parse_size
+from generation.run.prefix_pool import PrefixCacheError, parse_size
 from utils.random_checkpoint import make_random_checkpoint
 
 SHARED = "Question: what comes after one? Answer: two. Question: and after two? Answer: three. " * 3
@@ -84,7 +84,7 @@ def test_partial_block_matches_and_prompts_past_their_last_block(folder, referen
 def test_eviction_under_a_tiny_pool_keeps_results_exact(folder, reference):
     generator = Generator.from_pretrained(folder, prefix_cache=0)
     per_block = generator.model.config.n_layer * 2 * generator.model.config.hidden_size * 32 * 4
-    from generation.prefix import enable_prefix_cache
+    from generation.run.prefix_pool import enable_prefix_cache
 
     pool = enable_prefix_cache(generator, 3 * per_block)  # three blocks
     assert pool.capacity == 3

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from generation.generator import Generator
-from generation.warmup import warm_up
+from generation.run.warmup import warm_up
 
 SHARED = "Question: what comes after one? Answer: two. Question: and after two? Answer: three. " * 2
 LOADS = [[SHARED + "Question: after three?", SHARED + "Q"], [SHARED + "And before one?"],

@@ -12,7 +12,7 @@ from transformers import GenerationConfig
 from transformers.generation import logits_process as hf
 
 from generation.search import processors as ours
-from generation.options import build_options
+from generation.request.options import build_options
 from generation.search.processors import LogitsProcessors
 from generation.search.state import LoopState
 

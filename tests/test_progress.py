@@ -1,4 +1,4 @@
-"""Progress on stderr (generation/progress.py): tqdm's live bar on a terminal, plain occasional lines
+"""Progress on stderr (generation/run/progress.py): tqdm's live bar on a terminal, plain occasional lines
 anywhere else, nothing when turned off; and the CLI's evaluation and warm-up through it."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import io
 import json
 
 import bloom
-from generation import progress
-from generation.progress import Progress
+from generation.run import progress
+from generation.run.progress import Progress
 
 
 class Terminal(io.StringIO):
@@ -75,7 +75,7 @@ def test_a_long_generate_call_counts_its_steps_on_stderr(tiny_checkpoint, capsys
     """What the CLI passes for every batch (progress=True): a call that runs for a while counts its
     steps on stderr (plain lines here, where stderr is not a terminal; every LINE_EVERY seconds, cut
     short for the test); a quick one prints nothing."""
-    import generation.progress as progress
+    import generation.run.progress as progress
     from generation.generator import Generator
 
     generator = Generator.from_pretrained(tiny_checkpoint)

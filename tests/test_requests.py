@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import bloom
-from generation.jobs.batches import plan_batches
-from generation.logprobs import TokenText
-from generation.requests import RequestError, parse_request
+from generation.jobs.grouping import plan_batches
+from generation.run.logprobs import TokenText
+from generation.request.parse import RequestError, parse_request
 
 P0, P1, P2 = "Hello world", "The cat sat on the mat and then", "A dog"
 
@@ -246,7 +246,7 @@ def test_batches_of_a_group_share_one_static_shape(scoring_setup, tmp_path):
 
 def test_a_request_job_with_stderr_not_a_terminal_prints_plain_progress_lines(scoring_setup, tmp_path, capsys,
                                                                             monkeypatch):
-    from generation import progress
+    from generation.run import progress
 
     monkeypatch.setattr(progress, "LINE_EVERY", 0.0)  # a line after every batch instead of every 30 s
     folder = scoring_setup[0]
@@ -324,7 +324,7 @@ def test_requests_of_different_lengths_share_a_batch_and_stop_at_their_own(scori
 
 
 def test_a_budget_per_prompt_must_fit_the_prompts(scoring_setup):
-    from generation.batch import InputError
+    from generation.run.batch import InputError
 
     _, gen, _ = scoring_setup
     with pytest.raises(InputError, match="one budget of at least 1 per prompt"):
@@ -360,7 +360,7 @@ def test_requests_with_different_seeds_share_a_batch_and_sample_as_alone(scoring
 
 
 def test_seed_each_is_checked_and_seeds_each_prompt(scoring_setup):
-    from generation.batch import InputError
+    from generation.run.batch import InputError
 
     _, gen, _ = scoring_setup
     options = dict(max_new_tokens=6, do_sample=True, temperature=1.5)

@@ -118,7 +118,7 @@ def test_ignore_eos_when_sampling_draws_on_past_eos(generator, engine):
 
 def test_min_new_tokens_in_the_engine(generator, engine, eos_reference, hf_tokenizer):
     """min_tokens reaches the engine as the batch runner's min_new_tokens (its offline path)."""
-    from generation.requests import parse_request
+    from generation.request.parse import parse_request
 
     tok = generator.tokenizer
     requests = [parse_request(json.dumps({"prompt": p, "max_tokens": NEW, "min_new_tokens": k, "temperature": 0}), i)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from generation.results import make_sequence
+from generation.run.results import make_sequence
 from generation.search.stopping import StopError, stops_per_prompt
 from generation.search.token_loop import EOS_CHECK_EVERY
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import bloom
-from generation.streaming import stream_text
+from generation.run.streaming import stream_text
 
 PROMPT = "The cat sat on the mat and then"
 
@@ -59,7 +59,7 @@ def test_cli_stream_prints_prompt_and_continuation(scoring_setup, capsys):
 def test_generate_streaming_on_the_calling_thread_and_its_cancel(scoring_setup):
     import threading
 
-    from generation.streaming import generate_streaming
+    from generation.run.streaming import generate_streaming
 
     _, gen, hf = scoring_setup
     want = hf_text(hf, gen.tokenizer, PROMPT, 40)

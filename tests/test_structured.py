@@ -1,4 +1,4 @@
-"""Structured output through the library's ``Generator.generate`` (``generation/structured.py``):
+"""Structured output through the library's ``Generator.generate`` (``generation/request/grammar.py``):
 answers that finish validate against their JSON schema (the ``jsonschema`` package) or regex;
 bounded schemas always finish; greedy tokens under a grammar equal transformers' ``generate`` with
 a logits processor made of llguidance's own matcher on the same weights; bad constraints are
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from generation.options import OptionError
-from generation.structured import GrammarError, grammar_from_fields
+from generation.request.options import OptionError
+from generation.request.grammar import GrammarError, grammar_from_fields
 
 # Bounded: every string, number and array has a limit, so an answer always ends within the budget.
 BOUNDED = [
@@ -92,7 +92,7 @@ def test_choice_and_grammar_and_response_format(generator):
 
 def test_rows_with_and_without_constraints_share_a_call(generator):
     """A constrained row beside unconstrained ones: each row gives what it gives alone."""
-    from generation.structured import Grammar
+    from generation.request.grammar import Grammar
 
     prompts = ["The record:", "Hello there", "Once upon"]
     grammar = grammar_from_fields(guided_json=BOUNDED[0])

@@ -5,7 +5,7 @@ and a second identical load captures no graph and (HPU) compiles no lazy graph: 
 
 from __future__ import annotations
 
-from generation.structured import grammar_from_fields
+from generation.request.grammar import grammar_from_fields
 from test_graph_truth import PROMPTS, Counts, checkpoint, eager, new_lazy_graphs, on_card, reference, sequences  # noqa: F401
 from test_structured import BOUNDED, REGEXES
 

@@ -163,7 +163,7 @@ def test_other_ranks_lines_are_prefixed():
 
 def _outputs(generator) -> dict:
     """Everything compared between the 2-rank run and one process (run identically in both)."""
-    from generation.batch import make_batch
+    from generation.run.batch import make_batch
 
     model, runner = generator.model, generator.runner
     batch = make_batch(generator.tokenizer, PROMPTS, generator.options(**GREEDY), generator.device)

@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from generation.batch import BloomTokenizer
+from generation.run.batch import BloomTokenizer
 from generation.search.text_ends import TextEnd, first_stop, safe_length, text_end
-from generation.streaming import _TokenWatcher
+from generation.run.streaming import _TokenWatcher
 
 EOS = 2
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..options import OPTIONS_BY_NAME, GenerationOptions, OptionError, build_options, coerce, parse_options
+from ..request.options import OPTIONS_BY_NAME, GenerationOptions, OptionError, build_options, coerce, parse_options
 
 CHAT_MAX_LENGTH = 1024
 CHAT_BUCKET_WIDTH = 128

@@ -20,7 +20,7 @@ import sys
 import threading
 from contextlib import contextmanager
 
-from ..streaming import generate_streaming
+from ..run.streaming import generate_streaming
 from .lines import line_source, use_line_editing
 from .settings import HYPERPARAMETERS, SettingError, Settings
 from .turns import BOT, HUMAN, Conversation, TurnTooLong, turn_format

@@ -30,9 +30,9 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..batch import InputError
-from ..logprobs import score_rows, static_length
-from ..progress import Progress
+from ..run.batch import InputError
+from ..run.logprobs import score_rows, static_length
+from ..run.progress import Progress
 from .files import read_user_file
 
 

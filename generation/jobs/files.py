@@ -19,7 +19,7 @@ import os
 import stat
 from pathlib import Path
 
-from ..batch import InputError
+from ..run.batch import InputError
 
 
 def read_user_file(path: str | Path, what: str) -> bytes:

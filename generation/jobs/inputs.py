@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..batch import InputError
+from ..run.batch import InputError
 from .files import read_user_file
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..results import GenerationResult
+from ..run.results import GenerationResult
 from .files import is_regular_or_new, replace_file
 
 

@@ -27,13 +27,13 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..batch import InputError
-from ..answers import RequestBatch, answer_batch
-from ..options import OptionError
-from ..progress import Progress, log
-from ..requests import Request, RequestError, batch_length, parse_request, request_key
-from ..validate import check_request
-from .batches import plan_batches
+from ..run.batch import InputError
+from ..run.request_batch import RequestBatch, answer_batch
+from ..request.options import OptionError
+from ..run.progress import Progress, log
+from ..request.parse import Request, RequestError, batch_length, parse_request, request_key
+from ..request.validate import check_request
+from .grouping import plan_batches
 from .files import check_distinct, disk_error, is_regular_or_new, lock_results, read_user_file
 
 DEFAULT_BUDGET = 8192  # tokens (rows x static length) per batch
@@ -140,7 +140,7 @@ def run_requests(generator, requests_path, results_path, *, errors_path=None, bu
                  progress: bool = True, write: bool = True) -> JobSummary:
     """Answer every request of ``requests_path`` not yet in ``results_path``; see the module doc.
 
-    ``progress``: show requests done, requests/s and tokens/s on stderr (``generation/progress.py``).
+    ``progress``: show requests done, requests/s and tokens/s on stderr (``generation/run/progress.py``).
     ``write=False``: tensor-parallel ranks other than 0 run the same batches (they read the same
     results file before rank 0 can append to it: the first batch needs every rank) but write
     nothing and show nothing."""

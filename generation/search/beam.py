@@ -28,7 +28,7 @@ import torch
 
 from bloom_hpu.runtime.steps import StepRunner, step_input
 
-from ..batch import Batch
+from ..run.batch import Batch
 from .sampling import UniformKernel, gumbel
 from .state import LoopState
 from .token_loop import EOS_CHECK_EVERY

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..structured import GrammarRows, allow
+from ..request.grammar import GrammarRows, allow
 from .processors import repetition_penalty, temperature, top_k, top_p
 from .sampling import UniformKernel, gumbel
 from .state import LoopState, TokenChooser

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from ..options import GenerationOptions
+from ..request.options import GenerationOptions
 from .state import LoopState
 
 NEG_INF = float("-inf")

@@ -69,7 +69,7 @@ def safe_length(text: str, stops: list[str], finished: bool = False) -> int:
 
 class IncrementalText:
     """One row's text as its tokens arrive, and how much of it may be given out so far: the one
-    incremental detokenizer of streaming (``generation/streaming.py``) and the server's engine.
+    incremental detokenizer of streaming (``generation/run/streaming.py``) and the server's engine.
 
     Tokens are decoded byte by byte (a UTF-8 character may span tokens); ``take()`` hands out the
     text past what was given, held back where a stop string could still begin (``safe_length``).

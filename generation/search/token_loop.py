@@ -17,7 +17,7 @@ import torch
 
 from bloom_hpu.runtime.steps import StepRunner, step_input
 
-from ..batch import Batch
+from ..run.batch import Batch
 from .state import LoopState, TokenChooser
 
 EOS_CHECK_EVERY = 8

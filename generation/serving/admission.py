@@ -36,7 +36,7 @@ import torch
 
 from bloom_hpu.runtime.transfer import host_to_device
 
-from ..logprobs import TokenText
+from ..run.logprobs import TokenText
 from ..search.sampling import resolve_seed, row_keys
 from ..search.text_ends import IncrementalText
 from .device_rows import DeviceRows

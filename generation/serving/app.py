@@ -1,7 +1,7 @@
 """The HTTP layer: OpenAI's completions and chat endpoints over the engine (FastAPI + uvicorn).
 
 Thin on purpose, in rooms of one job each: ``routes.py`` reads a body, has it checked
-(``openai_format`` over the request core, ``generation/requests.py``) and hands its prompts to the
+(``openai_format`` over the request core, ``generation/request/parse.py``) and hands its prompts to the
 engine (``answer.py``); ``collect.py`` turns the engine's events into one JSON answer and
 ``stream.py`` into server-sent events (their shapes: ``responses.py``); ``errors.py`` answers
 errors in OpenAI's shape and ``middleware.py`` checks the API key. A client that goes away cancels

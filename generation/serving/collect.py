@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..logprobs import TokenText
-from .answer import Answer
+from ..run.logprobs import TokenText
+from .in_flight import Answer
 from .openai_format import ApiError
-from .responses import (OPENAI_FINISH, add_usage, chat_choice, chat_logprobs, completion_logprobs, envelope, new_id,
+from .response_bodies import (OPENAI_FINISH, add_usage, chat_choice, chat_logprobs, completion_logprobs, envelope, new_id,
                         zero_usage)
 
 POLL_S = 0.25  # how often a waiting request looks whether its client is still there

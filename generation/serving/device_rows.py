@@ -19,7 +19,7 @@ own shard, with the collectives inside the steps pairing up.
   ``caches[b]`` (``StaticBloom.mixed``): up to ``prefill_chunk`` tokens per step in *segments* of a
   fixed length (``chunk_shape``), each segment a piece of one prompt, so several short prompts (or
   several pieces of a long one) join in one step and the running rows never wait for a prefill.
-* **The prefix cache** (the generator's pool, when it has one: ``generation/prefix.py``): a
+* **The prefix cache** (the generator's pool, when it has one: ``generation/run/prefix_pool.py``): a
   prefill copies what the pool holds of its prompts (``runtime/prefixed.py``); a joining prompt's
   held blocks are copied into its row before its first segment (``copy_prefix``), and a row's
   blocks are stored once its prompt is in place and when it ends (``store_prefix``). The pool's
@@ -38,7 +38,7 @@ from bloom_hpu.runtime.backends import HPU_MAX_GRAPHS
 from bloom_hpu.runtime.prefixed import cacheable, rest_buckets
 from bloom_hpu.runtime.transfer import host_to_device
 
-from ..batch import round_up
+from ..run.batch import round_up
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -103,7 +103,7 @@ class DeviceRows:
 
     def _check_memory(self, model) -> None:
         """Refuse, before allocating, caches that cannot fit (every bucket's, allocated at once)."""
-        from ..validate import check_memory
+        from ..request.validate import check_memory
 
         rows = sum(self.batch_sizes) + sum(self.prefill_sizes)
         backend = self.runner.backend
@@ -305,7 +305,7 @@ class DeviceRows:
                        adapter: int = 0) -> tuple[list[dict], int]:
         """Beams, best_of, echo with log-probs...: one request through ``Generator.generate``
         (answers.answer_batch), in the generator's own shapes, every row with LoRA ``adapter``."""
-        from ..answers import RequestBatch, answer_batch
+        from ..run.request_batch import RequestBatch, answer_batch
 
         with self._adapter_only(adapter):
             return answer_batch(self.generator, RequestBatch([request], [lengths], length, budget=budget))

@@ -43,9 +43,9 @@ import torch
 
 from bloom_hpu.runtime.transfer import host_to_device
 
-from ..logprobs import TokenText
+from ..run.logprobs import TokenText
 from ..search.choose import RowFlags, choose_rows
-from ..structured import GrammarError, RowGrammar, for_tokenizer, mask_words
+from ..request.grammar import GrammarError, RowGrammar, for_tokenizer, mask_words
 from .admission import Admission
 from .device_rows import DeviceRows
 from .handles import EngineError, QueueFull, RequestHandle, Row
@@ -332,7 +332,7 @@ class Engine:
         self.generator.backend.mark_step()
 
     def _answer_offline(self, handle: RequestHandle) -> None:
-        from ..requests import batch_length
+        from ..request.parse import batch_length
 
         request = handle.offline
         lengths = [len(ids) for ids in self.tokenizer.encode_batch(request.prompts)]

@@ -1,7 +1,7 @@
 """The OpenAI API's request side, without HTTP: bodies -> checked requests, errors ->
 ``{"error": {...}}`` (the answers' shapes: ``responses.py``).
 
-A body's fields are checked by the request core (``generation/requests.py``), the one parser of
+A body's fields are checked by the request core (``generation/request/parse.py``), the one parser of
 request files and the server, so a field means the same in both. Here is only what the server alone
 deals with: the model a body names, ``stream`` and ``stream_options``, vLLM's extensions, prompts
 given as token ids, the chat template, and what the engine can run.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..requests import Request, RequestError, from_body, from_chat
+from ..request.parse import Request, RequestError, from_body, from_chat
 
 # The default turn format when the tokenizer has no chat template: one "Role: content" line per
 # message, then "Assistant:"; generation stops where the model starts the next turn.

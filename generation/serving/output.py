@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from ..results import make_sequence
+from ..run.results import make_sequence
 from .handles import Row
 from .params import Event, TokenLogprob
 from .slots import Slots

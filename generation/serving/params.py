@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..requests import Request
+from ..request.parse import Request
 
 
 @dataclass

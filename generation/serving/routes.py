@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
-from ..logprobs import TokenText
-from .answer import Answer
+from ..run.logprobs import TokenText
+from .in_flight import Answer
 from .collect import collect
 from .errors import ERROR_RESPONSES
 from .loop_handoff import Mailbox

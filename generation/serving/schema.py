@@ -2,7 +2,7 @@
 
 FastAPI checks a body's types against these before our code runs (a wrong type, a missing prompt,
 an unknown key: a 400 naming the field, see ``errors.py``); the values are then checked by the
-request core (``generation/requests.py``), which gets the body as the client sent it
+request core (``generation/request/parse.py``), which gets the body as the client sent it
 (``model_dump(exclude_unset=True)``). The ranges documented here (JSON schema's ``minimum``...)
 are read from the core's, so what clients and fuzzers read is what the core accepts; these models
 check no range themselves. Types are strict: a number is not accepted as a string, nor the other
@@ -20,7 +20,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WithJsonSchema
 
-from ..requests import documented_range
+from ..request.parse import documented_range
 
 Number = float  # strict mode: an int or a float, never a string
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..logprobs import TokenText
-from .answer import Answer
+from ..run.logprobs import TokenText
+from .in_flight import Answer
 from .openai_format import ApiError
-from .responses import (OPENAI_FINISH, add_usage, chat_choice, chat_logprobs, completion_logprobs, envelope, new_id,
+from .response_bodies import (OPENAI_FINISH, add_usage, chat_choice, chat_logprobs, completion_logprobs, envelope, new_id,
                         sse, zero_usage)
 
 

@@ -23,8 +23,8 @@ from typing import Iterator
 import torch
 
 from .logprobs import TokenText
-from .search.stopping import normalize_stops
-from .search.text_ends import IncrementalText, before_eos
+from ..search.stopping import normalize_stops
+from ..search.text_ends import IncrementalText, before_eos
 
 _DONE = object()
 

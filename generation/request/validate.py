@@ -5,7 +5,7 @@
 - ``check_against_model``: options that the model's vocabulary bounds (beams, top_k);
 - ``check_prompts``: every prompt before the first batch runs, numbered as the user numbers them;
 - ``check_memory``: the KV cache and step buffers a call would allocate, against what the device
-  has free (see ``generation/memory.py`` for the arithmetic);
+  has free (see ``generation/request/memory.py`` for the arithmetic);
 - ``check_request``: one request line against the model and the memory (a line that fails here
   gets an error record; the job goes on);
 - ``check_call``: argument types of the library's ``generate`` / ``stream``, named at the call.
@@ -22,10 +22,10 @@ import torch
 
 from bloom_hpu.checkpoint import CheckpointError, read_json_object
 
-from .batch import InputError
+from ..run.batch import InputError
 from .memory import MemoryCheckError, agreed_free_bytes, estimate_bytes, human
 from .options import GenerationOptions, OptionError, valid_seed
-from .requests import batch_length
+from .parse import batch_length
 
 # config.json fields: (type, smallest value). bool is refused where an int is wanted.
 _CONFIG_INTS = {"vocab_size": 1, "hidden_size": 1, "n_layer": 1, "n_head": 1,
@@ -74,7 +74,7 @@ def check_checkpoint(folder: str | Path) -> dict:
 
 def load_tokenizer(folder: str | Path, config):
     """The checkpoint's tokenizer; a broken tokenizer.json is a CheckpointError naming it."""
-    from .batch import BloomTokenizer
+    from ..run.batch import BloomTokenizer
 
     try:
         tokenizer = BloomTokenizer(folder, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id)

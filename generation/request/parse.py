@@ -22,11 +22,11 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from .batch import round_up
+from ..run.batch import round_up
 from .options import MAX_INT, OPTIONS_BY_NAME, GenerationOptions, OptionError, Range
 from .options import documented_range as option_range
-from .search.stopping import StopError, normalize_stops
-from .structured import FIELDS as STRUCTURED_KEYS, Grammar, GrammarError, grammar_from_fields
+from ..search.stopping import StopError, normalize_stops
+from .grammar import FIELDS as STRUCTURED_KEYS, Grammar, GrammarError, grammar_from_fields
 
 SHAPE_MULTIPLE = 32  # batch lengths (prompt + max_tokens) are padded to a multiple of this
 MAX_LOGPROBS = 5  # as OpenAI's completions endpoint

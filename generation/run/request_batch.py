@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 
 from .logprobs import RowScores, TokenText, clip_pieces, offsets_of, score_rows
-from .options import GenerationOptions
-from .requests import Request
+from ..request.options import GenerationOptions
+from ..request.parse import Request
 from .results import Sequence
 
 

@@ -3,8 +3,8 @@ under a token budget."""
 
 from __future__ import annotations
 
-from ..answers import RequestBatch
-from ..requests import Request, batch_length
+from ..run.request_batch import RequestBatch
+from ..request.parse import Request, batch_length
 
 
 def plan_batches(requests: list[Request], prompt_lengths: dict[int, list[int]], budget: int) -> list[RequestBatch]:

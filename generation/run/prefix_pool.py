@@ -13,7 +13,7 @@ import re
 
 from bloom_hpu.prefix_cache import DEFAULT_BLOCK, PrefixCache, block_bytes
 
-from .memory import MemoryCheckError, agreed_free_bytes, human
+from ..request.memory import MemoryCheckError, agreed_free_bytes, human
 
 DEFAULT_SIZE = "1GB"  # the CLI's, the server's and the chat shell's default; the library's is off
 UNITS = {"": 1 << 20, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "kib": 1 << 10, "mib": 1 << 20,

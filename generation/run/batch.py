@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from .options import GenerationOptions
+from ..request.options import GenerationOptions
 
 
 class InputError(ValueError):

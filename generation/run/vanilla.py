@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .batch import InputError
-from .options import GenerationOptions
+from ..request.options import GenerationOptions
 from .results import BatchStats, GenerationResult, make_sequence
 
 
@@ -25,7 +25,7 @@ class VanillaGenerator:
         transformers.logging.set_verbosity_error()
         self.folder = Path(folder)
         self.device = torch.device(device)
-        from .validate import check_checkpoint, load_tokenizer
+        from ..request.validate import check_checkpoint, load_tokenizer
 
         check_checkpoint(folder)
         self.model = transformers.BloomForCausalLM.from_pretrained(folder, torch_dtype=dtype).to(self.device).eval()
@@ -63,7 +63,7 @@ class VanillaGenerator:
     def check_fits(self, prompts: list[str], opts: GenerationOptions) -> None:
         """As ``Generator.check_fits``: transformers grows its cache to max_length, so a huge
         max_length would run for ever or take all the memory; refuse it first."""
-        from .validate import check_against_model, check_memory, rows_per_prompt
+        from ..request.validate import check_against_model, check_memory, rows_per_prompt
 
         check_against_model(opts, self.model.config.vocab_size)
         longest = max(len(ids) for ids in self.tokenizer.encode_batch(prompts)) if prompts else 1

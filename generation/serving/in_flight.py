@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 
-from ..options import OptionError
-from ..validate import check_against_model
+from ..request.options import OptionError
+from ..request.validate import check_against_model
 from .engine import EngineError, QueueFull
 from .loop_handoff import Mailbox, drain
 from .openai_format import ApiError, Completion, bad_request

@@ -28,7 +28,7 @@ from bloom_hpu.runtime.prefixed import rest_buckets
 from bloom_hpu.runtime.steps import step_input
 
 from .batch import plan_shapes
-from .options import GenerationOptions
+from ..request.options import GenerationOptions
 from .progress import Progress
 
 

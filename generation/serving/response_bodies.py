@@ -6,7 +6,7 @@ import json
 import time
 import uuid
 
-from ..logprobs import TokenText, clip_pieces, offsets_of
+from ..run.logprobs import TokenText, clip_pieces, offsets_of
 
 OPENAI_FINISH = {"length": "length", "eos": "stop", "stop": "stop"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .search.text_ends import text_end
+from ..search.text_ends import text_end
 
 
 @dataclass
