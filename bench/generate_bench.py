@@ -264,37 +264,54 @@ def transformers_variant(folder: Path, args, prompts, device) -> Variant:
     return Variant("transformers", lambda n: hf.generate(prompts, opts.updated(max_new_tokens=n)))
 
 
-def measure(variants: list[Variant], args, device) -> tuple[list[Row], list[float]]:
+def time_variants(variants: list[Variant], *, warmup: int, repeats: int, new_tokens: int, device,
+                  each_round: Callable[[], None] = lambda: None) -> tuple[dict, dict]:
     """Warm every variant up, then time TTFT and full requests of each, round-robin: repeat r of
     every variant runs before repeat r+1 of any, so a drift in the machine's load (this shared CPU
     moved by 30% within minutes) hits every variant alike and the ratios hold; the order rotates
-    from round to round. Medians are kept.
-    Each round also measures the read bandwidth (best of 3), for a floor taken under the same
-    conditions as the requests: returns (rows, bandwidth of each round in bytes/s)."""
+    from round to round. ``each_round`` runs at the start of every round. Returns ({name: TTFT
+    seconds of each round}, {name: full-request seconds of each round}); also what
+    utils/profile_configs.py times each configuration with."""
     for variant in variants:
         log(f"warming up {variant.name} ...")
-        for _ in range(args.warmup):
+        for _ in range(warmup):
             variant.generate(1)
-            variant.generate(args.new_tokens)
+            variant.generate(new_tokens)
     ttft = {v.name: [] for v in variants}
     full = {v.name: [] for v in variants}
-    bandwidths = []
-    for repeat in range(args.repeats):
-        log(f"timed round {repeat + 1}/{args.repeats}")
-        bandwidths.append(read_bandwidth(device, args.bandwidth_mb, repeats=3))
+    for repeat in range(repeats):
+        log(f"timed round {repeat + 1}/{repeats}")
+        each_round()
         # Each round starts with the next variant, so none always runs first (after the bandwidth pass).
         for v in variants[repeat % len(variants):] + variants[: repeat % len(variants)]:
             ttft[v.name].append(timed(lambda: v.generate(1), device))
-            full[v.name].append(timed(lambda: v.generate(args.new_tokens), device))
+            full[v.name].append(timed(lambda: v.generate(new_tokens), device))
+    return ttft, full
+
+
+def timing_row(name: str, ttft: list[float], full: list[float], batch_size: int, new_tokens: int) -> Row:
+    """Medians of a variant's timings (seconds) as a row: TTFT, decode ms/token = (full - TTFT) /
+    (new_tokens - 1), tokens/s = the tokens the request returns (beams: the returned sequences) / full."""
+    row = Row(name, runs_ms=[round(t * 1e3, 2) for t in full])
+    row.ttft_ms = statistics.median(ttft) * 1e3
+    full_s = statistics.median(full)
+    if new_tokens > 1:
+        row.decode_ms_per_token = max(full_s * 1e3 - row.ttft_ms, 0.0) / (new_tokens - 1)
+    row.tokens_per_s = batch_size * new_tokens / full_s
+    return row
+
+
+def measure(variants: list[Variant], args, device) -> tuple[list[Row], list[float]]:
+    """``time_variants`` over ``variants``, with the read bandwidth (best of 3) measured at the
+    start of each round, for a floor taken under the same conditions as the requests, and the
+    peak memory of one more request of each: returns (rows, bandwidth of each round in bytes/s)."""
+    bandwidths = []
+    ttft, full = time_variants(variants, warmup=args.warmup, repeats=args.repeats, new_tokens=args.new_tokens,
+                               device=device,
+                               each_round=lambda: bandwidths.append(read_bandwidth(device, args.bandwidth_mb, repeats=3)))
     rows = []
     for v in variants:
-        row = Row(v.name, runs_ms=[round(t * 1e3, 2) for t in full[v.name]])
-        row.ttft_ms = statistics.median(ttft[v.name]) * 1e3
-        full_s = statistics.median(full[v.name])
-        if args.new_tokens > 1:
-            row.decode_ms_per_token = max(full_s * 1e3 - row.ttft_ms, 0.0) / (args.new_tokens - 1)
-        # Tokens the request returns per second; beams count the returned sequences only.
-        row.tokens_per_s = args.batch_size * args.new_tokens / full_s
+        row = timing_row(v.name, ttft[v.name], full[v.name], args.batch_size, args.new_tokens)
         row.peak_mb = peak_memory(lambda: v.generate(args.new_tokens), device) / 2**20
         v.describe(row)
         rows.append(row)

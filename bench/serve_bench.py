@@ -120,13 +120,21 @@ def start_uvicorn(app, port: int):
     return server, thread
 
 
-def ours(generator, args):
-    from generation.serving.app import make_app
-    from generation.serving.engine import Engine, EngineConfig
+def engine_config(args):
+    from generation.serving.engine import EngineConfig
 
-    engine = Engine(generator, EngineConfig(max_batch=args.max_batch, max_length=args.max_length,
-                                            bucket_width=args.bucket_width, max_prefill=args.max_prefill,
-                                            prefill_chunk=args.prefill_chunk, burst_wait_ms=args.burst_wait_ms))
+    return EngineConfig(max_batch=args.max_batch, max_length=args.max_length, bucket_width=args.bucket_width,
+                        max_prefill=args.max_prefill, prefill_chunk=args.prefill_chunk,
+                        burst_wait_ms=args.burst_wait_ms)
+
+
+def ours(generator, args, device_rows=None):
+    """Our engine behind the HTTP app on a free port, warmed up: (port, stop). ``device_rows``:
+    the engine's rows (tensor parallelism: rank 0's ``LeaderRows``; default: its own)."""
+    from generation.serving.app import make_app
+    from generation.serving.engine import Engine
+
+    engine = Engine(generator, engine_config(args), device_rows=device_rows)
     engine.start()
     engine.ready.wait()
     port = free_port()

@@ -51,9 +51,12 @@ def load_model(
     device: str | torch.device = "cpu",
     parallel: Parallel = SINGLE,
     adapter: LoraAdapter | None = None,
+    reader=None,
 ) -> tuple[StaticBloom, LoadReport]:
     """``adapter``: a LoRA adapter (``lora.read_adapter``) merged into the weights it targets, each
-    rank merging its own slice, in fp32 before the cast to ``dtype``."""
+    rank merging its own slice, in fp32 before the cast to ``dtype``. ``reader``: where the tensors
+    come from instead of the folder's weight files (the same methods as ``CheckpointReader``; the
+    profiler's random weights drawn in memory); config.json is still the folder's."""
     start = time.perf_counter()
     folder = Path(folder)
     config = BloomConfig.from_json(folder / "config.json")
@@ -69,7 +72,7 @@ def load_model(
         prepare_quantized(model, dtype, group_size=stored[1])
     state = {}
     checkpoint_bytes = 0
-    with CheckpointReader(folder) as reader:
+    with (reader if reader is not None else CheckpointReader(folder)) as reader:
         if quantized:
             checkpoint_bytes += _load_quantized(model, reader, device, group_size=stored[1])
         for name, param in model.named_parameters():

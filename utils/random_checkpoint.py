@@ -49,36 +49,54 @@ _OUT_GAIN = 2.0  # extra gain of the attention and MLP output projections
 _VOCAB_MULTIPLE = 128  # BLOOM pads its vocabulary to a multiple of 128 (250680 -> 250880)
 
 
+# The products' shapes in multiples of hidden_size: (out, in).
+_LINEAR = {"query_key_value": (3, 1), "dense": (1, 1), "dense_h_to_4h": (4, 1), "dense_4h_to_h": (1, 4)}
+
+
+def tensor_shape(name: str, config: BloomConfig) -> tuple[int, ...]:
+    """The shape of weight ``name`` (a normalized BLOOM name) in a model of ``config``."""
+    h = config.hidden_size
+    module, kind = name.rsplit(".", 1)
+    if name == "word_embeddings.weight":
+        return config.vocab_size, h
+    if module.endswith(("layernorm", "ln_f")):
+        return (h,)
+    n_out, n_in = _LINEAR[module.rsplit(".", 1)[1]]
+    return (n_out * h,) if kind == "bias" else (n_out * h, n_in * h)
+
+
+def random_tensor(name: str, config: BloomConfig, *, live_vocab: int, weight_scale: float,
+                  gen: torch.Generator, rows: slice | None = None) -> torch.Tensor:
+    """One float32 weight of the recipe (see the module docstring), drawn from ``gen``; ``rows``:
+    only these rows of it (the first dimension), drawn as if they were the whole tensor.
+
+    ``random_weights`` draws every tensor from one generator in ``expected_names`` order; the
+    profiler (utils/profiling/random_model.py) draws blocks of rows, each from a generator of its own."""
+    module, kind = name.rsplit(".", 1)
+    shape = tensor_shape(name, config)
+    start, stop, _ = (0, shape[0], 1) if rows is None else rows.indices(shape[0])
+    if name == "word_embeddings.weight":
+        std = weight_scale / math.sqrt(config.hidden_size)
+    elif module.endswith(("layernorm", "ln_f")) or kind == "bias":
+        std = _NOISE
+    else:
+        gain = _OUT_GAIN if module.endswith(("self_attention.dense", "dense_4h_to_h")) else 1.0
+        std = gain / math.sqrt(shape[1])
+    tensor = torch.randn(stop - start, *shape[1:], generator=gen).mul_(std)  # in place: one pass less
+    if name == "word_embeddings.weight":
+        tensor[max(live_vocab - start, 0):] = 0  # padded vocabulary rows (see the docstring)
+    elif module.endswith(("layernorm", "ln_f")) and kind == "weight":
+        tensor = 1 + tensor
+        if module == "word_embeddings_layernorm":
+            tensor.neg_()  # no echo of the current token (see the docstring)
+    return tensor
+
+
 def random_weights(config: BloomConfig, *, live_vocab: int, seed: int, weight_scale: float) -> dict[str, torch.Tensor]:
     """Random float32 weights under the normalized BLOOM names, in `expected_names` order."""
     gen = torch.Generator().manual_seed(seed)
-    h = config.hidden_size
-
-    def normal(*shape, std):
-        return torch.randn(*shape, generator=gen) * std
-
-    def layer_norm(name):
-        return {f"{name}.weight": 1 + normal(h, std=_NOISE), f"{name}.bias": normal(h, std=_NOISE)}
-
-    def linear(name, n_out, n_in, gain=1.0):
-        weight = normal(n_out, n_in, std=gain / math.sqrt(n_in))
-        return {f"{name}.weight": weight, f"{name}.bias": normal(n_out, std=_NOISE)}
-
-    embeddings = normal(config.vocab_size, h, std=weight_scale / math.sqrt(h))
-    embeddings[live_vocab:] = 0
-    w = {"word_embeddings.weight": embeddings, **layer_norm("word_embeddings_layernorm")}
-    w["word_embeddings_layernorm.weight"].neg_()  # no echo of the current token (see the docstring)
-    for i in range(config.n_layer):
-        p = f"h.{i}"
-        w |= layer_norm(f"{p}.input_layernorm")
-        w |= linear(f"{p}.self_attention.query_key_value", 3 * h, h)
-        w |= linear(f"{p}.self_attention.dense", h, h, gain=_OUT_GAIN)
-        w |= layer_norm(f"{p}.post_attention_layernorm")
-        w |= linear(f"{p}.mlp.dense_h_to_4h", 4 * h, h)
-        w |= linear(f"{p}.mlp.dense_4h_to_h", h, 4 * h, gain=_OUT_GAIN)
-    w |= layer_norm("ln_f")
-    assert list(w) == expected_names(config)
-    return w
+    return {name: random_tensor(name, config, live_vocab=live_vocab, weight_scale=weight_scale, gen=gen)
+            for name in expected_names(config)}
 
 
 def _tokenizer_vocab_size(folder: Path) -> int:
