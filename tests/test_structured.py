@@ -34,6 +34,19 @@ BOUNDED = [
 ]
 OPEN = [{"type": "object"}, {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}]
 REGEXES = [r"[a-z]{2,6} [0-9]{1,3}", r"(yes|no), because [a-z ]{1,12}\.", r"-?[0-9]+(\.[0-9]{1,2})?"]
+# Constraints the grammar library refuses, each with the field that must be named: refused while
+# reading the field (schema false, a schema that is not JSON) or when compiled against the
+# tokenizer (an unsatisfiable schema, a grammar with a missing rule). Every entry point (library,
+# request file, server) gets each as an error naming the field.
+REFUSED = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "no", "schema": False}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "type": "string", "minLength": 5, "maxLength": 2}}}}, "response_format"),
+    ({"guided_json": "false"}, "guided_json"),
+    ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 1}}, "guided_json"),
+    ({"guided_regex": "[0-9"}, "guided_regex"),
+    ({"guided_grammar": "start: missing_rule"}, "guided_grammar"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +187,7 @@ def test_greedy_equals_transformers_with_llguidance(eos_checkpoint, eos_referenc
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 3}}}}, "response_format"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_regex"),
     ({"guided_regex": "a" * 200_000}, "guided_regex"),
+    *REFUSED,
 ])
 def test_bad_constraints_name_their_field(generator, fields, field):
     with pytest.raises(GrammarError) as error:
@@ -223,6 +237,22 @@ def test_request_file_lines_with_constraints(generator, tmp_path):
     jsonschema.validate(json.loads(text(8)), BOUNDED[1])
     assert records[2]["result"]["choices"][0]["text"] == generator.generate(["Hello"], max_new_tokens=8,
                                                                              ignore_eos=False)[0].text
+
+
+def test_refused_constraints_are_error_records_naming_the_field(tmp_path, capsys):
+    """./bloom.py --requests: each refused constraint is its line's error record naming the field;
+    the job goes on and answers the good line."""
+    import bloom
+
+    lines = [{"prompt": "Hi", "max_tokens": 4, **fields} for fields, _ in REFUSED] + [{"prompt": "Hi", "max_tokens": 4}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    bloom.main(["--quiet", "--requests", str(tmp_path / "in.jsonl"), "--results", str(tmp_path / "out.jsonl")])
+    assert "Traceback" not in capsys.readouterr().err
+    errors = {e["line"]: e["error"] for e in map(json.loads, (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines())}
+    assert sorted(errors) == list(range(1, len(REFUSED) + 1))
+    for line, (_, field) in enumerate(REFUSED, 1):
+        assert errors[line].startswith(field + ":"), errors[line]
+    assert len((tmp_path / "out.jsonl").read_text().splitlines()) == 1
 
 
 def test_cli_options(tmp_path):

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from servers import tiny_server
-from test_structured import BOUNDED, OPEN, REGEXES
+from test_structured import BOUNDED, OPEN, REFUSED, REGEXES
 
 MAX_LENGTH, WIDTH, KEY = 128, 32, "test-key"
 
@@ -117,16 +117,40 @@ def test_greedy_server_equals_the_library(server, client):
     assert out.choices[0].text == want.text and out.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("constraint", [
+    {"guided_json": BOUNDED[2]}, {"guided_json": BOUNDED[1]}, {"guided_regex": REGEXES[0]},
+    {"guided_choice": ["alpha", "beta gamma"]},
+])
+def test_the_grammars_end_ends_the_row_as_in_the_library(server, client, constraint):
+    """The row ends with the token that completes its grammar: the server's tokens and usage are
+    the library's (a row that missed the end would run one step more, to EOS, and count it)."""
+    generator = server[0]
+    for prompt in ("Person:", "The answer is"):
+        want = generator.generate([prompt], max_length=MAX_LENGTH, max_new_tokens=60, ignore_eos=False,
+                                  bucket_width=WIDTH, **constraint)[0].sequences[0]
+        assert want.finish_reason == "stop"
+        out = client.completions.create(model="bloom-tiny", prompt=prompt, max_tokens=60, temperature=0, logprobs=0,
+                                        extra_body=constraint)
+        assert out.choices[0].text == want.text and out.choices[0].finish_reason == "stop"
+        assert out.usage.completion_tokens == len(want.token_ids), (out.usage, want)
+        assert len(out.choices[0].logprobs.tokens) == len(want.token_ids)
+
+
 @pytest.mark.parametrize("field, value", [
     ("guided_json", "{nope"), ("guided_json", {"type": "nonsense"}), ("guided_regex", "(unclosed"),
     ("guided_choice", []), ("guided_grammar", "start: nowhere"), ("response_format", {"type": "xml"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+    *(next(iter(fields.items())) for fields, _ in REFUSED),
 ])
 def test_bad_constraints_are_a_400_naming_the_field(client, field, value):
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model="bloom-tiny", prompt="Hi", max_tokens=4, extra_body={field: value})
     assert error.value.body["param"] == field, error.value.body
     assert field in error.value.body["message"]
+    messages = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model="bloom-tiny", messages=messages, max_tokens=4, extra_body={field: value})
+    assert error.value.body["param"] == field, error.value.body
 
 
 def test_beams_and_two_constraints_are_refused(client):
