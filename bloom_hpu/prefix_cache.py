@@ -16,8 +16,14 @@ computing them again.
   blocks into cache rows, and back, is one ``index_select`` and one ``index_copy_`` of whole
   tensors per layer (or for all layers at once): no view is written, so HPU graphs captured on the
   cache stay valid, and the copies never run inside a captured step.
-* **Eviction.** Least recently used first. A lookup touches a prefix's blocks deepest first, so a
-  block is always used more recently than its descendants and the leaves go before the trunk.
+* **Eviction.** Least recently used first, with a prefix's blocks ordered so that what goes first
+  is what can least be missed. A lookup and a store touch a prefix's blocks deepest first, so a
+  block is always used more recently than its descendants: a stored prefix's deepest block is its
+  least recent, the leaves go before the trunk, and the prefix shortens from its end (a match
+  walks from block 0, so a prefix without its first block matches nothing, however much of the
+  rest is held). A block whose parent did go anyway can never match again until that parent is
+  stored again: it goes first. Blocks of the prefix being stored (``protected``) are never evicted
+  for it.
 * **Static shapes.** On a backend that compiles each new shape of eager ops (a Gaudi's lazy mode),
   a copy always moves as many blocks as its caller's shape can hold (``pad_to``: the rows times the
   blocks of the padded prompt), the last block's copy repeated (the same values to the same place
@@ -82,6 +88,9 @@ class PrefixCache:
             self.values = torch.empty(n_layer, flat, head_dim, dtype=dtype, device=device)
         self.per_layer = per_layer
         self._blocks: OrderedDict[bytes, int] = OrderedDict()  # digest -> block, least recently used first
+        # The tree of held blocks: a block's parent is the block before it in its prefix.
+        self._children: dict[bytes, set[bytes]] = {}  # digest -> its held children's digests
+        self._parent: dict[bytes, bytes] = {}  # digest -> its parent's, while that is held
         self._free = list(range(capacity - 1, -1, -1))
         self.stats = PrefixStats()
 
@@ -122,8 +131,7 @@ class PrefixCache:
             if block is None:
                 break
             found.append((digest, block))
-        for digest, _ in reversed(found):  # deepest first: the trunk ends up the most recent
-            self._blocks.move_to_end(digest)
+        self._touch([digest for digest, _ in found])
         if count:
             self.stats.lookups += 1
             self.stats.looked_up_tokens += len(ids)
@@ -140,16 +148,32 @@ class PrefixCache:
             count += 1
         return count * self.block
 
+    def _touch(self, chain: list[bytes]) -> None:
+        """Mark the held prefix ``chain`` (digests of blocks 0..n-1) used: deepest first, so that the
+        trunk ends up the most recent and every block stays more recent than its descendants."""
+        for digest in reversed(chain):
+            self._blocks.move_to_end(digest)
+
     def _claim(self, protected: set[int]) -> int | None:
-        """A free block, evicting the least recently used one if need be (never one in ``protected``)."""
+        """A free block, else the least recently used one that is not in ``protected`` (evicted), else None."""
         if self._free:
             return self._free.pop()
-        oldest_digest, oldest = next(iter(self._blocks.items()))
-        if oldest in protected:
+        victim = next((digest for digest, block in self._blocks.items() if block not in protected), None)
+        if victim is None:
             return None
-        del self._blocks[oldest_digest]
+        return self._evict(victim)
+
+    def _evict(self, digest: bytes) -> int:
+        """Drop ``digest`` from the index; its held children can no longer match: they go first."""
+        block = self._blocks.pop(digest)
+        parent = self._parent.pop(digest, None)
+        if parent is not None:
+            self._children[parent].discard(digest)
+        for child in self._children.pop(digest, ()):
+            del self._parent[child]
+            self._blocks.move_to_end(child, last=False)
         self.stats.evicted_blocks += 1
-        return oldest
+        return block
 
     # ------------------------------------------------------------------ copies (device)
 
@@ -180,19 +204,21 @@ class PrefixCache:
         """The index's half of ``store``: the blocks of ``ids[:upto]`` the pool lacks get a place
         (evicting if need be), as (block position i, pool block) to be written by ``write``. What a
         tensor-parallel server's rank 0 decides and sends to the ranks."""
-        placements, protected = [], set()
+        placements, protected, chain = [], set(), []
         for i, digest in enumerate(self.digests(ids, namespace, upto)):
             known = self._blocks.get(digest)
-            if known is not None:
-                self._blocks.move_to_end(digest)
-                protected.add(known)
-                continue
-            block = self._claim(protected)
-            if block is None:  # the pool is smaller than this prefix: keep what fits
-                break
-            self._blocks[digest] = block
-            protected.add(block)
-            placements.append((i, block))
+            if known is None:
+                known = self._claim(protected)
+                if known is None:  # the pool is smaller than this prefix: keep what fits
+                    break
+                self._blocks[digest] = known
+                placements.append((i, known))
+            if chain:  # (again, where the parent was evicted and is stored anew)
+                self._parent[digest] = chain[-1]
+                self._children.setdefault(chain[-1], set()).add(digest)
+            protected.add(known)
+            chain.append(digest)
+        self._touch(chain)  # the deepest block the least recent, the trunk the most
         self.stats.stored_blocks += len(placements)
         return placements
 

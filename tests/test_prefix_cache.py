@@ -166,6 +166,71 @@ def test_block_digests_name_the_whole_prefix_and_the_namespace():
     assert pool.digests(list(range(8)) + [0, 0, 0, 0])[:2] == a[:2]
 
 
+def tiny_pool() -> PrefixCache:
+    """Three blocks of four tokens: small enough that every store below evicts."""
+    return PrefixCache(n_layer=1, heads=1, head_dim=2, capacity=3, dtype=torch.float32, device="cpu", block=4)
+
+
+def blocks(*starts: int) -> list[int]:
+    """Whole blocks of four tokens, block k counting up from ``starts[k]``: prompts that share
+    their first blocks share those starts."""
+    return [start + t for start in starts for t in range(4)]
+
+
+def test_eviction_shortens_a_stored_prefix_from_its_end():
+    pool = tiny_pool()
+    a = blocks(100, 200, 300)
+    pool.plan_store(a, len(a))  # the pool full of A
+    pool.plan_store(blocks(400), 4)  # B takes one block: A's deepest, not its trunk (nor B's own)
+    assert pool.peek(a) == 8 and pool.peek(blocks(400)) == 4
+    assert pool.stats.evicted_blocks == 1 and pool.used_blocks == 3
+    pool.plan_store(blocks(500), 4)
+    assert pool.peek(a) == 4  # the trunk still matches while A holds a block
+
+
+def test_a_shared_trunk_outlives_its_leaves_and_a_lookup_renews_a_prefix():
+    pool = tiny_pool()
+    a, x = blocks(100, 200), blocks(100, 900)  # one trunk, two leaves
+    pool.plan_store(a, len(a))
+    pool.plan_store(x, len(x))
+    pool.plan_store(blocks(400), 4)  # evicts A's leaf, the least recent: X renewed the trunk since
+    assert (pool.peek(a), pool.peek(x), pool.peek(blocks(400))) == (4, 8, 4)
+    assert len(pool.match(x)) == 2  # X used again: now the most recent
+    pool.plan_store(blocks(500), 4)
+    assert (pool.peek(x), pool.peek(blocks(400)), pool.peek(blocks(500))) == (8, 0, 4)
+
+
+def test_a_store_never_evicts_the_prefix_it_extends():
+    pool = tiny_pool()
+    a = blocks(100, 200, 300)
+    pool.plan_store(a, len(a))
+    longer = blocks(100, 200, 600, 700)  # A's first two blocks, then two of its own: one fits
+    placements = pool.plan_store(longer, len(longer))
+    assert [i for i, _ in placements] == [2]
+    assert pool.peek(longer) == 12 and pool.peek(a) == 8
+    assert len(set(pool.match(longer))) == 3  # three distinct pool blocks
+    five = blocks(1, 2, 3, 4, 5)  # larger than the pool: what fits of it, from its start
+    pool.plan_store(five, len(five))
+    assert pool.peek(five) == 12 and pool.peek(a) == 0
+
+
+def test_a_block_whose_parent_is_gone_is_evicted_first():
+    # The order above never evicts a parent before its children; a block orphaned anyway (here by
+    # hand) can never match until its parent is stored again, so it goes before any held prefix.
+    pool = tiny_pool()
+    b, a = blocks(400), blocks(100, 200)
+    pool.plan_store(b, 4)
+    pool.plan_store(a, len(a))  # LRU order: B, A's leaf, A's trunk
+    trunk = pool.digests(a)[0]
+    pool._free.append(pool._evict(trunk))
+    assert pool.peek(a) == 0 and pool.used_blocks == 2
+    pool.plan_store(blocks(500), 4)  # takes the free block
+    pool.plan_store(blocks(600), 4)  # evicts A's orphaned leaf, not B (older by use)
+    assert pool.peek(b) == 4 and pool.peek(blocks(500)) == 4 and pool.peek(blocks(600)) == 4
+    pool.plan_store(a, len(a))  # A again: the trunk back and, of A's leaf, what the pool keeps
+    assert pool.peek(a) == 8
+
+
 def test_a_request_file_job_with_the_cache_writes_the_records_of_one_without_it(folder, tmp_path):
     """Few-shot lines (one shared block, their own questions), log-probs with alternatives, echo
     and best_of: the same records as without the cache (whose records tests/test_requests.py checks
