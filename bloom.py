@@ -79,16 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group_size", type=int, metavar="G",
                    help="with --quantize int4: weights per scale, 32, 64 (default), 128 or 256; a smaller group "
                         "keeps more quality, a larger one fewer bytes")
-    p.add_argument("--int8_activations", action="store_true",
+    p.add_argument("--int8_activations", choices=["off", "on", "auto"], default="auto",
                    help="with quantized weights: integer products, the activations entering each product rounded "
-                        "to int8 per block of 32 values (as llama.cpp's Q8_0); faster prompts on a CPU, a small "
-                        "change in the numbers; see docs/performance.md#integer-products---int8_activations")
+                        "to int8 per block of 32 values (as llama.cpp's Q8_0); on a CPU faster prompts, a small "
+                        "change in the numbers. auto (default): where this CPU measured them faster (cpu; off on "
+                        "a card); the bare flag means on; see docs/performance.md#integer-products---int8_activations")
     p.add_argument("--limit_hpu_graphs", type=flag_bool,
                    help="hpu: run the prefill without a graph, so its scores are not kept (default: t under "
                         "tensor parallelism, f on one card)")
     p.add_argument("--prefix_cache", default=None, metavar="SIZE",
                    help="keys and values of prompt prefixes seen before are copied, not computed: the pool's "
                         "size, e.g. 512MB, 2GB (default 1GB; 0: off; see docs/prefix-cache.md)")
+    p.add_argument("--speculate", metavar="ngram[:K]",
+                   help="speculative decoding: each pass over the weights verifies up to K (1..8, default 4) "
+                        "guesses of every row, taken from its own prompt and output (prompt lookup); the same "
+                        "tokens, greedy or sampled (see docs/performance.md#speculative-decoding)")
     p.add_argument("--options", default="", help='generation options "k=v,k:int=3,flag,!flag" (see --help_options)')
     p.add_argument("--help_options", action="store_true", help="list every generation option and exit")
     p.add_argument("--compile", action="store_true", help="cpu: run the decode step through torch.compile")
@@ -105,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--errors", help="--requests: JSONL file of the lines that failed (default RESULTS.errors.jsonl)")
     p.add_argument("--budget", type=int, default=8192, help="--requests/--eval: max tokens (rows x length) per batch")
     p.add_argument("--eval", help='evaluate last-word accuracy and perplexity on a JSONL of {"text": ...} (LAMBADA)')
+    p.add_argument("--data_parallel", type=int, default=1, metavar="D",
+                   help="--requests/--eval under deepspeed/torchrun: the launch's ranks as D model replicas of "
+                   "ranks/D tensor-parallel ranks each, splitting the lines (see docs/tensor-parallel.md)")
     p.add_argument("--stream", action="store_true", help="print each prompt's tokens as they are generated")
     p.add_argument("--all_ranks", action="store_true",
                    help="tensor parallel runs: every rank prints (prefixed [rank r]) and writes its own "
@@ -194,9 +202,18 @@ def check_flags(args) -> None:
         raise UsageError("--results and --errors go with --requests (or --results with --eval)")
     if args.errors and not args.requests:
         raise UsageError("--errors goes with --requests")
+    if args.speculate:
+        from generation.search.guesses import parse_speculation
+
+        parse_speculation(args.speculate)  # a bad value is named before anything is loaded
+        where = ("--serve" if args.serve else "--chat" if args.chat else "--requests" if args.requests
+                 else "--eval" if args.eval else "--stream" if args.stream else "--mode vanilla"
+                 if args.mode == "vanilla" else None)
+        if where:
+            raise UsageError(f"--speculate runs with prompts (--input_file or the command line) for now, not with {where}")
     if args.quantize and args.mode == "vanilla":
         raise UsageError("--quantize runs in --mode optimized only (vanilla is transformers' own model)")
-    if args.int8_activations and args.mode == "vanilla":
+    if args.int8_activations == "on" and args.mode == "vanilla":
         raise UsageError("--int8_activations runs in --mode optimized only (vanilla is transformers' own model)")
     if args.group_size is not None and args.quantize != "int4":
         raise UsageError("--group_size goes with --quantize int4")
@@ -273,14 +290,18 @@ def make_generator(args, opts):
         peft_weights=args.peft_weights, lora=lora_adapters(args) or None, limit_hpu_graphs=args.limit_hpu_graphs,
         quantize=args.quantize, group_size=args.group_size, int8_activations=args.int8_activations,
         prefix_cache=PREFIX_CACHE_DEFAULT if args.prefix_cache is None else args.prefix_cache,
+        speculate=args.speculate,
     )
     if generator.adapter is not None:
         log(f"{generator.adapter.describe()}, merged")
     return generator
 
 
-# Tensor parallelism (deepspeed / torchrun launchers): this rank's Parallel, and whether it prints.
+# Tensor parallelism (deepspeed / torchrun launchers): this rank's Parallel (inside its replica with
+# --data_parallel), the whole launch's, the replicas, and whether this rank prints.
 PARALLEL = None
+WORLD = None
+REPLICAS = None
 SHOWS_OUTPUT = True
 
 
@@ -292,18 +313,22 @@ def log(message: str) -> None:
 def shows_progress(args) -> bool:
     """Progress on stderr (generation/run/progress.py): not with --quiet, and from rank 0 only, since
     the ranks of a tensor-parallel run share one terminal."""
-    return not args.quiet and PARALLEL.rank == 0
+    return not args.quiet and WORLD.rank == 0
 
 
 def setup_parallel(args):
     """Join the launcher's process group (a no-op without one); only rank 0 prints from now on."""
-    global PARALLEL, SHOWS_OUTPUT
+    global PARALLEL, SHOWS_OUTPUT, WORLD, REPLICAS
+    from bloom_hpu.data_parallel import split_replicas
     from bloom_hpu.runtime.launch import init_parallel, route_output, sync_random_seed
     from bloom_hpu.tp import ParallelError
 
-    PARALLEL = init_parallel(args.device)
-    SHOWS_OUTPUT = route_output(PARALLEL, args.all_ranks)
-    sync_random_seed(PARALLEL)  # sampling without --seed must draw the same tokens on every rank
+    WORLD = init_parallel(args.device)
+    SHOWS_OUTPUT = route_output(WORLD, args.all_ranks)
+    sync_random_seed(WORLD)  # sampling without --seed must draw the same tokens on every rank
+    if args.data_parallel != 1 and not (args.requests or args.eval):
+        raise ParallelError("--data_parallel splits the lines of --requests or --eval; the other modes run one replica")
+    PARALLEL, REPLICAS = split_replicas(WORLD, args.data_parallel)
     if PARALLEL.world_size > 1 and args.mode == "vanilla":
         raise ParallelError("--mode vanilla runs in one process; launch it without deepspeed/torchrun")
 
@@ -312,7 +337,21 @@ def check_ranks_agree(args, prompts) -> None:
     from bloom_hpu.runtime.launch import check_agreement
 
     values = {k: v for k, v in vars(args).items() if k not in ("local_rank", "all_ranks", "prompts")}
-    check_agreement(PARALLEL, {**values, "prompts": prompts})
+    for flag in ("requests", "eval"):  # the same path may hold different files on different nodes
+        if getattr(args, flag):
+            values[f"{flag} file"] = file_digest(getattr(args, flag))
+    check_agreement(WORLD, {**values, "prompts": prompts})
+
+
+def file_digest(path: str) -> str:
+    """What a rank read at ``path``: a digest of the bytes, or why it could not (the reading itself
+    reports that, on every rank alike once they agree)."""
+    import hashlib
+
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError as error:
+        return f"unreadable: {error.strerror or error}"
 
 
 def rank_output_file(path: str) -> str:
@@ -331,6 +370,8 @@ def run_file_job(args, opts) -> int:
         raise UsageError("--requests needs --results FILE (results are appended there)")
     check_ranks_agree(args, [])
     generator = make_generator(args, opts)
+    if REPLICAS.count > 1:
+        return run_replicated_job(args, generator)
     writes = PARALLEL.rank == 0  # tensor parallel: every rank computes, rank 0 writes
     if args.requests:
         from generation.jobs.runner import run_requests
@@ -353,6 +394,36 @@ def run_file_job(args, opts) -> int:
         from generation.jobs.files import replace_file
 
         replace_file(args.results, (json.dumps(result.to_dict(), indent=2) + "\n").encode("utf-8"))
+    return 0
+
+
+def run_replicated_job(args, generator) -> int:
+    """--requests or --eval split over --data_parallel replicas (generation/jobs/data_parallel.py):
+    every rank takes part, rank 0 reports for the whole job."""
+    import json
+
+    from generation.jobs import data_parallel
+
+    if args.requests:
+        summary = data_parallel.run_requests_parallel(generator, args.requests, args.results, REPLICAS,
+                                                      errors_path=args.errors, budget=args.budget,
+                                                      progress=shows_progress(args))
+        if summary is not None:
+            log(f"{summary.answered} requests answered by {REPLICAS.count} replicas, {summary.skipped} already done, "
+                f"{summary.errors} failed, {summary.completion_tokens} tokens in {summary.seconds:.1f} s")
+        return 1 if summary is not None and summary.errors else 0
+    from generation.jobs.evaluate import read_passages
+
+    result = data_parallel.evaluate_parallel(generator, read_passages(args.eval), REPLICAS, budget=args.budget,
+                                             progress=shows_progress(args))
+    if result is not None:
+        print(f"passages: {result.passages}  accuracy: {result.accuracy:.4f}  perplexity: {result.perplexity:.3f}  "
+              f"last-word perplexity: {result.last_word_perplexity:.3f} "
+              f"(per word: {result.last_word_perplexity_per_word:.3f})")
+        if args.results:
+            from generation.jobs.files import replace_file
+
+            replace_file(args.results, (json.dumps(result.to_dict(), indent=2) + "\n").encode("utf-8"))
     return 0
 
 
@@ -510,13 +581,20 @@ def run(args) -> int:
         if not args.quiet:
             prefix = getattr(getattr(generator, "runner", None), "prefix", None)  # --mode vanilla has none
             cached = f", cached prompt tokens: {stats.cached_tokens}" if prefix is not None else ""
+            speculated = f", {stats.speculation.describe()}" if getattr(stats, "speculation", None) else ""
             print(f"batch {first // args.batch_size + 1}: {stats.seconds:.3f} s, {stats.new_tokens} tokens, "
-                  f"{stats.tokens_per_second:.1f} tokens/s, graphs: {stats.graph_count}{cached}", flush=True)
+                  f"{stats.tokens_per_second:.1f} tokens/s, graphs: {stats.graph_count}{cached}{speculated}", flush=True)
     return 0
 
 
+def bare_flags_as_on(argv: list[str]) -> list[str]:
+    """``--int8_activations`` alone (not followed by off, on or auto) means on, as before it took a value."""
+    return [f"{a}=on" if a == "--int8_activations" and (i + 1 == len(argv) or argv[i + 1] not in ("off", "on", "auto"))
+            else a for i, a in enumerate(argv)]
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(bare_flags_as_on(sys.argv[1:] if argv is None else list(argv)))
     from bloom_hpu.runtime.backends import DeviceError
     from bloom_hpu.runtime.cpu import CpuPathError
     from bloom_hpu.checkpoint import CheckpointError

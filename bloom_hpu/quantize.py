@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import int4
-from .int8_activations import NEEDS_QUANTIZED, Int8ActivationsError, block_product, check_rows
+from .int8_activations import NEEDS_QUANTIZED, Int8ActivationsError, block_product, check_rows, takes_integer
 from .int4 import DEFAULT_GROUP_SIZE, GroupSizeError, check_group_size, dequantized_int4, int4_product
 from .model import Linear, StaticBloom, TiedHead
 from .tp import RowParallelLinear, VocabParallelEmbedding
@@ -102,7 +102,7 @@ def row_scales(weight: torch.Tensor, parallel=None, split_rows: bool = False) ->
     peak = weight.detach().float().abs().amax(dim=1)
     if split_rows and parallel is not None and parallel.world_size > 1:
         peak = peak.to(getattr(parallel, "device", "cpu"))
-        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=getattr(parallel, "group", None))
         peak = peak.to(weight.device)
     return (peak / QMAX).clamp(min=torch.finfo(torch.float32).tiny)
 
@@ -150,11 +150,11 @@ def int8_product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, int8_mm
 def routed_product(module, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """The product of a quantized ``module`` (a linear, or the tied head) as its runtime routes it:
-    with integer products (``int8_activations``), the CPU runtime's integer kernel or else their
+    with integer products (``takes_integer``), the CPU runtime's integer kernel or else their
     public-op form; else the CPU runtime's kernel for the rows it serves, else its fp32 product of
     many rows (``wide``, on a CPU whose bf16 products are emulated), else ``int8_product`` /
     ``int4_product``."""
-    if module.int8_activations:
+    if takes_integer(module, x):
         return (module.block_kernel or block_product)(x, q, scales, bias)
     if module.kernel is not None and x.numel() <= module.kernel_rows * x.shape[-1]:
         return module.kernel(x, q, scales, bias)
@@ -178,6 +178,7 @@ class _QuantProduct:
     kernel_rows = INT8_KERNEL_ROWS  # the most rows it serves (set with it)
     wide = None  # the CPU runtime's fp32 products of many rows (runtime/cpu/layers.WidenedProducts), if any
     int8_activations = False  # integer products: the input rounded per block of 32 (int8_activations.py)
+    integer_prompts = integer_decode = True  # with them, for which products (the CPU runtime's choice)
     block_kernel = None  # with them, the CPU runtime's integer kernel, when it has one
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -69,17 +69,20 @@ SINGLE = Parallel()
 
 @dataclass(frozen=True)
 class DistributedParallel(Parallel):
-    """Collectives over the default torch.distributed process group (initialised by the caller).
+    """Collectives over one torch.distributed process group (initialised by the caller): the whole
+    world, or with data parallelism this replica's own group (``group``; ``rank`` and ``world_size``
+    are then the rank and size inside it), so one replica's collectives never wait on another's.
 
     The collectives are the plain in-place c10d ones: CUDA graphs can capture NCCL calls, and HPU
     graphs capture hccl calls when PT_HPU_ENABLE_LAZY_COLLECTIVES is set (see runtime/backends.py).
     """
 
     device: str = "cpu"  # where the collective backend takes tensors: cpu (gloo), cuda:i, hpu
+    group: object = None  # the process group of these ranks; None: the default (whole world)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         # x is always a fresh activation (a matmul output), so reducing in place is safe.
-        torch.distributed.all_reduce(x)
+        torch.distributed.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor, size: int | None = None) -> torch.Tensor:
@@ -87,7 +90,7 @@ class DistributedParallel(Parallel):
         # vocab_shard), so the pieces have equal shapes, as all_gather requires.
         x = x.contiguous()
         pieces = [torch.empty_like(x) for _ in range(self.world_size)]
-        torch.distributed.all_gather(pieces, x)
+        torch.distributed.all_gather(pieces, x, group=self.group)
         out = torch.cat(pieces, dim=-1)
         return out if size is None or out.shape[-1] == size else out[..., :size].contiguous()
 

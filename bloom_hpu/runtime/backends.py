@@ -166,6 +166,7 @@ class CudaBackend(Backend):
         # The card this backend's streams and captures belong to (the current one for a bare 'cuda').
         self.cuda_index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self.tensor_parallel = False
+        self.tp_group = None
         self.captured = 0  # graphs captured so far
         self.quantized_kernels = False  # whether quantized decode products run our Triton kernels
         # One memory pool for every captured graph: steps replay one after another and each output
@@ -178,6 +179,7 @@ class CudaBackend(Backend):
         products of a few rows (decode) go through our Triton kernels where Triton is installed and
         a probe product on the card agrees with the public ops (``cuda_quantized.py``)."""
         self.tensor_parallel = model.parallel.world_size > 1
+        self.tp_group = getattr(model.parallel, "group", None)  # with data parallelism: this replica's ranks
         dequantize_in_products(model)
         self.quantized_kernels = False
         try:
@@ -220,7 +222,7 @@ class CudaBackend(Backend):
             mode = "global"
             if self.tensor_parallel:
                 torch.cuda.synchronize(self.cuda_index)
-                torch.distributed.barrier()
+                torch.distributed.barrier(group=self.tp_group)
                 mode = "thread_local"
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()

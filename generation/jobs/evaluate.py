@@ -88,6 +88,18 @@ def split_last_word(text: str) -> tuple[str, str]:
 
 def evaluate(generator, texts: list[str], budget: int = 8192, progress: bool = False) -> EvalResult:
     """The numbers of the module doc; ``progress``: passages done and their rate on stderr."""
+    rows, targets = encode_passages(generator, texts)
+    chunks = plan_chunks(rows, budget)
+    scored = {}
+    with Progress(len(rows), "eval", "passages", enabled=progress) as bar:
+        for chunk in chunks:
+            scored.update(score_chunk(generator, rows, targets, chunk))
+            bar.update(len(chunk))
+    return combine([scored[i] for chunk in chunks for i in chunk], len(rows))
+
+
+def encode_passages(generator, texts: list[str]) -> tuple[list[list[int]], list[int]]:
+    """Each passage's token ids (context then target) and its target's token count."""
     tok = generator.tokenizer
     rows, targets = [], []
     for text in texts:
@@ -95,26 +107,44 @@ def evaluate(generator, texts: list[str], budget: int = 8192, progress: bool = F
         ctx_ids, tgt_ids = tok.encode(context), tok.encode(target)
         rows.append(ctx_ids + tgt_ids)
         targets.append(len(tgt_ids))
-    # Similar lengths together, and as many rows per pass as the budget allows.
+    return rows, targets
+
+
+def plan_chunks(rows: list[list[int]], budget: int) -> list[list[int]]:
+    """Passage indexes per pass: similar lengths together, as many rows as the budget allows."""
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    chunks, at = [], 0
+    while at < len(order):
+        end = at + 1
+        while end < len(order) and (end - at + 1) * static_length(len(rows[order[end]])) <= budget:
+            end += 1
+        chunks.append(order[at:end])
+        at = end
+    return chunks
+
+
+def score_chunk(generator, rows, targets, chunk: list[int]) -> dict[int, tuple[float, int, float, int, bool]]:
+    """One pass: per passage, (sum of its log-probs, their count, sum over the target, the target's
+    token count, whether greedy gives the target)."""
+    length = static_length(max(len(rows[i]) for i in chunk))
+    scored = score_rows(generator.runner, [rows[i] for i in chunk], 0, length, generator.tokenizer.pad_token_id)
+    out = {}
+    for i, scores in zip(chunk, scored):
+        n_target = targets[i]
+        out[i] = (sum(scores.token_logprobs), len(scores.token_logprobs), sum(scores.token_logprobs[-n_target:]),
+                  n_target, all(scores.greedy[-n_target:]))
+    return out
+
+
+def combine(per_passage: list[tuple[float, int, float, int, bool]], passages: int) -> EvalResult:
+    """The numbers from every passage's scores, summed in the order given (the order of the passes,
+    so that a split run sums its floats exactly as one process does)."""
     nll, count, tgt_nll, tgt_count, correct = 0.0, 0, 0.0, 0, 0
-    at = 0
-    with Progress(len(order), "eval", "passages", enabled=progress) as bar:
-        while at < len(order):
-            end = at + 1
-            while end < len(order) and (end - at + 1) * static_length(len(rows[order[end]])) <= budget:
-                end += 1
-            chunk = order[at:end]
-            length = static_length(max(len(rows[i]) for i in chunk))
-            scored = score_rows(generator.runner, [rows[i] for i in chunk], 0, length, tok.pad_token_id)
-            for i, scores in zip(chunk, scored):
-                n_target = targets[i]
-                nll -= sum(scores.token_logprobs)
-                count += len(scores.token_logprobs)
-                tgt_nll -= sum(scores.token_logprobs[-n_target:])
-                tgt_count += n_target
-                correct += all(scores.greedy[-n_target:])
-            bar.update(len(chunk))
-            at = end
-    return EvalResult(len(rows), correct / len(rows), math.exp(nll / count), math.exp(tgt_nll / tgt_count),
-                      math.exp(tgt_nll / len(rows)), count)
+    for total, n, target, n_target, right in per_passage:
+        nll -= total
+        count += n
+        tgt_nll -= target
+        tgt_count += n_target
+        correct += right
+    return EvalResult(passages, correct / passages, math.exp(nll / count), math.exp(tgt_nll / tgt_count),
+                      math.exp(tgt_nll / passages), count)

@@ -35,6 +35,7 @@ from ..request.parse import Request, RequestError, batch_length, parse_request, 
 from ..request.validate import check_request
 from .grouping import plan_batches
 from .files import check_distinct, disk_error, is_regular_or_new, lock_results, read_user_file
+from .parts import fold_parts, settled_lines
 
 DEFAULT_BUDGET = 8192  # tokens (rows x static length) per batch
 
@@ -159,7 +160,13 @@ def run_requests(generator, requests_path, results_path, *, errors_path=None, bu
         regular = is_regular_or_new(results_path)
         if write and regular:
             repair_results(results_path)
-        done = answered_keys(results_path) if regular else Counter()
+            fold_parts(results_path, out)  # answers a killed data-parallel run left in its part files
+        if not regular:
+            done = Counter()
+        elif write:
+            done = answered_keys(results_path)
+        else:  # rank 0 may be folding parts right now: count what the fold leaves, whenever we look
+            done = Counter(request_key(json.loads(line)["request"]) for line in settled_lines(results_path))
         with open(errors_path if write else os.devnull, "w", encoding="utf-8") as errors:
             return _run(generator, requests, bad_lines, done, requests_path, results_path, out, errors, budget,
                         progress, write, start)

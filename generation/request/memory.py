@@ -71,7 +71,7 @@ def agreed_free_bytes(device: torch.device, parallel=None) -> int | None:
     # In MiB, so the number fits int32 (lazy mode on a Gaudi computes int64 as int32).
     mib = -1 if free is None else free >> 20
     value = torch.tensor([mib], dtype=torch.int64, device=getattr(parallel, "device", "cpu"))
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN, group=getattr(parallel, "group", None))
     smallest = int(value.item())
     return None if smallest < 0 else smallest << 20
 

@@ -1,0 +1,290 @@
+"""A request file or an evaluation over D model replicas (``--data_parallel D``): the work is split
+across replicas, never repeated, and the output is the same as one process's.
+
+Request files (``run_requests_parallel``):
+
+- every rank reads the same input, and rank 0 alone reads the results file (after folding what a
+  killed run left in part files, ``parts.py``) and sends every rank the lines still to answer;
+- every rank plans the same batches as one process would (``plan_batches``) and the batches are
+  dealt to the replicas (``deal``), so each batch is exactly one process's batch: the same rows
+  padded together, the same answers;
+- each replica's rank 0 appends its records to its own part file, a batch at a time, flushed and
+  fsynced (a kill loses at most the batches in flight); rank 0 shows one bar for the whole job,
+  counting the lines in every part;
+- at the end rank 0 folds the parts into the results file and rewrites it, atomically, in the order
+  one process writes (its batches' order), so the file equals one process's but for the timings.
+  A job killed at any moment and run again, with any D, answers only what no part and no results
+  line holds.
+
+Evaluation (``evaluate_parallel``): the passages' chunks are dealt the same way, every replica
+scores its chunks, rank 0 gathers the per-passage numbers and sums them in one process's order.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch.distributed as dist
+
+from bloom_hpu.data_parallel import Replicas
+from bloom_hpu.tp import ParallelError
+from ..request.parse import request_key
+from ..request.validate import check_request
+from ..run.batch import InputError
+from ..run.progress import Progress, log
+from . import evaluate as ev
+from .files import check_distinct, disk_error, is_regular_or_new, lock_results
+from .grouping import plan_batches
+from .parts import fold_parts, part_path, record_lines, rewrite_in_order
+from .runner import DEFAULT_BUDGET, JobSummary, answer_or_split, answered_keys, error_text, fsync, read_requests, \
+    repair_results
+
+POLL_SECONDS = 0.5  # how often rank 0 looks at the other replicas' parts while it waits for them
+
+
+# --- dealing work to replicas ---------------------------------------------------------------------
+
+
+def deal(costs: list[float], replicas: int) -> list[list[int]]:
+    """Indexes of the work items each replica takes: the costliest item first, each to the replica
+    with the least cost so far (ties: the lowest replica). Deterministic, so every rank deals alike;
+    each replica keeps its items in their planned order."""
+    load = [0.0] * replicas
+    shares: list[list[int]] = [[] for _ in range(replicas)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        g = min(range(replicas), key=lambda g: (load[g], g))
+        shares[g].append(i)
+        load[g] += costs[i]
+    return [sorted(share) for share in shares]
+
+
+def deal_in_turn(count: int, replicas: int) -> list[list[int]]:
+    """Item i to replica i mod D: the plain split ``deal`` is measured against (bench/)."""
+    return [list(range(g, count, replicas)) for g in range(replicas)]
+
+
+def batch_cost(batch) -> float:
+    """Tokens a batch's static shape holds (rows x static length): what the budget bounds, and what
+    a step's time grows with."""
+    rows = sum(len(r.prompts) * r.rows_per_prompt for r in batch.requests)
+    return float(rows * batch.length)
+
+
+# --- request files ------------------------------------------------------------------------------
+
+
+def run_requests_parallel(generator, requests_path, results_path, replicas: Replicas, *, errors_path=None,
+                          budget: int = DEFAULT_BUDGET, progress: bool = True) -> JobSummary | None:
+    """Answer every request of ``requests_path`` not yet answered, split over ``replicas``. Every
+    rank calls it; rank 0 returns the whole job's summary, the other ranks None."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise InputError(f"--budget must be an integer >= 1 token, got {budget!r}")
+    start = time.perf_counter()
+    results_path = Path(results_path)
+    errors_path = Path(errors_path) if errors_path else results_path.with_name(results_path.name + ".errors.jsonl")
+    check_distinct({"--requests": requests_path}, {"--results": results_path, "--errors": errors_path})
+    if not is_regular_or_new(results_path):
+        raise InputError(f"--data_parallel writes --results {results_path} in parts and joins them: it must be a "
+                         "regular file, not a pipe or a device")
+    requests, bad_lines = read_requests(requests_path)
+    if replicas.count > len(requests):
+        raise ParallelError(f"--data_parallel {replicas.count} is more than the {len(requests)} request(s) of "
+                            f"{requests_path}: some replicas would have nothing to do; use at most {len(requests)}")
+    first = replicas.world_rank == 0
+
+    # Rank 0 alone reads and folds the results; everyone gets the same answer from it.
+    out, pending_lines, message = None, None, None
+    if first:
+        try:
+            out = lock_results(results_path)
+            repair_results(results_path)
+            fold_parts(results_path, out)
+            done = answered_keys(results_path)
+            pending_lines = []
+            for r in requests:
+                if done[r.key] > 0:
+                    done[r.key] -= 1
+                else:
+                    pending_lines.append(r.line)
+        except (InputError, OSError) as error:
+            message = str(error)
+    shared = [(pending_lines, message)]
+    dist.broadcast_object_list(shared, src=0, group=replicas.coordination)
+    pending_lines, message = shared[0]
+    if message is not None:  # every rank stops alike; rank 0 says why
+        if out is not None:
+            out.close()
+        raise ParallelError(message)
+    try:
+        return _run(generator, requests, bad_lines, set(pending_lines), requests_path, results_path, errors_path,
+                    out, replicas, budget, progress and first, start)
+    finally:
+        if out is not None:
+            out.close()
+
+
+def _run(generator, requests, bad_lines, pending_lines, requests_path, results_path, errors_path, out, replicas,
+         budget, progress, start) -> JobSummary | None:
+    first = replicas.world_rank == 0
+    errors = open(errors_path, "w", encoding="utf-8") if first else None
+
+    def report(line: int, message: str, text: str) -> None:
+        log(f"{requests_path}: line {line}: {message}")
+        errors.write(json.dumps({"line": line, "error": message, "text": text}, ensure_ascii=False) + "\n")
+        errors.flush()
+
+    try:
+        if first:
+            for line, message, text in bad_lines:
+                report(line, message, text)
+        skipped = len(requests) - len(pending_lines)
+        if skipped and first:
+            log(f"resuming: {skipped} of {len(requests)} requests already answered in {results_path}")
+        lengths, planned, fitting = {}, [], []
+        for r in requests:
+            lengths[r.line] = [len(ids) for ids in generator.tokenizer.encode_batch(r.prompts)]
+            if r.line not in pending_lines:
+                planned.append(r)  # answered by an earlier run: it fit then
+                continue
+            try:
+                check_request(generator, r, lengths[r.line])
+            except Exception as error:  # noqa: BLE001 - one line's problem, whatever it is, is that line's
+                if first:
+                    report(r.line, error_text(error), json.dumps(r.raw, ensure_ascii=False))
+                continue
+            planned.append(r)
+            fitting.append(r)
+        batches = plan_batches(fitting, lengths, budget)
+        mine = [batches[i] for i in deal([batch_cost(b) for b in batches], replicas.count)[replicas.index]]
+        answered, tokens, cached, failures = _answer(generator, mine, results_path, replicas, progress, len(fitting))
+
+        # Every rank waits here for the last replica; rank 0 gets every replica's counts and failures.
+        gathered = [None] * replicas.count * replicas.ranks_per_replica
+        dist.all_gather_object(gathered, (answered, tokens, cached, failures) if replicas.leads else None,
+                               group=replicas.coordination)
+        if not first:
+            return None
+        counts = [g for g in gathered if g is not None]
+        # One process's order: the plan over every request that fits, answered now or before.
+        order = {r.line: n for n, r in enumerate(r for b in plan_batches(planned, lengths, budget) for r in b.requests)}
+        failed = sorted((f for c in counts for f in c[3]), key=lambda f: order.get(f[0], 0))
+        for line, message, text in failed:
+            report(line, message, text)
+        fold_parts(results_path, out)
+        rewrite_in_order(results_path, _positions(planned, order))
+        check_failed = len(pending_lines) - len(fitting)
+        return JobSummary(len(requests), skipped, sum(c[0] for c in counts),
+                          len(bad_lines) + check_failed + len(failed), sum(c[1] for c in counts),
+                          time.perf_counter() - start, sum(c[2] for c in counts))
+    finally:
+        if errors is not None:
+            errors.close()
+
+
+def _answer(generator, batches, results_path, replicas, progress, total) -> tuple[int, int, int, list]:
+    """Answer this replica's batches; its leader appends the records to its part file."""
+    part = open(part_path(results_path, replicas.index), "ab") if replicas.leads else None
+    watch = _PartCounter(results_path, replicas.count) if progress else None
+    answered, tokens, cached, failures = 0, 0, 0, []
+    try:
+        with Progress(total, "requests", "requests", enabled=progress) as bar:
+            for batch in batches:
+                for records, batch_tokens, failed in answer_or_split(generator, batch):
+                    failures += [(r.line, message, json.dumps(r.raw, ensure_ascii=False)) for r, message in failed]
+                    if records and part is not None:
+                        data = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records).encode("utf-8")
+                        try:
+                            part.write(data)
+                            part.flush()
+                            fsync(part)
+                        except OSError as error:
+                            raise disk_error(part.name, error) from None
+                    answered += len(records)
+                    tokens += batch_tokens
+                    cached += sum(rec["result"]["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                                  for rec in records)
+                if watch:
+                    bar.update(watch.lines() - bar.n)
+            if watch:  # this replica is done: follow the others until every rank arrives
+                waiting = dist.barrier(group=replicas.coordination, async_op=True)
+                while not waiting.is_completed():
+                    time.sleep(POLL_SECONDS)
+                    bar.update(watch.lines() - bar.n)
+                waiting.wait()
+                bar.update(watch.lines() - bar.n)
+            elif replicas.count > 1:
+                dist.barrier(group=replicas.coordination)
+    finally:
+        if part is not None:
+            part.close()
+    return answered, tokens, cached, failures
+
+
+class _PartCounter:
+    """Lines written so far to the parts of this run, read incrementally (for the progress bar)."""
+
+    def __init__(self, results_path: Path, count: int):
+        self.paths = [part_path(results_path, g) for g in range(count)]
+        self.seen = [0] * count
+        self.newlines = [0] * count
+
+    def lines(self) -> int:
+        for g, path in enumerate(self.paths):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.seen[g])
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            self.seen[g] += len(data)
+            self.newlines[g] += data.count(b"\n")
+        return sum(self.newlines)
+
+
+def _positions(planned, order):
+    """record -> its place in one process's results file (None for a request not in the input)."""
+    slots: dict[str, list[int]] = {}
+    for r in sorted(planned, key=lambda r: order[r.line]):
+        slots.setdefault(r.key, []).append(order[r.line])
+    taken = Counter()
+
+    def position(record: dict) -> int | None:
+        key = request_key(record["request"])
+        places = slots.get(key, [])
+        if taken[key] >= len(places):
+            return None
+        taken[key] += 1
+        return places[taken[key] - 1]
+
+    return position
+
+
+# --- evaluation ---------------------------------------------------------------------------------
+
+
+def evaluate_parallel(generator, texts: list[str], replicas: Replicas, budget: int = 8192,
+                      progress: bool = False) -> ev.EvalResult | None:
+    """``evaluate`` split over the replicas; rank 0 returns the result, the other ranks None."""
+    if replicas.count > len(texts):
+        raise ParallelError(f"--data_parallel {replicas.count} is more than the {len(texts)} passages: "
+                            f"use at most {len(texts)}")
+    rows, targets = ev.encode_passages(generator, texts)
+    chunks = ev.plan_chunks(rows, budget)
+    share = deal([len(c) * ev.static_length(max(len(rows[i]) for i in c)) for c in chunks], replicas.count)
+    scored = {}
+    mine = [chunks[i] for i in share[replicas.index]]
+    first = replicas.world_rank == 0
+    with Progress(sum(map(len, mine)), "eval", "passages", enabled=progress and first) as bar:
+        for chunk in mine:
+            scored.update(ev.score_chunk(generator, rows, targets, chunk))
+            bar.update(len(chunk))
+    gathered = [None] * replicas.count * replicas.ranks_per_replica
+    dist.all_gather_object(gathered, scored if replicas.leads else None, group=replicas.coordination)
+    if not first:
+        return None
+    for part in gathered:
+        scored.update(part or {})
+    return ev.combine([scored[i] for chunk in chunks for i in chunk], len(rows))
