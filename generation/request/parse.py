@@ -264,7 +264,7 @@ def _search(raw: dict, n: int, best_of: int, min_new_tokens: int | None) -> dict
     if temperature != 0 and beams == 1:
         search.update(do_sample=True, temperature=temperature, top_p=top_p, num_return_sequences=best_of)
     elif beams != 1:
-        if isinstance(beams, int) and best_of > beams:
+        if isinstance(beams, int) and 1 <= beams < best_of:  # (num_beams < 1: its range's message, below)
             raise RequestError(f"beam search returns at most num_beams ({beams}) choices; got n={n}, best_of={best_of}")
         search["num_return_sequences"] = best_of
         if temperature != 0:

@@ -12,7 +12,7 @@ from ..request.options import OptionError
 from ..request.validate import check_against_model
 from .engine import EngineError, QueueFull
 from .loop_handoff import Mailbox, drain
-from .openai_format import ApiError, Completion, bad_request
+from .openai_format import ApiError, Completion, bad_request, param_of
 from .params import SamplingParams
 
 
@@ -59,7 +59,7 @@ class Answer:
             try:
                 check_against_model(request.to_options(), engine.generator.model.config.vocab_size)
             except (OptionError, ValueError) as error:
-                raise bad_request(str(error)) from None
+                raise bad_request(str(error), param_of(str(error), request.raw)) from None
             self.handles.append(engine.submit_offline(request, self.prompt_ids, sink(0), adapter))
             return
         params = SamplingParams.of(request, adapter)

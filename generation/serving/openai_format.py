@@ -116,9 +116,9 @@ def streaming(body: dict) -> tuple[bool, bool, bool]:
     return stream, options.get("include_usage", False), options.get("continuous_usage_stats", False)
 
 
-def _param_of(message: str, keys) -> str | None:
-    """The field a parser message names (its messages start with it, or quote it)."""
-    for key in keys:
+def param_of(message: str, keys) -> str | None:
+    """The field of ``keys`` a parser message names (its messages start with it, or quote it)."""
+    for key in sorted(keys, key=len, reverse=True):  # (max_tokens before tokens)
         if message.startswith((key + " ", key + ":")) or f"'{key}'" in message:
             return key
     return None
@@ -173,7 +173,7 @@ def _parse(body, model, tokenizer, chat: tuple[str, list[str]] | None = None) ->
     try:
         request = from_chat(rest, *chat) if chat is not None else from_body(rest, serving=True)
     except (RequestError, ValueError, TypeError, OverflowError) as error:
-        raise bad_request(str(error), _param_of(str(error), sorted(body, key=len, reverse=True))) from None
+        raise bad_request(str(error), param_of(str(error), body)) from None
     request.prompt_ids = ids
     completion = Completion(request, stream, include_usage, chat is not None, chosen, continuous_usage)
     check_servable(completion)
