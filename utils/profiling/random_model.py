@@ -54,8 +54,8 @@ class RandomReader:
                dtype: torch.dtype) -> torch.Tensor:
         """Block ``index`` of ``name`` (rows index * per_block ...), cut to its rows ``keep`` and
         ``cols`` and cast, on a pool thread: the cast runs in parallel too."""
-        seed = (self.seed << 32) + zlib.crc32(f"{name}#{index}".encode())
-        gen = torch.Generator().manual_seed(seed)
+        # 32 bits: the CPU generator (mt19937) keeps only the low 32 bits of a seed.
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}/{name}#{index}".encode()))
         rows = slice(index * per_block, min((index + 1) * per_block, n_rows))
         block = random_tensor(name, self.config, live_vocab=self.live_vocab, weight_scale=self.weight_scale,
                               gen=gen, rows=rows)[keep]

@@ -159,9 +159,12 @@ def run_plan(plan: dict) -> int:
         by_dtype.setdefault(config["dtype"], []).append(config)
     for dtype_name, configs in by_dtype.items():
         act_dtype, quantize = dtype_of(dtype_name)
-        first = memory_need(spec, dtype_name, configs[0], rank.parallel.world_size, plan["prefix_cache_bytes"])
+        # The weights are drawn once for all of the dtype's configurations: worth it if the least
+        # of them fits beside them (the others are checked one by one below).
+        least = min((memory_need(spec, dtype_name, c, rank.parallel.world_size, plan["prefix_cache_bytes"])
+                     for c in configs), key=lambda need: need.loading)
         free = free_per_rank(plan["device"], rank.parallel)
-        if free is not None and first.loading > free:
+        if free is not None and least.loading > free:
             for config in configs:
                 need = memory_need(spec, dtype_name, config, rank.parallel.world_size, plan["prefix_cache_bytes"])
                 log(f"skip {config['key']}: needs {human(need.total)} per rank, {human(free)} free")
