@@ -17,6 +17,11 @@ from utils.random_checkpoint import make_random_checkpoint
 # would hand the ignore on to every child; with a handler here, the children start with the default.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# The CPU runtime's routes by rule, not by timing (bloom_hpu/runtime/cpu/choice.py), in this process
+# and those it starts: a loaded machine must not change which route a test's model takes. The tests
+# of the measured choice (tests/test_cpu_choice.py) ask for it explicitly.
+os.environ.setdefault("BLOOM_CPU_CHOICE", "static")
+
 
 @pytest.fixture(scope="session")
 def make_ckpt(tmp_path_factory):
@@ -34,6 +39,31 @@ def make_ckpt(tmp_path_factory):
         return made[key]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def seed7_checkpoint(make_ckpt):
+    """The suite's usual random checkpoint (3 layers, 64 wide, 4 heads, seed 7), made once; read-only."""
+    return make_ckpt(hidden_size=64, n_layer=3, n_head=4, seed=7)
+
+
+@pytest.fixture(scope="session")
+def seed7_reference(seed7_checkpoint):
+    """transformers' BloomForCausalLM on ``seed7_checkpoint``: the numerics reference (eval mode)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return transformers.BloomForCausalLM.from_pretrained(seed7_checkpoint).eval()
+
+
+@pytest.fixture(scope="session")
+def serve():
+    """``serve(generator, model, key, metrics=False, **engine_config)``: a context manager serving
+    ``generator`` through the real app on a loopback port (``servers.engine_server``); it yields a
+    ``Running`` (generator, engine, port, ``client()``: the official openai client)."""
+    from servers import engine_server
+
+    return engine_server
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ or ``./bloom.py --serve`` as a process, each ready once /health answers 200."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import socket
 import subprocess
@@ -50,21 +51,48 @@ def app_in_thread(engine, app):
         engine.stop()
 
 
+@dataclasses.dataclass
+class Running:
+    """A server of the tests: its generator, engine and port, and the official client for it."""
+
+    generator: object
+    engine: object
+    port: int
+    key: str | None = None
+
+    def client(self, timeout: float = 60):
+        import openai
+
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key=self.key or "unused",
+                             max_retries=0, timeout=timeout)
+
+
+@contextlib.contextmanager
+def engine_server(generator, model: str = "bloom-tiny", key: str | None = None, metrics: bool = False, **config):
+    """``generator`` served by the real app in a thread: an ``Engine`` with ``EngineConfig(**config)``,
+    ``key`` required when given, Prometheus metrics when asked; yields ``Running``."""
+    from generation.serving.app import make_app
+    from generation.serving.engine import Engine, EngineConfig
+    from generation.serving.metrics import PrometheusMetrics
+
+    exported = PrometheusMetrics() if metrics else None
+    engine = Engine(generator, EngineConfig(**config), exported)
+    if exported is not None:
+        exported.bind(engine)
+    with app_in_thread(engine, make_app(engine, model, key, exported)) as port:
+        yield Running(generator, engine, port, key)
+
+
 @contextlib.contextmanager
 def tiny_server(key: str, max_length: int, bucket_width: int):
     """The embedded default (fp32, CPU) served with metrics, 8 rows, ``key`` required, in a thread;
     yields (generator, engine, port)."""
     from generation import Generator
-    from generation.serving.app import make_app
-    from generation.serving.engine import Engine, EngineConfig
-    from generation.serving.metrics import PrometheusMetrics
 
     generator = Generator.from_pretrained("checkpoints/bloom-tiny", dtype="fp32", device="cpu")
-    metrics = PrometheusMetrics()
-    engine = Engine(generator, EngineConfig(max_batch=8, max_length=max_length, bucket_width=bucket_width), metrics)
-    metrics.bind(engine)
-    with app_in_thread(engine, make_app(engine, "bloom-tiny", key, metrics)) as port:
-        yield generator, engine, port
+    with engine_server(generator, "bloom-tiny", key, metrics=True, max_batch=8, max_length=max_length,
+                       bucket_width=bucket_width) as running:
+        yield running.generator, running.engine, running.port
 
 
 def wait_until_healthy(proc: subprocess.Popen, port: int, seconds: float, log=lambda: "") -> None:

@@ -27,7 +27,6 @@ from bloom_hpu.runtime.cpu import CpuOptions, accelerate, capability
 from bloom_hpu.runtime.cpu.layers import FEW_ROWS, WidenedProducts
 from dequantized import write_dequantized
 from isas import KERNEL_ISAS
-from utils.random_checkpoint import make_random_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 AVX2_CPU = capability.Capability("avx2", "a test: as an AVX2 CPU")
@@ -193,8 +192,8 @@ def test_nothing_is_widened_where_bf16_is_native_or_not_asked_for(monkeypatch, c
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_random_checkpoint(tmp_path_factory.mktemp("prompt"), hidden_size=64, n_layer=3, n_head=4, seed=7)
+def folder(seed7_checkpoint):
+    return seed7_checkpoint
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -12,7 +12,6 @@ import transformers
 
 from generation.run.batch import InputError
 from generation.generator import Generator
-from utils.random_checkpoint import make_random_checkpoint
 
 PROMPTS = [
     "It was the best of times",
@@ -24,13 +23,13 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_random_checkpoint(tmp_path_factory.mktemp("greedy"), hidden_size=64, n_layer=3, n_head=4, seed=7)
+def folder(seed7_checkpoint):
+    return seed7_checkpoint
 
 
 @pytest.fixture(scope="module")
-def reference(folder):
-    return transformers.BloomForCausalLM.from_pretrained(folder).eval()
+def reference(seed7_reference):
+    return seed7_reference
 
 
 @pytest.fixture(scope="module")

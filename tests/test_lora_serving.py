@@ -17,7 +17,7 @@ from generation import Generator
 from generation.serving.app import make_app
 from generation.serving.engine import Engine, EngineConfig
 from lora_adapters import make_adapter
-from servers import app_in_thread, free_port
+from servers import app_in_thread, engine_server, free_port
 
 CKPT = dict(hidden_size=64, n_layer=2, n_head=4, seed=7)
 MAX_LENGTH, WIDTH = 48, 16
@@ -41,9 +41,8 @@ def folders(make_ckpt, tmp_path_factory):
 def server(folders):
     base, adapters = folders
     generator = Generator.from_pretrained(base, device="cpu", lora=adapters)
-    engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH))
-    with app_in_thread(engine, make_app(engine, "base")) as port:
-        yield generator, engine, port
+    with engine_server(generator, "base", max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH) as running:
+        yield generator, running.engine, running.port
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,8 @@ import openai
 import pytest
 
 from generation import Generator
-from generation.serving.app import make_app
-from generation.serving.engine import Engine, EngineConfig
-from generation.serving.metrics import PrometheusMetrics
 from lora_adapters import make_adapter
-from servers import app_in_thread
+from servers import engine_server
 
 CKPT = dict(hidden_size=64, n_layer=2, n_head=4, seed=7)
 MAX_LENGTH, WIDTH = 160, 32
@@ -41,12 +38,9 @@ def folders(make_ckpt, tmp_path_factory):
 def server(folders):
     base, adapters = folders
     generator = Generator.from_pretrained(base, device="cpu", lora=adapters, prefix_cache="16MB")
-    metrics = PrometheusMetrics()
-    engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH, max_prefill=4,
-                                            prefill_chunk=32), metrics)
-    metrics.bind(engine)
-    with app_in_thread(engine, make_app(engine, "base", metrics=metrics)) as port:
-        yield generator, engine, port
+    with engine_server(generator, "base", metrics=True, max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH,
+                       max_prefill=4, prefill_chunk=32) as running:
+        yield generator, running.engine, running.port
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,6 @@ from bloom_hpu.loading import load_model
 from bloom_hpu.quantize import QuantizeError, quantize, weight_bytes
 from dequantized import dequantized_weight, held_out_perplexities, write_dequantized
 from generation.generator import Generator
-from utils.random_checkpoint import make_random_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["The quick brown fox jumps over the lazy dog", "Hello, world", "Numbers 1 2 3 4"]
@@ -53,8 +52,8 @@ def two_rank_tokens(tmp_path, *weights) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_random_checkpoint(tmp_path_factory.mktemp("int8"), hidden_size=64, n_layer=3, n_head=4, seed=7)
+def folder(seed7_checkpoint):
+    return seed7_checkpoint
 
 
 MODES = ["int8", "int4"]

@@ -15,10 +15,7 @@ import openai
 import pytest
 
 from generation import Generator
-from generation.serving.app import make_app
-from generation.serving.engine import Engine, EngineConfig
-from generation.serving.metrics import PrometheusMetrics
-from servers import app_in_thread
+from servers import engine_server
 
 KEY = "fuzz-key"
 MAX_LENGTH = 48
@@ -31,11 +28,9 @@ def generator():
 
 @pytest.fixture(scope="module")
 def server(generator):
-    metrics = PrometheusMetrics()
-    engine = Engine(generator, EngineConfig(max_batch=4, max_length=MAX_LENGTH, bucket_width=16, max_queue=64), metrics)
-    metrics.bind(engine)
-    with app_in_thread(engine, make_app(engine, "bloom-tiny", KEY, metrics)) as port:
-        yield engine, port
+    with engine_server(generator, "bloom-tiny", KEY, metrics=True, max_batch=4, max_length=MAX_LENGTH, bucket_width=16,
+                       max_queue=64) as running:
+        yield running.engine, running.port
 
 
 @pytest.fixture

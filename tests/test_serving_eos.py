@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 import torch
 
 from generation import Generator
-from generation.serving.app import make_app
 from generation.serving.engine import Engine, EngineConfig
 from generation.serving.params import SamplingParams
-from servers import app_in_thread
+from servers import engine_server
 
 EOS, PAD = 2, 3
 MAX_LENGTH, WIDTH, NEW, KEY, MODEL = 64, 16, 16, "test-key", "bloom-eos"
@@ -140,9 +138,8 @@ def test_min_new_tokens_in_the_engine(generator, engine, eos_reference, hf_token
 
 @pytest.fixture(scope="module")
 def client(generator):
-    engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH))
-    with app_in_thread(engine, make_app(engine, MODEL, KEY)) as port:
-        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
+    with engine_server(generator, MODEL, KEY, max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH) as running:
+        yield running.client()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
