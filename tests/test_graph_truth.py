@@ -71,6 +71,32 @@ def reference(runtime, eager, prompts, **options):
         return sequences(eager.generate(prompts, **options))
 
 
+EOS = 2  # the random checkpoints' eos_token_id
+
+
+@pytest.mark.parametrize("search", ["greedy", "beams", "penalties"])
+def test_the_eager_reference_is_transformers(checkpoint, eager, search):
+    """Every test here compares the card's tokens with the eager CPU run of the same code, so a bug in
+    the shared logic would pass them all; this anchors that run to transformers' ``generate`` on the
+    same weights, prompts and options (sampling draws from another generator: its own tests)."""
+    import torch
+    import transformers
+
+    hf = transformers.BloomForCausalLM.from_pretrained(checkpoint).eval()
+    options = dict(max_length=24, ignore_eos=False, **SEARCHES[search])
+    ours = sequences(eager.generate(PROMPTS, **options))
+    for prompt, got in zip(PROMPTS, ours):
+        ids = eager.tokenizer.encode(prompt)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              max_length=24, do_sample=False, eos_token_id=EOS, pad_token_id=3,
+                              **{k: v for k, v in SEARCHES[search].items()})
+        want = []
+        for row in out[:, len(ids):].tolist():
+            want.append(row[: row.index(EOS) + 1] if EOS in row else row)  # ours keep ids up to the EOS
+        assert got == want, (prompt, search)
+
+
 class Counts:
     """Captures and lazy graphs so far, to check that a second run adds none."""
 
