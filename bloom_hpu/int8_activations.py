@@ -33,10 +33,43 @@ QMAX = 127
 
 NEEDS_QUANTIZED = ("--int8_activations goes with quantized weights (--quantize int8 or int4, or a checkpoint "
                    "saved quantized)")
+# ``--int8_activations``: 'on' (every quantized product), 'off' (none: weight-only products), 'auto'
+# (the default: on a CPU, whichever of the two its runtime measured faster, for prompts and for
+# decode rows apart; on a card, off).
+MODES = ("off", "on", "auto")
 
 
 class Int8ActivationsError(ValueError):
     """A model that cannot take integer products (one line for the user)."""
+
+
+def parse_mode(value: bool | str | None) -> str:
+    """'off', 'on' or 'auto' from the library's argument (True and False are 'on' and 'off', None
+    'auto'); raises Int8ActivationsError for anything else."""
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, str) and value.lower() in MODES:
+        return value.lower()
+    raise Int8ActivationsError(f"int8_activations must be one of {', '.join(MODES)} (or True / False), got {value!r}")
+
+
+def prompt_shaped(x: torch.Tensor) -> bool:
+    """x [B, T, K] with more than one token a row: a prompt's (prefill, extend, scoring) product.
+    A decode step's are [B, 1, K] (the server's mixed step too: one token a row), the LM head's of
+    a prefill [B, K]. Decided by the shape alone, so a row's route never depends on the rows beside it."""
+    return x.dim() >= 3 and x.shape[-2] > 1
+
+
+def takes_integer(module, x: torch.Tensor) -> bool:
+    """Whether the quantized ``module``'s product with ``x`` is an integer one: with
+    ``int8_activations`` on, for prompts where ``integer_prompts``, for decode rows where
+    ``integer_decode`` (both True for '--int8_activations on'; the CPU runtime's measured choice
+    sets them apart under 'auto')."""
+    if not module.int8_activations:
+        return False
+    return module.integer_prompts if prompt_shaped(x) else module.integer_decode
 
 
 def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

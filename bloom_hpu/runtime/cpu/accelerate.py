@@ -25,8 +25,11 @@ from typing import Callable
 import torch
 
 from ...model import Attention, StaticBloom, segment_layout
-from ...quantize import INT8_KERNEL_FLOAT_ROWS, INT8_KERNEL_MANY_ROWS, INT8_KERNEL_ROWS, quantized_mode, quantized_products
-from . import capability
+from ...int8_activations import MODES as INT8_ACTIVATIONS_MODES
+from ...int8_activations import Int8ActivationsError, check_rows
+from ...quantize import (INT8_KERNEL_FLOAT_ROWS, INT8_KERNEL_MANY_ROWS, INT8_KERNEL_ROWS, quantized_mode, quantized_products,
+                        use_int8_activations)
+from . import capability, choice, routes
 from .kernels import Kernels, KernelsUnavailable, load
 from .layers import (AMX_MIN_ROWS, AMX_TILE_ROWS, CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, KernelGelu,
                      OneCallPromptAttention, WidenedProducts, kernel_suits, swap, unswap)
@@ -47,18 +50,33 @@ class CpuOptions:
     ``amx``: with the AVX-512 kernels on a CPU with AMX-BF16, their bf16 products of 4 rows or
     more on AMX tiles (off: the AVX-512 loop, as on other CPUs; a setting of the process, as the
     kernels are loaded once per process).
-    ``widen``: on a CPU whose bf16 products are emulated, the products of many rows over bf16/fp16
-    and quantized weights in fp32 on the widened weight (off: PyTorch's emulated ones, to compare)."""
+    ``widen``: the products of many rows over bf16/fp16 and quantized weights in fp32 on the
+    widened weight may be chosen (off: never, to compare).
+    ``int8_activations``: for quantized weights, 'auto' (integer products where measured faster,
+    for prompts and decode rows apart), 'on' (every product: what ``--int8_activations on`` sets on the
+    model before the runtime sees it) or 'off' (weight-only products).
+    ``choice``: how the routes of ``routes.py`` are chosen: 'measure' (timed on this CPU once,
+    cached), 'static' (the rule of thumb, no timing), or forced pairs 'prompts=widened,decode=integer'
+    (``choice.py``); None: ``$BLOOM_CPU_CHOICE``, else 'measure'."""
 
     path: str = "auto"
     one_call_steps: bool = True
     pack_weights: bool = True
     amx: bool = True
     widen: bool = True
+    int8_activations: str = "auto"
+    choice: str | None = None
 
     def __post_init__(self):
         if self.path not in PATHS:
             raise CpuPathError(f"unknown CPU path {self.path!r}: choose one of {', '.join(PATHS)}")
+        if self.int8_activations not in INT8_ACTIVATIONS_MODES:
+            raise CpuPathError(f"unknown int8_activations {self.int8_activations!r}: choose one of "
+                               f"{', '.join(INT8_ACTIVATIONS_MODES)}")
+        try:
+            choice.check(self.choice)
+        except choice.ChoiceError as error:
+            raise CpuPathError(str(error)) from None
 
 
 @dataclass
@@ -284,33 +302,96 @@ class DequantizeScratch:
         return out
 
 
-# With the fp32 products of many rows (``widen_many_rows``), the int8 and int4 kernels serve up to
-# this many rows (a decode's, as before), the widened weight's fp32 products the rest: past a few
-# tens of rows a real fp32 GEMM over the widened weight outruns kernels that widen weights one
-# vector at a time.
-WIDE_QUANTIZED_KERNEL_ROWS = FEW_ROWS
-
-
-def widen_many_rows(model: StaticBloom, linears: list, kernels: Kernels | None) -> str:
-    """On a CPU whose bf16 products are emulated: the products of more than ``FEW_ROWS`` rows (a
-    prompt) of every float linear, the head and the quantized linears as fp32 products on the weight
-    widened (``WidenedProducts``, one scratch for all); the few rows of a decode keep their kernel.
-    The head takes it where it has the kernel's class (``CpuTiedHead``).
-    Returns the line for the plan's description."""
-    wide = WidenedProducts(kernels.int4_dequantize if kernels is not None else None)
+def widen_many_rows(model: StaticBloom, linears: list, wide: WidenedProducts) -> str:
+    """The products of more than ``FEW_ROWS`` rows (a prompt) of every float linear, the head and
+    the quantized linears as fp32 products on the weight widened (``WidenedProducts``, one scratch
+    for all); the few rows of a decode keep their kernel. The head takes it where it has the
+    kernel's class (``CpuTiedHead``). Returns the line for the plan's description."""
     for linear in linears:
         linear.wide = wide
     if isinstance(model.head, CpuTiedHead):  # the head's many rows: a scoring pass (a prefill's are few)
         model.head.wide = wide
     for module in quantized_products(model):
-        if module.int8_activations:
+        if module.int8_activations and module.integer_prompts:
             continue  # integer products are never widened
         if hasattr(module, "embeddings") and module.embeddings.qweight.dtype == torch.uint8 and module.kernel:
             continue  # int4's head keeps its kernel for any rows (see ``accelerate``)
-        module.wide = wide
-        if module.kernel is not None:
-            module.kernel_rows = min(module.kernel_rows, WIDE_QUANTIZED_KERNEL_ROWS)
-    return f"products of over {wide.min_rows} rows in fp32, weights widened (bf16 products emulated here)"
+        routes.route_prompts(module, "widened", wide, None)
+    return f"products of over {wide.min_rows} rows in fp32, weights widened"
+
+
+def apply_integer(quantized: list, picks: dict, kernels: Kernels | None) -> str | None:
+    """Integer products where ``picks`` chose them, the kernels' integer product for each (else
+    their public-op form). Returns the scope for the load line: '' (every product), ' for prompts',
+    ' for decode rows', or None (none)."""
+    block_kernel = kernels.block_q8_linear if kernels is not None else None
+    prompts, decode = picks.get("prompts") == "integer", picks.get("decode") == "integer"
+    for module in quantized:
+        if module.int8_activations and not module.__dict__.get("auto_integer"):  # --int8_activations on
+            module.block_kernel = block_kernel
+        else:
+            routes.set_integer(module, prompts, decode, block_kernel)
+    integer = [m for m in quantized if m.int8_activations]
+    if not integer:
+        return None
+    prompts = all(m.integer_prompts for m in integer)
+    decode = all(m.integer_decode for m in integer)
+    return "" if prompts and decode else " for prompts" if prompts else " for decode rows"
+
+
+def integer_allowed(model: StaticBloom, quantized: list) -> bool:
+    """Every quantized product's rows are whole blocks of 32 (``check_rows``)."""
+    try:
+        check_rows(quantized, model.parallel.world_size)
+    except Int8ActivationsError:
+        return False
+    return bool(quantized)
+
+
+def choose_routes(model: StaticBloom, options: CpuOptions, cap: capability.Capability, kernels: Kernels | None,
+                  linears: list, quantized: list, wide: WidenedProducts, compile_steps: bool,
+                  amx_tiles: bool) -> choice.Chosen:
+    """The route of prompts and of decode rows (``routes.py``): the candidates this model and these
+    options allow, timed on a sample of the first block's products unless the choice is cached,
+    static or forced (``choice.py``)."""
+    dtype = model.word_embeddings.weight.dtype
+    user_integer = bool(quantized) and all(m.int8_activations and not m.__dict__.get("auto_integer") for m in quantized)
+    may_widen = options.widen and options.path != "plain" and not compile_steps and \
+        dtype in (torch.bfloat16, torch.float16)
+    may_integer = options.int8_activations == "auto" and not compile_steps and integer_allowed(model, quantized)
+    block = model.h[0]
+    first = [block.self_attention.query_key_value, block.self_attention.dense, block.mlp.dense_h_to_4h,
+             block.mlp.dense_4h_to_h]
+    prompts, decode = [], []
+    if user_integer or (options.int8_activations == "on" and quantized):
+        prompts, decode = ["integer"], ["integer"]
+    elif quantized:
+        prompts = ["native"] + (["widened"] if may_widen else []) + (["integer"] if may_integer else [])
+        decode = ["weight-only"] + (["integer"] if may_integer else [])
+    elif all(m in linears for m in first):
+        prompts = ["native"] + (["widened"] if may_widen else []) + \
+            (["kernel"] if kernels is not None and all(m.kernel is not None for m in first) else [])
+    static = {"prompts": "integer" if "integer" in decode and len(decode) == 1 else
+              "widened" if "widened" in prompts and cap.emulates_bf16 else "native",
+              "decode": "integer" if decode == ["integer"] else "weight-only"}
+    block_kernel = kernels.block_q8_linear if kernels is not None else None
+    proxies = [routes.sampled(m) for m in first]
+    candidates = {"prompts": {}, "decode": {}}
+    for pick in prompts:
+        candidates["prompts"][pick] = routes.timer(
+            proxies, routes.prompt_shapes(), dtype,
+            lambda p, pick=pick: routes.route_prompts(p, pick, wide, block_kernel))
+    for pick in decode:
+        candidates["decode"][pick] = routes.timer(
+            proxies, routes.decode_shapes(), dtype, lambda p, pick=pick: routes.route_decode(p, pick, block_kernel))
+    determined_by = {"dtype": str(dtype), "sample": routes.describe_sample(proxies),
+                     "kernels": kernels.isa if kernels is not None else None, "amx_tiles": amx_tiles,
+                     "options": [options.path, options.widen, options.amx, options.pack_weights,
+                                 options.int8_activations]}
+    try:
+        return choice.choose(candidates, static, determined_by, options.choice)
+    except choice.ChoiceError as error:
+        raise CpuPathError(str(error)) from None
 
 
 def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_steps: bool = False) -> CpuPlan:
@@ -320,14 +401,14 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     cap = capability.detect()
     kernels, why = choose_kernels(options.path, cap)
     for module in model.modules():  # a choice of an earlier call is undone: it is made again below
-        module.__dict__.pop("wide", None)
-        module.__dict__.pop("block_kernel", None)
+        routes.clear_choice(module)
     # Quantized layers (bloom_hpu/quantize.py) keep their own int8 product.
     linears = [m for m in model.modules() if isinstance(m, tuple(CPU_LINEAR)) and not getattr(m, "quantized", False)]
     for linear in linears:
         swap(linear, CPU_LINEAR[getattr(linear, "plain_class", type(linear))])
     quantized = quantized_products(model)
-    integer = [m for m in quantized if m.int8_activations]
+    if options.int8_activations == "on" and quantized and not all(m.int8_activations for m in quantized):
+        use_int8_activations(model)  # the option given to the runtime alone: as from_pretrained sets it
     used = []
     amx_tiles = kernels is not None and dtype == torch.bfloat16 and cap.amx and use_amx_tiles(kernels, options.amx)
     # The kernel's row limit: higher where its bf16 products run on AMX tiles; lower where AMX
@@ -358,23 +439,33 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
                 module.kernel = kernels.int8_rows_linear
                 many = quantized_kernel_rows(kernels.isa, dtype, cap.amx, int4=False, tiles=amx_tiles)
                 module.kernel_rows = many if q.shape[1] % 32 == 0 else INT8_KERNEL_ROWS
-        if integer:
-            for module in integer:
-                module.block_kernel = kernels.block_q8_linear
-            used.append(f"{quantized_mode(model)} integer products (activations int8 per block of 32)")
-        elif quantized:
-            used.append(f"{quantized_mode(model)} few-rows products")
-    if kernels is None and integer:
-        used.append("integer products in public ops (activations int8 per block of 32)")
-    widened = options.widen and options.path != "plain" and not compile_steps and dtype in (torch.bfloat16, torch.float16) \
-        and cap.emulates_bf16
-    if widened:
-        used.append(widen_many_rows(model, linears, kernels))
+    # The GELU inside the product before the routes are timed: they are timed as they will run.
     onednn = options.path != "plain" and not compile_steps and dtype == torch.bfloat16
-    if onednn and capability.onednn_fuses_gelu(dtype) and all(b.mlp.dense_h_to_4h in linears for b in model.h):
+    fused_gelu = onednn and capability.onednn_fuses_gelu(dtype) and all(b.mlp.dense_h_to_4h in linears for b in model.h)
+    if fused_gelu:
         for block in model.h:
             block.mlp.dense_h_to_4h.fused_gelu = True
             block.mlp.gelu = torch.nn.Identity()
+    wide = WidenedProducts(kernels.int4_dequantize if kernels is not None else None)
+    chosen = choose_routes(model, options, cap, kernels, linears, quantized, wide, compile_steps, amx_tiles)
+    integer_scope = apply_integer(quantized, chosen.picks, kernels)
+    if quantized:
+        public = "" if kernels is not None else " in public ops"
+        mode_name = f"{quantized_mode(model)} " if kernels is not None else ""
+        if integer_scope is not None:
+            used.append(f"{mode_name}integer products{integer_scope}{public} (activations int8 per block of 32)")
+        if kernels is not None and integer_scope != "":
+            used.append(f"{quantized_mode(model)} few-rows products")
+    integer = [m for m in quantized if m.int8_activations]
+    integer_decode = bool(integer) and all(m.integer_decode for m in integer)
+    widened = chosen.picks.get("prompts") == "widened"
+    if widened:
+        used.append(widen_many_rows(model, linears, wide))
+    if chosen.picks.get("prompts") == "kernel":
+        for linear in linears:
+            linear.few_rows_limit = routes.KERNEL_ANY_ROWS
+        used.append("the few-rows kernel for prompts too")
+    if fused_gelu:
         used.append("oneDNN GELU in the prefill's MLP")
     quantized_mlps = [b.mlp for b in model.h if b.mlp.dense_h_to_4h in quantized]
     if kernels is not None and not compile_steps and quantized_mlps and \
@@ -389,13 +480,14 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     plan = CpuPlan("", kernels, decode_rows=few_rows)
     if kernels is not None and options.one_call_steps:
         if quantized:  # every weight quantized, each served by its kernel: the quantized one-call step
-            all_kernel = all((m.block_kernel if m.int8_activations else m.kernel) is not None for m in quantized)
+            all_kernel = all((m.block_kernel if m.int8_activations and m.integer_decode else m.kernel) is not None
+                             for m in quantized)
         else:
             all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
         if not compile_steps and model.parallel.world_size == 1 and all_kernel:
             plan.decode = OneCallDecode(model, kernels.decode_step,
-                                        kernels.decode_step_quantized if quantized else None, bool(integer))
-            if integer:  # integer products of any rows, through one kernel
+                                        kernels.decode_step_quantized if quantized else None, integer_decode)
+            if integer_decode:  # integer products of any rows, through one kernel
                 plan.decode_rows = FEW_ROWS
             elif quantized:  # as many rows as the quantized kernel serves, at most the bf16 step's untiled ones
                 plan.decode_rows = min([untiled_rows] + [m.kernel_rows for m in quantized])
@@ -405,12 +497,14 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
                 plan.mixed_rows = AMX_TILE_ROWS
             else:
                 plan.mixed_rows = MIXED_ROWS_QUANTIZED if quantized else MIXED_ROWS
-            kind = f" ({quantized_mode(model)}{', integer' if integer else ''})" if quantized else ""
+            kind = f" ({quantized_mode(model)}{', integer' if integer_decode else ''})" if quantized else ""
             used.append(f"one-call decode step{kind}")
         for block in model.h:
             swap(block.self_attention, OneCallPromptAttention, op=kernels.prompt_attention)
             plan.prompt_attention.append(block.self_attention)
         used.append("one-call prompt attention")
+    if chosen.picks:
+        used.append(f"routes {chosen.describe()}")
     source = "PyTorch operations" if kernels is None else f"{capability.ISA_NAMES[kernels.isa]} kernels"
     plan.description = f"{source}{': ' + ', '.join(used) if used else ''} ({why})"
     return plan
