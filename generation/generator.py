@@ -21,6 +21,7 @@ from bloom_hpu.loading import LoadReport, load_model
 from bloom_hpu.lora import read_adapter
 from bloom_hpu.lora_rows import ServedAdapters, stack
 from bloom_hpu.int8_activations import NEEDS_QUANTIZED, Int8ActivationsError
+from bloom_hpu.int8_activations import parse_mode as parse_int8_activations
 from bloom_hpu.quantize import (MODES as QUANTIZE_MODES, QuantizeError, resolve_group_size, stored_quantization,
                                 use_int8_activations)
 from bloom_hpu.quantize import quantize as quantize_weights
@@ -86,7 +87,7 @@ class Generator:
         limit_hpu_graphs: bool | None = None,
         quantize: str | None = None,
         group_size: int | None = None,
-        int8_activations: bool = False,
+        int8_activations: bool | str = "auto",
         prefix_cache: int | str | None = None,
     ) -> "Generator":
         """``cpu``: the CPU fast path (``CpuOptions``: which kernels, one-call steps, packing);
@@ -99,10 +100,12 @@ class Generator:
         weights kept as int8 with a scale per output row, or "int4", packed with a scale per
         ``group_size`` weights of a row (default 64; ``bloom_hpu/quantize.py``; activations and the
         cache stay in ``dtype``). A checkpoint saved quantized loads as it is stored.
-        ``int8_activations``: with quantized weights, integer products: the input of every
-        quantized product rounded to int8 per block of 32 values (``bloom_hpu/int8_activations.py``),
-        which a CPU multiplies by the weight in integer arithmetic; off, the products are of the
-        dequantized weight with the activations as they are.
+        ``int8_activations``: with quantized weights, "on" (or True): integer products, the input of
+        every quantized product rounded to int8 per block of 32 values (``bloom_hpu/int8_activations.py``),
+        which a CPU multiplies by the weight in integer arithmetic; "off" (or False): the products are
+        of the dequantized weight with the activations as they are; "auto" (default): on the CPU,
+        whichever its runtime measured faster, for prompts and decode rows apart (``cpu.int8_activations``),
+        on a card off.
         ``prefix_cache``: the size of the prefix cache's pool (bytes, or a string such as "1GB";
         None or 0: none): the keys and values of prompt prefixes seen before are copied instead
         of computed (``generation/run/prefix_pool.py``)."""
@@ -122,8 +125,11 @@ class Generator:
             raise QuantizeError(f"the checkpoint is stored {saved}; it cannot be quantized again as {quantize}"
                                 f"{f' with groups of {group_size}' if group_size else ''} (leave out --quantize, "
                                 "or give the float checkpoint)")
-        if int8_activations and quantize is None and stored is None:
+        int8_activations = parse_int8_activations(int8_activations)
+        if int8_activations == "on" and quantize is None and stored is None:
             raise Int8ActivationsError(NEEDS_QUANTIZED)
+        if int8_activations != "auto":  # the runtime's choice follows the argument
+            cpu = replace(cpu, int8_activations=int8_activations)
         adapter, served = None, {}
         if peft_weights is not None or lora:  # checked against the config before the model is read
             adapter = read_adapter(peft_weights, config) if peft_weights is not None else None
@@ -135,7 +141,7 @@ class Generator:
         bloom, report = load_model(folder, torch_dtype, backend.device, parallel, adapter)
         if quantize is not None and stored is None:
             quantize_weights(bloom, quantize, group_size)  # before the runtime sees the model: its fast path keeps them
-        if int8_activations:
+        if int8_activations == "on":
             use_int8_activations(bloom)  # before the runtime: it gives these products its integer kernel
         tokenizer = load_tokenizer(folder, bloom.config)
         generator = cls(bloom, tokenizer, StepRunner(bloom, backend), folder, report)
