@@ -1,0 +1,320 @@
+"""The CPU routes chosen by measurement (bloom_hpu/runtime/cpu/choice.py, routes.py; DESIGN.md
+principle 15) and the accuracy contract every route keeps (docs/performance.md#the-routes-chosen-by-measurement).
+
+* The choice is timed once and cached in a file named by what determines it; a killed first run
+  leaves no file (nor a half-written one that is read), and the next run times again and writes
+  one complete file.
+* ``CpuOptions.choice`` / ``$BLOOM_CPU_CHOICE`` force a route or skip the timing; a route that
+  cannot run here is one clear error.
+* The contract, on the embedded default (checkpoints/bloom-tiny), for the route the timing takes
+  and for each route forced: held-out perplexity through our own products within 1% (int8) / 5%
+  (int4) of fp32's; greedy tokens are transformers' on the dequantized weights until the
+  reference's first near tie (NEAR_TIE nats between its best and second token) and the log-probs
+  within LOGPROBS nats of its; with the AVX2 build and torch, oneDNN and MKL capped at AVX2 too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from bloom_hpu.runtime.cpu import CpuOptions, CpuPathError, choice
+from dequantized import write_dequantized
+from generation import Generator
+from generation.run.logprobs import score_rows
+from isas import KERNEL_ISAS, ROOT, needs_isa
+
+PROMPTS = ["In the beginning God created", "And the LORD said unto Moses,", "Blessed are the"]
+NEW_TOKENS = 16
+NEAR_TIE = 0.3  # nats
+LOGPROBS = 0.15  # nats
+PERPLEXITY = {"int8": 0.01, "int4": 0.05}  # relative to fp32's
+# Every pair of routes a quantized model can be forced to, besides the measured one.
+FORCED = ["prompts=native,decode=weight-only", "prompts=widened,decode=weight-only",
+          "prompts=integer,decode=weight-only", "prompts=integer,decode=integer"]
+
+
+@pytest.fixture
+def choice_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "choices"
+    folder.mkdir()
+    monkeypatch.setenv(choice.DIR_ENV, str(folder))
+    return folder
+
+
+def counting(times: dict[str, float]):
+    """Candidates that 'take' the given seconds, and the count of calls made to them."""
+    calls = {name: 0 for name in times}
+
+    def candidate(name):
+        def run():
+            calls[name] += 1
+            return times[name]
+        return run
+
+    return {name: candidate(name) for name in times}, calls
+
+
+# --- the cache ---------------------------------------------------------------------------------
+
+
+def test_the_file_is_named_by_what_determines_it(choice_dir, monkeypatch):
+    base = choice.cache_path({"dtype": "bf16", "sample": [[1024, 4096]]})
+    assert base == choice.cache_path({"dtype": "bf16", "sample": [[1024, 4096]]})
+    assert base.parent == choice_dir and base.name.startswith("bloom_cpu_choice_")
+    others = {choice.cache_path({"dtype": "fp32", "sample": [[1024, 4096]]}),
+              choice.cache_path({"dtype": "bf16", "sample": [[2048, 4096]]})}
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    others.add(choice.cache_path({"dtype": "bf16", "sample": [[1024, 4096]]}))
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        others.add(choice.cache_path({"dtype": "bf16", "sample": [[1024, 4096]]}))
+    finally:
+        torch.set_num_threads(threads)
+    assert base == choice.cache_path({"dtype": "bf16", "sample": [[1024, 4096]]})
+    assert len(others) == 4 and base not in others
+
+
+def test_the_fastest_is_timed_once_then_read(choice_dir):
+    runs, calls = counting({"native": 2.0, "widened": 1.0})
+    first = choice.choose({"prompts": runs}, {"prompts": "native"}, {"k": 1}, "measure")
+    assert first.how == "measured" and first.picks == {"prompts": "widened"}
+    assert calls == {"native": 1 + choice.REPEATS, "widened": 1 + choice.REPEATS}
+    files = list(choice_dir.glob("bloom_cpu_choice_*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["picks"] == {"prompts": "widened"}
+    runs, calls = counting({"native": 2.0, "widened": 1.0})
+    again = choice.choose({"prompts": runs}, {"prompts": "native"}, {"k": 1}, "measure")
+    assert again.how == "cached" and again.picks == {"prompts": "widened"}
+    assert sum(calls.values()) == 0  # read, not timed
+
+
+def test_a_slow_candidate_is_dropped_after_its_warm_up(choice_dir):
+    runs, calls = counting({"native": 5.0, "widened": 1.0, "integer": 2.0})
+    picked = choice.choose({"prompts": runs}, {"prompts": "native"}, {"k": 2}, "measure")
+    assert picked.picks == {"prompts": "widened"}
+    assert calls == {"native": 1, "widened": 1 + choice.REPEATS, "integer": 1 + choice.REPEATS}
+
+
+def test_a_damaged_file_is_timed_again(choice_dir):
+    runs, calls = counting({"native": 1.0, "widened": 2.0})
+    path = choice.cache_path({"k": 3, "candidates": {"prompts": ["native", "widened"]}})
+    path.write_text('{"picks": {"prom')
+    assert choice.choose({"prompts": runs}, {"prompts": "widened"}, {"k": 3}, "measure").how == "measured"
+    assert json.loads(path.read_text())["picks"] == {"prompts": "native"}
+
+
+KILLED_RUN = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from bloom_hpu.runtime.cpu import choice
+    marker = Path(sys.argv[1])
+    def slow():
+        marker.touch()  # the measurement has begun
+        time.sleep(60)
+        return 1.0
+    choice.choose({"prompts": {"native": slow, "widened": lambda: 2.0}}, {"prompts": "native"}, {"k": 4}, "measure")
+""")
+
+
+def test_a_killed_first_run_leaves_nothing_and_the_next_times_again(choice_dir, tmp_path):
+    marker = tmp_path / "timing"
+    process = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(marker)], cwd=ROOT,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert process.poll() is None and time.monotonic() < deadline, "the timing never began"
+            time.sleep(0.05)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert not list(choice_dir.glob("bloom_cpu_choice_*"))
+    # A writer killed between its write and its rename: a temporary file, never read.
+    path = choice.cache_path({"k": 4, "candidates": {"prompts": ["native", "widened"]}})
+    leftover = path.parent / f".{path.stem}.x1y2.tmp"
+    leftover.write_text('{"picks": {"prompts": "wid')
+    runs, calls = counting({"native": 1.0, "widened": 2.0})
+    picked = choice.choose({"prompts": runs}, {"prompts": "widened"}, {"k": 4}, "measure")
+    assert picked.how == "measured" and picked.picks == {"prompts": "native"} and calls["native"] > 1
+    assert [p.name for p in choice_dir.iterdir()] == [path.name]  # one complete file, no temporary
+    assert json.loads(path.read_text())["picks"] == {"prompts": "native"}
+
+
+# --- forcing and skipping ----------------------------------------------------------------------
+
+
+def test_static_and_forced_choices_time_nothing(choice_dir):
+    runs, calls = counting({"native": 1.0, "widened": 2.0})
+    static = choice.choose({"prompts": runs}, {"prompts": "widened"}, {"k": 5}, "static")
+    forced = choice.choose({"prompts": runs}, {"prompts": "native"}, {"k": 5}, "prompts=widened")
+    assert (static.how, static.picks, forced.how, forced.picks) == \
+        ("static", {"prompts": "widened"}, "forced", {"prompts": "widened"})
+    assert sum(calls.values()) == 0 and not list(choice_dir.iterdir())
+    with pytest.raises(choice.ChoiceError, match="cannot run here: choose one of native, widened"):
+        choice.choose({"prompts": runs}, {"prompts": "native"}, {"k": 5}, "prompts=integer")
+
+
+def test_bad_options_are_one_clear_error(tiny_checkpoint):
+    import bloom
+
+    with pytest.raises(CpuPathError, match="bad CPU choice"):
+        CpuOptions(choice="fastest")
+    with pytest.raises(CpuPathError, match="unknown int8_activations"):
+        CpuOptions(int8_activations="maybe")
+    with pytest.raises(CpuPathError, match="cannot run here"):  # fp32 weights have no integer route
+        Generator.from_pretrained(tiny_checkpoint, cpu=CpuOptions(choice="prompts=integer"))
+    with pytest.raises(SystemExit) as exit_:
+        bloom.main(["--weights", str(tiny_checkpoint), "--int8_activations=sometimes", "Hi"])
+    assert exit_.value.code == 2
+
+
+def test_the_cli_takes_off_on_auto_and_the_bare_flag(tiny_checkpoint, capsys):
+    import bloom
+
+    assert bloom.bare_flags_as_on(["--int8_activations", "Hi"]) == ["--int8_activations=on", "Hi"]
+    assert bloom.bare_flags_as_on(["--int8_activations"]) == ["--int8_activations=on"]
+    assert bloom.bare_flags_as_on(["--int8_activations", "off", "Hi"]) == ["--int8_activations", "off", "Hi"]
+    lines = {}
+    for mode in ("off", "on", "auto"):
+        assert bloom.main(["--weights", str(tiny_checkpoint), "--quantize", "int8", "--int8_activations", mode,
+                           "--max_length", "12", "Hi"]) == 0
+        lines[mode] = next(line for line in capsys.readouterr().err.splitlines() if "CPU fast path" in line)
+    assert "integer products" not in lines["off"] and "int8 integer products (" in lines["on"]
+    assert "routes prompts" in lines["auto"]  # the route line says what was chosen, and how
+
+
+# --- the accuracy contract ---------------------------------------------------------------------
+
+
+def held_out_texts(checkpoint: Path) -> list[str]:
+    from utils import kjv_corpus
+
+    try:
+        return kjv_corpus.load().held_out[:3]
+    except Exception:
+        return [(checkpoint / "README.md").read_text()]
+
+
+def our_perplexity(generator: Generator, texts: list[str]) -> float:
+    """exp of the mean negative log-prob of every token given those before it, through our own
+    products (a scoring pass: the prompts' route)."""
+    rows = [generator.tokenizer.encode(t)[:256] for t in texts]
+    scores = score_rows(generator.runner, rows)
+    logprobs = [lp for s in scores for lp in s.token_logprobs]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def hf_greedy(model, ids: list[int], new: int):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, pad_token_id=3)
+    tokens = out.sequences[0, len(ids):].tolist()
+    logprobs = [torch.log_softmax(s[0].float(), -1) for s in out.scores]
+    margins = [float(lp.topk(2).values[0] - lp.topk(2).values[1]) for lp in logprobs]
+    return tokens, [lp[t].item() for lp, t in zip(logprobs, tokens)], margins
+
+
+@pytest.fixture(scope="module")
+def fp32_perplexity(tiny_checkpoint):
+    return our_perplexity(Generator.from_pretrained(tiny_checkpoint, cpu=CpuOptions(choice="static")),
+                          held_out_texts(tiny_checkpoint))
+
+
+@pytest.fixture(scope="module")
+def references(tiny_checkpoint, tmp_path_factory):
+    """transformers on each mode's dequantized weights (the quantization is the same on every route)."""
+    out = {}
+    for mode in PERPLEXITY:
+        model = Generator.from_pretrained(tiny_checkpoint, quantize=mode, int8_activations="off").model
+        folder = write_dequantized(tiny_checkpoint, model, tmp_path_factory.mktemp(f"dequantized-{mode}"))
+        out[mode] = transformers.BloomForCausalLM.from_pretrained(folder).eval()
+    return out
+
+
+def check_contract(generator: Generator, reference, mode: str, fp32: float, texts: list[str]) -> str:
+    """Assert the contract for ``generator``; returns a line of what it measured."""
+    got = our_perplexity(generator, texts)
+    assert abs(got / fp32 - 1) <= PERPLEXITY[mode], f"perplexity {got:.3f} against fp32's {fp32:.3f}"
+    compared = 0
+    for prompt in PROMPTS:
+        ids = generator.tokenizer.encode(prompt)
+        result = generator.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)[0]
+        tokens, logprobs, margins = hf_greedy(reference, ids, NEW_TOKENS)
+        clear = next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(margins))
+        assert result.token_ids[:clear] == tokens[:clear], prompt
+        assert result.sequences[0].token_logprobs[:clear] == pytest.approx(logprobs[:clear], abs=LOGPROBS)
+        compared += clear
+    assert compared >= NEW_TOKENS  # the comparison is not empty
+    return f"perplexity {got:.3f} ({got / fp32 - 1:+.2%} against fp32), {compared} greedy tokens compared"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", list(PERPLEXITY))
+@pytest.mark.parametrize("route", ["measure"] + FORCED)
+def test_every_route_keeps_the_contract(tiny_checkpoint, references, fp32_perplexity, choice_dir, mode, route):
+    generator = Generator.from_pretrained(tiny_checkpoint, quantize=mode, cpu=CpuOptions(choice=route))
+    line = generator.backend.fast_path
+    if route != "measure":
+        picks = dict(pair.split("=") for pair in route.split(","))
+        assert f"routes prompts {picks['prompts']}, decode {picks['decode']} (forced)" in line
+    print(f"{mode} {route}: {check_contract(generator, references[mode], mode, fp32_perplexity, held_out_texts(tiny_checkpoint))}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["measure", "prompts=native", "prompts=widened"])
+def test_bf16_routes_keep_bf16s_numbers(tiny_checkpoint, choice_dir, route):
+    """bf16 weights on each float route: the perplexity through our products within 1% of fp32's
+    (bf16 weights are exact in fp32: the routes differ only in where sums are rounded)."""
+    texts = held_out_texts(tiny_checkpoint)
+    fp32 = our_perplexity(Generator.from_pretrained(tiny_checkpoint, cpu=CpuOptions(choice="static")), texts)
+    generator = Generator.from_pretrained(tiny_checkpoint, dtype="bf16", cpu=CpuOptions(choice=route))
+    got = our_perplexity(generator, texts)
+    assert abs(got / fp32 - 1) <= 0.01, generator.backend.fast_path
+
+
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+CAPPED_RUN = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, "tests")
+    from bloom_hpu.runtime.cpu import CpuOptions
+    from generation import Generator
+    import test_cpu_choice as t
+    import transformers
+    from dequantized import write_dequantized
+    from pathlib import Path
+    checkpoint, out = Path(sys.argv[1]), Path(sys.argv[2])
+    texts = t.held_out_texts(checkpoint)
+    fp32 = t.our_perplexity(Generator.from_pretrained(checkpoint, cpu=CpuOptions(choice="static")), texts)
+    for mode in t.PERPLEXITY:
+        for route in ["measure"] + t.FORCED:
+            g = Generator.from_pretrained(checkpoint, quantize=mode, cpu=CpuOptions(path="avx2", choice=route))
+            folder = write_dequantized(checkpoint, g.model, out / f"{mode}-{len(route)}")
+            reference = transformers.BloomForCausalLM.from_pretrained(folder).eval()
+            print(mode, route, t.check_contract(g, reference, mode, fp32, texts), "|", g.backend.fast_path, flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_every_route_keeps_the_contract_on_the_avx2_build_capped(tiny_checkpoint, choice_dir, tmp_path):
+    """The same contract as an AVX2-only CPU runs it: our AVX2 build, and torch, oneDNN and MKL
+    capped at AVX2 (their caps are read at start-up: a process of its own)."""
+    needs_isa("avx2")
+    run = subprocess.run([sys.executable, "-c", CAPPED_RUN, str(tiny_checkpoint), str(tmp_path)], cwd=ROOT,
+                         env={**os.environ, **AVX2_CAPS, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                         timeout=1200)
+    print(run.stdout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("greedy tokens compared") == 2 * (1 + len(FORCED))
+    assert "AVX2 kernels" in run.stdout
