@@ -200,7 +200,8 @@ def run_plan(plan: dict) -> int:
                 generator.runner.release_caches()
                 record(config, status="failed", reason=f"{type(error).__name__}: {error}")
                 continue
-            record(config, status="measured", startup_s=startup_s, need_bytes=need.total, **(figures or {}))
+            record(config, status="measured", startup_s=startup_s, need_bytes=need.total,
+                   fast_path=generator.backend.fast_path, threads=torch.get_num_threads(), **(figures or {}))
         del generator
         gc.collect()
     return 0
