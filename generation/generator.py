@@ -36,8 +36,10 @@ from .run.results import BatchStats, GenerationResult, Sequence, make_sequence
 from .search.beam import beam_search
 from .search.choose import GrammarSteps, chooser
 from .search.processors import LogitsProcessors
+from .search.guesses import Speculation, SpeculationError, parse_speculation
 from .search.sampling import UniformKernel, checked_uniform_kernel, repeat_rows, row_keys, sampling_seeds
 from .search.stopping import StopChecker, stops_per_prompt
+from .search.speculation import SpeculationStats, run_speculative_loop
 from .search.token_loop import FINISH_REASONS, LoopHooks, run_token_loop
 from .request.grammar import FIELDS as GRAMMAR_FIELDS, Grammar, GrammarRows, for_tokenizer, grammar_from_fields
 from .request.grammar import options_grammar
@@ -69,6 +71,8 @@ class Generator:
         self.last_stats: BatchStats | None = None
         self.adapter = None  # the LoRA adapter merged at load, if any
         self.lora: ServedAdapters | None = None  # adapters served unmerged, row by row
+        self.speculation: Speculation | None = None  # guesses verified several a pass (search/speculation.py)
+        self._speculated: SpeculationStats | None = None  # what the last call's speculation did
 
     @classmethod
     def from_pretrained(
@@ -89,6 +93,7 @@ class Generator:
         group_size: int | None = None,
         int8_activations: bool | str = "auto",
         prefix_cache: int | str | None = None,
+        speculate: str | None = None,
     ) -> "Generator":
         """``cpu``: the CPU fast path (``CpuOptions``: which kernels, one-call steps, packing);
         by default the fastest this CPU can run. ``peft_weights``: a PEFT LoRA adapter folder,
@@ -108,7 +113,10 @@ class Generator:
         on a card off.
         ``prefix_cache``: the size of the prefix cache's pool (bytes, or a string such as "1GB";
         None or 0: none): the keys and values of prompt prefixes seen before are copied instead
-        of computed (``generation/run/prefix_pool.py``)."""
+        of computed (``generation/run/prefix_pool.py``).
+        ``speculate``: "ngram" or "ngram:K": greedy search and sampling verify up to K guesses of
+        each row (prompt lookup) in one pass, the same tokens (``generation/search/speculation.py``)."""
+        speculation = parse_speculation(speculate)  # named before anything is loaded
         parse_size(prefix_cache)  # a bad size is named before anything is loaded
         if quantize is not None and quantize not in QUANTIZE_MODES:
             raise QuantizeError(f"unknown quantization {quantize!r}: choose {', '.join(QUANTIZE_MODES)}")
@@ -153,6 +161,7 @@ class Generator:
             if backend.cpu_plan is not None:  # its one-call decode step knows no adapters
                 backend.cpu_plan.drop_one_call_decode("LoRA adapters are served")
         enable_prefix_cache(generator, prefix_cache)
+        generator.speculation = speculation
         return generator
 
     @property
@@ -186,7 +195,7 @@ class Generator:
     def generate(self, prompts: str | list[str], options: GenerationOptions | str | None = None, *,
                  stop=None, logprobs: bool = False, on_step=None, max_new_tokens_each: list[int] | None = None,
                  seed_each: list[int | None] | None = None, progress: bool = False,
-                 grammar_each: list[Grammar | None] | None = None, **kwargs):
+                 grammar_each: list[Grammar | None] | None = None, speculate: str | None = None, **kwargs):
         """Continue each prompt; returns one ``GenerationResult`` per prompt, in order.
 
         Keyword arguments are generation options (see ``generation.request.options.OPTIONS``), e.g.
@@ -204,13 +213,18 @@ class Generator:
         Structured output (``docs/structured-output.md``): ``response_format``, ``guided_json``,
         ``guided_regex``, ``guided_choice`` or ``guided_grammar`` constrains every prompt's
         continuation (greedy or sampled; not beams); ``grammar_each``: one ``structured.Grammar``
-        (or None) per prompt.
+        (or None) per prompt. ``speculate``: this call's speculation ("ngram:K", or "off"), in place
+        of the generator's (``from_pretrained(speculate=...)``).
         """
         prompts = check_call(prompts, options, on_step, max_new_tokens_each, seed_each)
         grammar = grammar_from_fields(**{k: kwargs.pop(k) for k in GRAMMAR_FIELDS if k in kwargs})
         if grammar is not None:
             grammar_each = [grammar] * len(prompts)
         opts = self.options(options, **kwargs)
+        speculation = self.speculation if speculate is None else parse_speculation(speculate)
+        if speculation is not None and opts.num_beams > 1:
+            raise SpeculationError(f"speculative decoding ({speculation}) works with greedy search and sampling, "
+                                   "not with beam search (num_beams > 1)")
         if grammar is None and grammar_each is None:
             grammar_each = options_grammar(opts, len(prompts))
         self.backend.check_static(opts.static_shapes)
@@ -221,7 +235,8 @@ class Generator:
         checker = StopChecker(self.tokenizer, stops) if any(stops) else None
         with Progress(batch.steps, "generating", "steps", enabled=progress, delay=PROGRESS_DELAY) as bar:
             hooks = LoopHooks(on_step=on_step, stop_check=checker, tick=(lambda: bar.update(1)) if progress else None)
-            sequences = self._search(batch, opts, stops, hooks, seed_each, self.grammar_rows(grammar_each, opts))
+            sequences = self._search(batch, opts, stops, hooks, seed_each, self.grammar_rows(grammar_each, opts),
+                                     speculation)
         if logprobs:
             from .run.logprobs import fill_token_logprobs
 
@@ -234,7 +249,7 @@ class Generator:
         ]
         new_tokens = sum(len(s.token_ids) for r in results for s in r.sequences)
         self.last_stats = BatchStats(time.perf_counter() - start, new_tokens, self.backend.graph_count(),
-                                     cached_tokens=sum(cached))
+                                     cached_tokens=sum(cached), speculation=self._speculated)
         return results
 
     def check_fits(self, prompts: list[str], opts: GenerationOptions) -> None:
@@ -265,7 +280,7 @@ class Generator:
 
     def _search(self, batch: Batch, opts: GenerationOptions, stops: list[list[str]],
                 hooks: LoopHooks, seed_each: list[int | None] | None = None,
-                grammars: GrammarRows | None = None) -> list[list[Sequence]]:
+                grammars: GrammarRows | None = None, speculation: Speculation | None = None) -> list[list[Sequence]]:
         """Run the search the options ask for (greedy, sampling, beam search or beam sampling);
         one list of sequences per prompt, each ended at its EOS or its prompt's stop strings."""
         eos = self.tokenizer.eos_token_id
@@ -281,18 +296,19 @@ class Generator:
         if steps is not None:
             hooks = replace(hooks, grammar_ended=lambda: steps.ended)
         choose = chooser(processors, keys, self.noise_kernel, steps)
-        loop = run_token_loop(
-            self.runner,
-            rows,
-            choose,
-            eos_token_id=eos,
-            pad_token_id=self.tokenizer.pad_token_id,
-            ignore_eos=opts.ignore_eos,
-            use_kv_cache=opts.use_kv_cache,
-            hooks=hooks,
-        )
+        self._speculated = None
+        # Speculation where its loop serves the call; streaming, structured output and the
+        # recompute switch (use_kv_cache=false) run the plain loop.
+        if speculation is not None and hooks.on_step is None and grammars is None and opts.use_kv_cache:
+            loop, self._speculated = run_speculative_loop(
+                self.runner, rows, processors, speculation, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id,
+                ignore_eos=opts.ignore_eos, keys=keys, kernel=self.noise_kernel, hooks=hooks)
+        else:
+            loop = run_token_loop(self.runner, rows, choose, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id,
+                                  ignore_eos=opts.ignore_eos, use_kv_cache=opts.use_kv_cache, hooks=hooks)
         tokens, finish = loop.tokens.tolist(), loop.finish.tolist()
-        limits = rows.new_limits.tolist()
+        # Each row's tokens: its budget, or where rows ran at their own pace, its count.
+        limits = rows.new_limits.tolist() if loop.counts is None else loop.counts.tolist()
         if grammars is not None:  # a row its grammar ended keeps what its grammar took (not the forced end)
             limits = [n if ended else limit for n, ended, limit in zip(grammars.consumed, grammars.ended, limits)]
         flat = [self.make_sequence(row[:min(limit, loop.steps_run)], FINISH_REASONS[reason], stops=stops[i // copies])

@@ -57,6 +57,7 @@ class BatchStats:
     new_tokens: int
     graph_count: int
     cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    speculation: object | None = None  # search/speculation.SpeculationStats of a call that speculated
 
     @property
     def tokens_per_second(self) -> float:

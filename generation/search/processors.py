@@ -76,6 +76,9 @@ def no_repeat_ngram(scores: torch.Tensor, state: LoopState, n: int) -> torch.Ten
 
 
 def min_new_tokens(scores: torch.Tensor, state: LoopState, minimum: int, eos_token_id: int) -> torch.Tensor:
+    if state.row_steps is not None:  # speculation: each row (verify position) at its own step
+        eos = torch.arange(scores.shape[-1], device=scores.device) == eos_token_id
+        return scores.masked_fill((state.row_steps < minimum)[:, None] & eos[None, :], NEG_INF)
     # state.step is the loop counter (host int): new tokens so far, the same for every row.
     if state.step >= minimum:
         return scores

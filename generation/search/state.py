@@ -21,6 +21,9 @@ class LoopState:
     positions: torch.Tensor  # [B] slot of the token being chosen now = lengths + step (capped at the cache's end)
     step: int  # host int: how many tokens each row has generated so far
     step_tensor: torch.Tensor | None = None  # [1] the same on the device (what ops should use)
+    # [B] each row's own step, where rows have generated different counts (speculation's verify
+    # positions, ``speculation.py``); None: every row is at ``step``.
+    row_steps: torch.Tensor | None = None
 
 
 # (logits [B, V] float, state) -> next tokens [B] long

@@ -46,6 +46,7 @@ class LoopOutput:
     tokens: torch.Tensor  # [B, K] generated ids in the first steps_run columns (pad after a row finished)
     finish: torch.Tensor  # [B] LENGTH, EOS or STOP
     steps_run: int
+    counts: torch.Tensor | None = None  # [B] tokens of each row, where rows run at their own pace (speculation)
 
 
 def run_token_loop(

@@ -1,0 +1,102 @@
+"""Where speculative decoding's guesses come from, and how a user names the source.
+
+*Prompt lookup* (n-gram): a row's last n tokens are looked up in its own prompt and output; the
+tokens that followed their latest earlier occurrence are the guesses. No second model: it pays
+where the text copies its context (few-shot answers, quotes, code, text that repeats itself).
+
+The lookup runs on the device over the loop's static ``sequence`` buffer, for every row at once:
+one comparison of all n-gram windows against the row's suffix per n ([B, L] work, nothing read
+back to the host), so it adds no host round-trip to the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("ngram",)
+# The verify pass's guess count is rounded up to one of these (one captured shape each); rows
+# with fewer guesses pad.
+K_SHAPES = (2, 4, 8)
+MAX_K = K_SHAPES[-1]
+DEFAULT_K = 4
+NGRAM_SIZES = (3, 2, 1)  # the suffix lengths tried, longest first: a longer match predicts better
+
+
+class SpeculationError(ValueError):
+    """A malformed ``speculate`` value or a search it cannot serve; the message is meant for the user."""
+
+
+@dataclass(frozen=True)
+class Speculation:
+    kind: str  # "ngram"
+    k: int  # at most this many guesses a row per verify pass
+
+    @property
+    def shape_k(self) -> int:
+        """The guesses the verify pass is shaped for: ``k`` rounded up to ``K_SHAPES``."""
+        return next(s for s in K_SHAPES if s >= self.k)
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.k}"
+
+
+def parse_speculation(value) -> Speculation | None:
+    """``None``/"" /"off" -> None; "ngram" or "ngram:K" (1 <= K <= 8) -> Speculation; a
+    ``Speculation`` as it is. Anything else: ``SpeculationError``."""
+    if value is None or isinstance(value, Speculation):
+        return value
+    if not isinstance(value, str):
+        raise SpeculationError(f"speculate must be a string such as 'ngram:4', got {type(value).__name__}")
+    text = value.strip().lower()
+    if text in ("", "off", "none"):
+        return None
+    kind, _, k = text.partition(":")
+    if kind not in KINDS:
+        raise SpeculationError(f"unknown speculation {value!r}: use ngram[:K] (prompt lookup, at most K guesses "
+                               f"a pass, 1..{MAX_K})")
+    if not k:
+        return Speculation(kind, DEFAULT_K)
+    if not k.isdigit() or not 1 <= int(k) <= MAX_K:
+        raise SpeculationError(f"speculation {value!r}: K must be a whole number from 1 to {MAX_K}")
+    return Speculation(kind, int(k))
+
+
+def ngram_guesses(sequence: torch.Tensor, used: torch.Tensor, k: int,
+                  sizes: tuple[int, ...] = NGRAM_SIZES) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt lookup for every row: guesses [B, k] long and how many of them are real, counts [B].
+
+    sequence [B, L]: each row's prompt + output in its first ``used[b]`` slots (anything after).
+    For the longest n in ``sizes`` whose suffix (the row's last n tokens) occurs earlier in the
+    row, the latest such occurrence followed by k real tokens (else the latest one) is taken and the
+    (up to k) tokens after it are the guesses;
+    counts is how many of those lie in real tokens (0: no match, the row guesses nothing)."""
+    rows, length = sequence.shape
+    device = sequence.device
+    guesses = torch.zeros(rows, k, dtype=torch.long, device=device)
+    counts = torch.zeros(rows, dtype=torch.long, device=device)
+    found = torch.zeros(rows, dtype=torch.bool, device=device)
+    ahead = torch.arange(k, device=device)
+    for n in sizes:  # longest first: a row keeps the first n that matches
+        if n >= length:
+            continue
+        windows = sequence.unfold(1, n, 1)  # [B, W, n], W = L - n + 1 starts
+        suffix = sequence.gather(1, (used[:, None] - n + torch.arange(n, device=device)).clamp(0, length - 1))  # [B, n]
+        match = (windows == suffix[:, None, :]).all(dim=-1)  # [B, W]
+        starts = torch.arange(windows.shape[1], device=device)
+        # An earlier occurrence with at least one real token after it (so not the suffix itself),
+        # in a row that has n tokens at all.
+        match &= (starts[None, :] + n < used[:, None]) & (used[:, None] > n)
+        # The latest occurrence, preferring those followed by k real tokens (in text that repeats
+        # with a short period, the very latest one is followed by the suffix alone).
+        full = starts[None, :] + n + k <= used[:, None]
+        rank = torch.where(match, starts[None, :] + length * full, -1).amax(dim=1)  # [B], -1: none
+        latest = torch.where(rank >= length, rank - length, rank)
+        hit = (rank >= 0) & ~found
+        follow = latest + n  # [B] the first guessed slot
+        picked = sequence.gather(1, (follow[:, None] + ahead[None, :]).clamp(0, length - 1))  # [B, k]
+        guesses = torch.where(hit[:, None], picked, guesses)
+        counts = torch.where(hit, (used - follow).clamp(max=k), counts)
+        found |= hit
+    return guesses, counts
