@@ -104,7 +104,7 @@ def repair_results(results_path: Path) -> None:
     if _is_record(last):
         with open(results_path, "ab") as f:
             f.write(b"\n")
-    elif last.startswith(b'{"request": '):
+    elif last.startswith(b'{"request": ') or b'{"request": '.startswith(last):  # torn even before its key
         with open(results_path, "r+b") as f:
             f.truncate(start)
     else:

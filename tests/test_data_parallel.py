@@ -1,0 +1,304 @@
+"""Data parallelism (``--data_parallel D``): the split of the work, the part files and their fold,
+and real launches under torchrun: D = 2 x T = 1 and D = 1 x T = 2 give one process's results file,
+a kill then a rerun gives the same file, and bad launches stop with one line and write nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from bloom_hpu.data_parallel import check_data_parallel
+from bloom_hpu.tp import ParallelError
+from generation.jobs.data_parallel import deal
+from generation.jobs.parts import find_parts, fold_parts, part_path, rewrite_in_order, settled_lines
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike".split()
+
+
+# --- the split ----------------------------------------------------------------------------------
+
+
+def test_deal_gives_every_item_to_exactly_one_replica_and_balances():
+    costs = [1, 9, 3, 3, 8, 2, 2, 7, 1, 5]
+    shares = deal(costs, 3)
+    assert sorted(i for share in shares for i in share) == list(range(len(costs)))
+    loads = [sum(costs[i] for i in share) for share in shares]
+    assert max(loads) - min(loads) <= max(costs)  # greedy longest-first: within one item
+    assert all(share == sorted(share) for share in shares)  # each replica keeps the planned order
+    assert deal(costs, 3) == shares  # every rank deals alike
+
+
+def test_deal_with_more_replicas_than_items_leaves_some_idle():
+    assert sorted(map(len, deal([4.0], 2))) == [0, 1]
+
+
+def test_world_size_must_divide_into_replicas():
+    assert check_data_parallel(4, 2) == 2
+    assert check_data_parallel(2, 2) == 1
+    with pytest.raises(ParallelError, match="does not divide the 3 ranks"):
+        check_data_parallel(3, 2)
+    with pytest.raises(ParallelError, match=">= 1"):
+        check_data_parallel(2, 0)
+
+
+# --- part files -----------------------------------------------------------------------------------
+
+
+def _record(prompt: str, t: float) -> bytes:
+    return json.dumps({"request": {"prompt": prompt}, "result": {"request_time": {"batch_time": t}}}).encode()
+
+
+def test_a_fold_killed_at_any_point_and_run_again_keeps_every_line_once(tmp_path):
+    results = tmp_path / "out.jsonl"
+    before = [_record("a", 0.1)]
+    parts = {0: [_record("b", 0.2), _record("c", 0.3)], 1: [_record("d", 0.4)]}
+    everything = Counter(before + parts[0] + parts[1])
+    appended = parts[0] + parts[1]
+    data = b"".join(line + b"\n" for line in appended)
+    # A kill after k bytes of the fold's append (k = 0: before it; len: before the parts are deleted).
+    for k in range(0, len(data) + 1, 7):
+        results.write_bytes(b"".join(line + b"\n" for line in before) + data[:k])
+        for g, lines in parts.items():
+            part_path(results, g).write_bytes(b"".join(line + b"\n" for line in lines))
+        # The non-writing ranks' view is the same at every such moment.
+        assert Counter(settled_lines(results)) == everything, k
+        from generation.jobs.runner import repair_results
+
+        repair_results(results)  # the rerun cuts a torn last line first
+        with open(results, "ab") as out:
+            fold_parts(results, out)
+        assert find_parts(results) == []
+        assert Counter(results.read_bytes().splitlines()) == everything, k
+
+
+def test_fold_drops_a_torn_part_line_and_keeps_a_whole_one_without_newline(tmp_path):
+    results = tmp_path / "out.jsonl"
+    results.write_bytes(b"")
+    part_path(results, 0).write_bytes(_record("a", 1) + b"\n" + b'{"request": {"prompt": "to')
+    part_path(results, 1).write_bytes(_record("b", 2))
+    with open(results, "ab") as out:
+        assert fold_parts(results, out) == 2
+    assert results.read_bytes() == _record("a", 1) + b"\n" + _record("b", 2) + b"\n"
+
+
+def test_rewrite_puts_records_in_one_process_order_and_unknown_ones_last(tmp_path):
+    results = tmp_path / "out.jsonl"
+    lines = [_record("c", 1), _record("x", 2), _record("a", 3), _record("b", 4)]
+    results.write_bytes(b"".join(line + b"\n" for line in lines))
+    order = {"a": 0, "b": 1, "c": 2}
+    rewrite_in_order(results, lambda rec: order.get(rec["request"]["prompt"]))
+    assert [json.loads(line)["request"]["prompt"] for line in results.read_bytes().splitlines()] == ["a", "b", "c", "x"]
+
+
+# --- real launches --------------------------------------------------------------------------------
+
+
+def write_requests(path: Path, n: int = 24) -> None:
+    """Lines of mixed length and options; the last two repeat earlier lines exactly."""
+    lines = []
+    for i in range(n):
+        prompt = " ".join(WORDS[(i * j) % len(WORDS)] for j in range(1 + (i * 5) % 17))
+        lines.append({"prompt": prompt, "max_tokens": 3 + i % 5, "temperature": 0, "logprobs": i % 2})
+    lines += lines[:2]
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bloom(folder, *args, ranks: int = 1) -> list[str]:
+    launcher = [sys.executable]
+    if ranks > 1:
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port())]
+    return [*launcher, str(ROOT / "bloom.py"), "--weights", str(folder), "--quiet", "--prefix_cache", "0", *args]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def run(cmd, timeout=300, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, cwd=cwd)
+
+
+def without_timings(path: Path) -> list[str]:
+    out = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        record["result"].pop("request_time")
+        out.append(json.dumps(record))
+    return out
+
+
+@pytest.fixture(scope="module")
+def job(make_ckpt, tmp_path_factory):
+    """(checkpoint, requests file, one process's results file)."""
+    folder = make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7)
+    where = tmp_path_factory.mktemp("dp")
+    requests = where / "in.jsonl"
+    write_requests(requests)
+    one = where / "one.jsonl"
+    done = run(bloom(folder, "--requests", requests, "--results", one, "--budget", "128"))
+    assert done.returncode == 0, done.stderr
+    return folder, requests, one
+
+
+@pytest.fixture(scope="module")
+def one_per_batch(job):
+    """One process's results file with one request per batch (--budget 32): its numbers are those of
+    rows alone, which a run of many small batches must give bit for bit."""
+    folder, requests, one = job
+    path = one.with_name("one-per-batch.jsonl")
+    done = run(bloom(folder, "--requests", requests, "--results", path, "--budget", "32"))
+    assert done.returncode == 0, done.stderr
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data_parallel", [2, 1], ids=["D2xT1", "D1xT2"])
+def test_two_ranks_give_one_process_results_file(job, tmp_path, data_parallel):
+    folder, requests, one = job
+    results = tmp_path / "out.jsonl"
+    done = run(bloom(folder, "--requests", requests, "--results", results, "--budget", "128",
+                     "--data_parallel", str(data_parallel), ranks=2))
+    assert done.returncode == 0, done.stderr[-4000:]
+    if data_parallel == 2:  # two whole replicas: the very same numbers
+        assert without_timings(results) == without_timings(one)
+    else:  # one model split over two ranks: its sums add up in another order (float tolerance)
+        assert_close_records(results, one)
+    assert find_parts(results) == []
+    assert done.stderr.count("26 requests answered") == 1  # one summary, from rank 0
+
+
+def assert_close_records(got: Path, want: Path) -> None:
+    """The same records in the same order, the same texts; log-probs within float tolerance."""
+    got_records = [json.loads(line) for line in got.read_text().splitlines()]
+    want_records = [json.loads(line) for line in want.read_text().splitlines()]
+    assert [r["request"] for r in got_records] == [r["request"] for r in want_records]
+    for g, w in zip(got_records, want_records):
+        for a, b in zip(g["result"]["choices"], w["result"]["choices"], strict=True):
+            assert (a["text"], a["finish_reason"]) == (b["text"], b["finish_reason"])
+            if b.get("logprobs"):
+                assert a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+                assert a["logprobs"]["token_logprobs"] == pytest.approx(b["logprobs"]["token_logprobs"], abs=1e-4)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it. torchrun starts each rank in a session of its
+    own, so killing the launcher's process group would leave the ranks running."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat[stat.rindex(")") + 2:].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    todo, tree = [pid], []
+    while todo:
+        tree.append(todo.pop())
+        todo += children.get(tree[-1], [])
+    for p in reversed(tree):  # the ranks first: a launcher that sees them die must not outlive the kill
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+def test_a_killed_two_replica_job_rerun_gives_the_same_file(job, one_per_batch, tmp_path):
+    folder, requests, _ = job
+    results = tmp_path / "out.jsonl"
+    # One request per batch: many batches, so the kill lands with some answers in the parts.
+    cmd = bloom(folder, "--requests", requests, "--results", results, "--budget", "32", "--data_parallel", "2",
+                ranks=2)
+    proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 200
+    while proc.poll() is None and time.monotonic() < deadline:
+        if sum(p.stat().st_size > 0 for p in find_parts(results)) == 2:
+            break
+        time.sleep(0.01)
+    kill_tree(proc.pid)  # both ranks and the launcher, at once
+    proc.wait()
+    answered = sum(p.read_bytes().count(b"\n") for p in find_parts(results))
+    assert 0 < answered < 26, proc.stderr.read().decode()[-3000:]
+
+    rerun = run(cmd)
+    assert rerun.returncode == 0, rerun.stderr[-4000:]
+    assert "already answered" in rerun.stderr
+    assert without_timings(results) == without_timings(one_per_batch)
+    assert find_parts(results) == []
+
+
+@pytest.mark.slow
+def test_parts_left_by_a_killed_job_are_taken_by_a_one_process_rerun(job, tmp_path):
+    """A different D on the rerun: the parts a killed replica job left are folded, never answered again."""
+    folder, requests, one = job
+    results = tmp_path / "out.jsonl"
+    lines = one.read_bytes().splitlines(keepends=True)
+    part_path(results, 0).write_bytes(b"".join(lines[0:6:2]))
+    part_path(results, 1).write_bytes(b"".join(lines[1:6:2]) + lines[6][:20])  # ends torn
+    results.write_bytes(b"".join(lines[10:12]))
+    done = run(bloom(folder, "--requests", requests, "--results", results, "--budget", "128"))
+    assert done.returncode == 0, done.stderr
+    assert "resuming: 8 of 26" in done.stderr
+    assert sorted(without_timings(results)) == sorted(without_timings(one))
+    assert find_parts(results) == []
+
+
+@pytest.mark.slow
+def test_bad_launches_stop_with_one_line_and_write_nothing(job, tmp_path):
+    folder, requests, _ = job
+    results = tmp_path / "out.jsonl"
+    # 2 ranks cannot make 3 replicas.
+    done = run(bloom(folder, "--requests", requests, "--results", results, "--data_parallel", "3", ranks=2))
+    assert done.returncode != 0
+    assert "error: --data_parallel 3 does not divide the 2 ranks" in done.stderr
+    assert done.stderr.count("error:") == 1
+    # More replicas than lines.
+    one_line = tmp_path / "one.jsonl"
+    one_line.write_text(requests.read_text().splitlines()[0] + "\n")
+    done = run(bloom(folder, "--requests", one_line, "--results", results, "--data_parallel", "2", ranks=2))
+    assert done.returncode != 0
+    assert "error: --data_parallel 2 is more than the 1 request(s)" in done.stderr
+    # Ranks that read different request files under the same path (one per node): the check names the rank.
+    for r in (0, 1):
+        (tmp_path / f"rank{r}").mkdir()
+        write_requests(tmp_path / f"rank{r}" / "in.jsonl", n=24 + r)
+    wrapper = tmp_path / "by_rank.py"
+    wrapper.write_text("import os, runpy, sys\nos.chdir(f\"rank{os.environ['RANK']}\")\n"
+                       f"sys.path.insert(0, {str(ROOT)!r})\nsys.argv = sys.argv[1:]\n"
+                       "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    cmd = bloom(folder, "--requests", "in.jsonl", "--results", results, "--data_parallel", "2", ranks=2)
+    cmd.insert(cmd.index(str(ROOT / "bloom.py")), str(wrapper))
+    done = run(cmd, cwd=tmp_path)
+    assert done.returncode != 0
+    assert "ranks disagree on requests file (rank 1 differs from rank 0)" in done.stderr
+    assert not results.exists() and find_parts(results) == []
+
+
+@pytest.mark.slow
+def test_eval_over_two_replicas_gives_one_process_numbers(job, tmp_path):
+    folder, _, _ = job
+    passages = tmp_path / "eval.jsonl"
+    passages.write_text("".join(json.dumps({"text": " ".join(WORDS[(i * j) % 13] for j in range(2 + i % 11))}) + "\n"
+                                for i in range(1, 30)))
+    one, two = tmp_path / "one.json", tmp_path / "two.json"
+    done = run(bloom(folder, "--eval", passages, "--results", one, "--budget", "256"))
+    assert done.returncode == 0, done.stderr
+    done = run(bloom(folder, "--eval", passages, "--results", two, "--budget", "256", "--data_parallel", "2", ranks=2))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert two.read_bytes() == one.read_bytes()
