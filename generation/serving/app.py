@@ -18,6 +18,7 @@ from .errors import add_error_handlers
 from .metrics import PrometheusMetrics
 from .middleware import KeyAndJsonBody
 from .routes import add_routes
+from .schema import state_the_model
 
 
 def make_app(engine, model_name: str, api_key: str | None = None, metrics: PrometheusMetrics | None = None) -> FastAPI:
@@ -28,6 +29,14 @@ def make_app(engine, model_name: str, api_key: str | None = None, metrics: Prome
     add_error_handlers(app, metrics)
     app.add_middleware(KeyAndJsonBody, api_key=api_key)
     add_routes(app, engine, names, metrics)
+
+    def openapi() -> dict:  # FastAPI's document, with the served model's bounds on token ids
+        if app.openapi_schema is None:
+            app.openapi_schema = state_the_model(FastAPI.openapi(app), engine.tokenizer.vocab_size,
+                                                 engine.config.max_length)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 

@@ -60,8 +60,9 @@ def add_error_handlers(app: FastAPI, metrics=None) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
         code = "not_found" if error.status_code == 404 else None
+        # (its headers kept: a 405 says in ``Allow`` which methods the path takes, as RFC 9110 asks)
         return JSONResponse(ApiError(error.status_code, str(error.detail), "invalid_request_error", None, code).body(),
-                            status_code=error.status_code)
+                            status_code=error.status_code, headers=getattr(error, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception):

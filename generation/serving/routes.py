@@ -26,6 +26,10 @@ from .stream import stream
 
 _METRICS_TEXT = {200: {"content": {"text/plain": {"schema": {"type": "string"}}},
                        "description": "Prometheus metrics, text exposition format"}}
+# The generation endpoints: a JSON answer, or server-sent events with "stream": true; or an error.
+_ANSWERS = {200: {"content": {"text/event-stream": {}},
+                  "description": "the answer (JSON), or its chunks as server-sent events with \"stream\": true"},
+            **ERROR_RESPONSES}
 
 
 def add_routes(app: FastAPI, engine, names: list[str], metrics=None) -> None:
@@ -54,12 +58,12 @@ def add_routes(app: FastAPI, engine, names: list[str], metrics=None) -> None:
             entry |= {"root": str(lora.folders[entry["id"]]), "parent": names[0]}
         return {"object": "list", "data": data}
 
-    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    @app.post("/v1/completions", responses=_ANSWERS)
     async def completions(request: Request, body: CompletionBody):
         completion = await run_in_threadpool(parse_completion, as_sent(body), names, engine.tokenizer)
         return await respond(request, completion)
 
-    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", responses=_ANSWERS)
     async def chat(request: Request, body: ChatBody):
         completion = await run_in_threadpool(parse_chat, as_sent(body), names, engine.tokenizer)
         return await respond(request, completion)

@@ -6,7 +6,7 @@ request core (``generation/request/parse.py``), which gets the body as the clien
 (``model_dump(exclude_unset=True)``). The ranges documented here (JSON schema's ``minimum``...)
 are read from the core's, so what clients and fuzzers read is what the core accepts; these models
 check no range themselves. Types are strict: a number is not accepted as a string, nor the other
-way round, as OpenAI's own API does not.
+way round, as OpenAI's own API does not (an integer may be written 3.0: JSON schema's integer).
 
 Besides OpenAI's fields, each body takes our search options (``top_k``, ``num_beams``,
 ``repetition_penalty``...) and the extensions vLLM's server accepts and load generators send
@@ -18,11 +18,19 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WithJsonSchema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, StrictStr, WithJsonSchema
 
 from ..request.parse import documented_range
 
 Number = float  # strict mode: an int or a float, never a string
+
+
+def _integral(value):
+    """JSON schema's integer: a number with no fraction, so 3.0 is 3 (the core reads it so too)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Integer = Annotated[StrictInt, BeforeValidator(_integral)]  # never a string or a boolean
 
 
 def ranged(name: str, chat: bool = False):
@@ -40,6 +48,18 @@ def unsupported(what: str = "vLLM's; not supported by this server"):
     return Field(None, json_schema_extra={"not": {}, "description": what})
 # Text that is not empty (our check says why an empty prompt or stop string is refused).
 Text = Annotated[StrictStr, WithJsonSchema({"type": "string", "minLength": 1})]
+# A prompt given as token ids: not empty, each id >= 0 (below the vocabulary and at most
+# max_length - 1 of them: the served model's bounds, stated by ``state_the_model``).
+TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+TokenIds = Annotated[list[Integer], WithJsonSchema(TOKEN_IDS)]
+# OpenAI's response_format: what ``request/grammar.py`` reads of it (other keys are ignored).
+RESPONSE_FORMAT = {"type": "object", "oneOf": [
+    {"properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"]},
+    {"properties": {"type": {"const": "json_schema"},
+                    "json_schema": {"type": "object", "properties": {"schema": {"type": "object"}},  # (its name: any)
+                                    "required": ["schema"]}},
+     "required": ["type", "json_schema"]}]}
+ResponseFormat = Annotated[dict, WithJsonSchema(RESPONSE_FORMAT)]
 
 
 class _Body(BaseModel):
@@ -55,39 +75,40 @@ class _Options(_Body):
     """What completions and chat share: sampling, search, streaming, vLLM's extensions."""
 
     model: StrictStr | None = None
-    max_tokens: StrictInt | None = ranged("max_tokens")
+    max_tokens: Integer | None = ranged("max_tokens")
     temperature: Number | None = ranged("temperature")
     top_p: Number | None = ranged("top_p")
-    n: StrictInt | None = ranged("n")
+    n: Integer | None = ranged("n")
     stop: Union[Text, list[Text], None] = None
-    seed: StrictInt | None = ranged("seed")
+    seed: Integer | None = ranged("seed")
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: Number | None = ranged("presence_penalty")
     frequency_penalty: Number | None = ranged("frequency_penalty")
-    logit_bias: dict[str, Number] | None = None
+    logit_bias: dict[str, Number] | None = Field(None, json_schema_extra={"maxProperties": 0},
+                                                description="not supported: {} only")
     user: StrictStr | None = None
     # Our search options (docs/generation-options.md).
-    top_k: StrictInt | None = ranged("top_k")
-    num_beams: StrictInt | None = ranged("num_beams")
+    top_k: Integer | None = ranged("top_k")
+    num_beams: Integer | None = ranged("num_beams")
     repetition_penalty: Number | None = ranged("repetition_penalty")
     length_penalty: Number | None = ranged("length_penalty")
-    no_repeat_ngram_size: StrictInt | None = ranged("no_repeat_ngram_size")
+    no_repeat_ngram_size: Integer | None = ranged("no_repeat_ngram_size")
     early_stopping: Union[StrictBool, Literal["never"], None] = None
-    min_new_tokens: StrictInt | None = ranged("min_new_tokens")
+    min_new_tokens: Integer | None = ranged("min_new_tokens")
     # vLLM's extensions (openai_format.VLLM_EXTENSIONS says which are honoured).
     ignore_eos: StrictBool | None = None
-    min_tokens: StrictInt | None = ranged("min_tokens")
+    min_tokens: Integer | None = ranged("min_tokens")
     skip_special_tokens: StrictBool | None = only(True)
     spaces_between_special_tokens: StrictBool | None = only(True)
     include_stop_str_in_output: StrictBool | None = only(False)
     add_special_tokens: StrictBool | None = None
     use_beam_search: StrictBool | None = None
     min_p: Number | None = only(0)
-    stop_token_ids: list[StrictInt] | None = Field(None, json_schema_extra={"maxItems": 0})
-    priority: StrictInt | None = only(0)
-    truncate_prompt_tokens: StrictInt | None = unsupported()
-    prompt_logprobs: StrictInt | None = unsupported()
+    stop_token_ids: list[Integer] | None = Field(None, json_schema_extra={"maxItems": 0})
+    priority: Integer | None = only(0)
+    truncate_prompt_tokens: Integer | None = unsupported()
+    prompt_logprobs: Integer | None = unsupported()
     return_tokens_as_token_ids: StrictBool | None = only(False)
     # Structured output (docs/structured-output.md): at most one of these.
     guided_json: Union[StrictStr, dict, None] = Field(None, description="vLLM's: a JSON schema every answer follows")
@@ -95,16 +116,21 @@ class _Options(_Body):
     guided_choice: list[StrictStr] | None = Field(None, json_schema_extra={"minItems": 1},
                                                   description="vLLM's: every answer is one of these strings")
     guided_grammar: StrictStr | None = Field(None, description="vLLM's: a Lark or GBNF grammar every answer follows")
-    response_format: dict | None = Field(None, description='OpenAI\'s: {"type": "text" | "json_object"} or '
+    response_format: ResponseFormat | None = Field(None, description='OpenAI\'s: {"type": "text" | "json_object"} or '
                                          '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
 
 
 class CompletionBody(_Options):
     """``POST /v1/completions``."""
 
-    prompt: Union[Text, list[Text], list[StrictInt], list[list[StrictInt]]] = Field(json_schema_extra={"minItems": 1})
-    best_of: StrictInt | None = ranged("best_of")
-    logprobs: StrictInt | None = ranged("logprobs")
+    # max_tokens 0 (scoring the prompt) asks for echo: true, else there is nothing to return.
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"max_tokens": {"not": {"const": 0}}}},
+        {"properties": {"echo": {"const": True}}, "required": ["echo"]}]})
+
+    prompt: Union[Text, list[Text], TokenIds, list[TokenIds]] = Field(json_schema_extra={"minItems": 1})
+    best_of: Integer | None = ranged("best_of")
+    logprobs: Integer | None = ranged("logprobs")
     echo: StrictBool | None = None
     suffix: StrictStr | None = unsupported("not supported by this server")
     engine: StrictStr | None = None
@@ -126,12 +152,39 @@ class Message(_Body):
 class ChatBody(_Options):
     """``POST /v1/chat/completions``."""
 
+    # top_logprobs above 0 asks for logprobs: true (as OpenAI and vLLM).
+    model_config = ConfigDict(json_schema_extra={"anyOf": [
+        {"properties": {"top_logprobs": {"enum": [0, None]}}},
+        {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}]})
+
     messages: list[Message] = Field(json_schema_extra={"minItems": 1})
-    max_tokens: StrictInt | None = ranged("max_tokens", chat=True)  # chat: at least one token
-    max_completion_tokens: StrictInt | None = ranged("max_completion_tokens", chat=True)
+    max_tokens: Integer | None = ranged("max_tokens", chat=True)  # chat: at least one token
+    max_completion_tokens: Integer | None = ranged("max_completion_tokens", chat=True)
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = ranged("top_logprobs", chat=True)
-    best_of: StrictInt | None = ranged("best_of")
+    top_logprobs: Integer | None = ranged("top_logprobs", chat=True)
+    best_of: Integer | None = ranged("best_of")
+
+
+def state_the_model(openapi: dict, vocab_size: int, max_length: int) -> dict:
+    """``openapi`` (FastAPI's document of the bodies above) with the bounds the served model sets on
+    a prompt of token ids: each id below ``vocab_size``, at most ``max_length - 1`` ids (one
+    token must fit after them). A text prompt's bound is in tokens, which no JSON schema can state:
+    a text too long for ``max_length`` is a 400 naming ``prompt`` (or ``messages``).
+
+    The ranges are put back as the models state them: FastAPI writes every bound as a float, and
+    2**63 - 1 (the seed's maximum) is 2**63 as a float, one more than the core accepts."""
+    schemas = openapi["components"]["schemas"]
+    for model in (CompletionBody, ChatBody):
+        exact = model.model_json_schema()["properties"]
+        for name, field in schemas[model.__name__]["properties"].items():
+            field.update({w: exact[name][w] for w in ("minimum", "maximum", "exclusiveMinimum") if w in exact[name]})
+    prompt = schemas["CompletionBody"]["properties"]["prompt"]
+    for form in prompt["anyOf"]:
+        ids = form if form.get("items") == TOKEN_IDS["items"] else form.get("items", {})
+        if ids.get("items") == TOKEN_IDS["items"]:
+            ids["items"] = dict(ids["items"], maximum=vocab_size - 1)
+            ids["maxItems"] = max_length - 1
+    return openapi
 
 
 def as_sent(body: _Body) -> dict:
