@@ -162,11 +162,13 @@ def test_a_rerun_skips_what_is_done_and_applies_a_new_bound(sweep, tiny_spec, tm
     assert "0 to measure" in done.stderr and "drawing random" not in done.stderr
     rows = read_csv(out)
     measured = [r for r in rows if r["latency_ms"]]
-    assert measured and all(r["status"] == "rejected" for r in measured)
+    assert {r["scenario"] for r in measured if r["status"] == "rejected"} == {"offline", "online"}
     for r in measured:
-        assert "> 0.001 ms" in r["why"]
-        assert ("decode" in r["why"]) == (r["scenario"] == "offline")
-    assert "best" not in done.stdout
+        # (one noisy round of a tiny model can make an offline decode time 0: within any bound)
+        assert (r["status"] == "rejected") == (float(r["latency_ms"]) > 0.001), r
+        if r["status"] == "rejected":
+            assert "> 0.001 ms" in r["why"] and ("decode" in r["why"]) == (r["scenario"] == "offline")
+    assert rows[0]["status"] == "ok" or "best" not in done.stdout
 
 
 def test_a_partial_run_measures_only_the_rest(sweep, tiny_spec, tmp_path):

@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="online: requests per client at each level (at least 4 a level; default 2)")
     p.add_argument("--bucket_width", type=int, default=32, help="online: the server's --bucket_width (default 32)")
     p.add_argument("--prefix_cache", default="0", help="the prefix cache's pool, e.g. 1GB (default 0: none)")
-    p.add_argument("--seed", type=int, default=0, help="of the random weights and prompts (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="of the random weights (default 0)")
     return p
 
 

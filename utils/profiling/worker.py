@@ -97,8 +97,9 @@ def run_online(generator, config: dict, plan: dict, rank: Rank) -> dict | None:
     clients at each level of ``client_levels`` (serve_bench's load client in a process of its own):
     per level TTFT and inter-token p50/p99, tokens/s, requests/s. Rank 0 serves; the other ranks
     follow its steps until it closes the rows. Returns the levels on rank 0, None elsewhere."""
+    from bench.generate_bench import make_prompts
     from bench.load_client import measure, stream_request
-    from bench.serve_bench import engine_config, make_prompts, ours, summarize
+    from bench.serve_bench import engine_config, ours, summarize
     from generation.serving.device_rows import DeviceRows
 
     settings = serve_settings(config, plan)
@@ -118,7 +119,9 @@ def run_online(generator, config: dict, plan: dict, rank: Rank) -> dict | None:
         n_in, n_out = config["input_len"], config["output_len"]
         for clients in client_levels(config["max_batch"]):
             count = max(4, plan["requests_per_client"] * clients)
-            prompts = make_prompts(generator.tokenizer, count, n_in, n_in, plan["seed"] + clients)
+            # Prompts of exactly n_in tokens (serve_bench's random words may re-encode to one more,
+            # past the static length of n_in + n_out).
+            prompts = make_prompts(generator.tokenizer, count, n_in)
             bodies = [{"prompt": p, "max_tokens": n_out, "temperature": 0.0, "ignore_eos": True} for p in prompts]
             stream_request(port, bodies[0])  # untimed: connections, allocator
             log(f"  {clients} client(s), {count} requests")
