@@ -38,7 +38,7 @@ from ..run.progress import Progress, log
 from . import evaluate as ev
 from .files import check_distinct, disk_error, is_regular_or_new, lock_results
 from .grouping import plan_batches
-from .parts import fold_parts, part_path, record_lines, rewrite_in_order
+from .parts import fold_parts, part_path, rewrite_in_order
 from .runner import DEFAULT_BUDGET, JobSummary, answer_or_split, answered_keys, error_text, fsync, read_requests, \
     repair_results
 
