@@ -371,11 +371,13 @@ def choose_routes(model: StaticBloom, options: CpuOptions, cap: capability.Capab
     elif all(m in linears for m in first):
         prompts = ["native"] + (["widened"] if may_widen else []) + \
             (["kernel"] if kernels is not None and all(m.kernel is not None for m in first) else [])
+    elif may_widen and cap.emulates_bf16:  # products of another kind (LoRA rows): the rule, untimed
+        prompts = ["widened"]
     static = {"prompts": "integer" if "integer" in decode and len(decode) == 1 else
               "widened" if "widened" in prompts and cap.emulates_bf16 else "native",
               "decode": "integer" if decode == ["integer"] else "weight-only"}
     block_kernel = kernels.block_q8_linear if kernels is not None else None
-    proxies = [routes.sampled(m) for m in first]
+    proxies = [routes.sampled(m) for m in first] if len(prompts) > 1 or len(decode) > 1 else []
     candidates = {"prompts": {}, "decode": {}}
     for pick in prompts:
         candidates["prompts"][pick] = routes.timer(
@@ -500,7 +502,8 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
             kind = f" ({quantized_mode(model)}{', integer' if integer_decode else ''})" if quantized else ""
             used.append(f"one-call decode step{kind}")
         for block in model.h:
-            swap(block.self_attention, OneCallPromptAttention, op=kernels.prompt_attention)
+            swap(block.self_attention, OneCallPromptAttention, op=kernels.prompt_attention,
+                 extend_op=kernels.extend_attention)
             plan.prompt_attention.append(block.self_attention)
         used.append("one-call prompt attention")
     if chosen.picks:
