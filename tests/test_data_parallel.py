@@ -119,11 +119,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def bloom(folder, *args, ranks: int = 1) -> list[str]:
-    launcher = [sys.executable]
-    if ranks > 1:
-        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port())]
-    return [*launcher, str(ROOT / "bloom.py"), "--weights", str(folder), "--quiet", "--prefix_cache", "0", *args]
+def bloom(folder, *args, ranks: int = 1, launcher: str = "torchrun", node: tuple[int, int] | None = None) -> list[str]:
+    """The command line of ``bloom.py`` alone, or under a launcher on ``ranks`` ranks; ``node``:
+    (this node's rank, master port) of a two-node torchrun launch on loopback."""
+    prefix = [sys.executable]
+    if node is not None:
+        prefix += ["-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node[0]), "--nproc_per_node",
+                   str(ranks), "--master_addr", "127.0.0.1", "--master_port", str(node[1])]
+    elif ranks > 1 and launcher == "deepspeed":
+        prefix += ["-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port())]
+    elif ranks > 1:
+        prefix += ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port())]
+    return [*prefix, str(ROOT / "bloom.py"), "--weights", str(folder), "--quiet", "--prefix_cache", "0", *args]
 
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -167,12 +174,12 @@ def one_per_batch(job):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data_parallel", [2, 1], ids=["D2xT1", "D1xT2"])
-def test_two_ranks_give_one_process_results_file(job, tmp_path, data_parallel):
+@pytest.mark.parametrize("data_parallel, launcher", [(2, "deepspeed"), (1, "torchrun")], ids=["D2xT1", "D1xT2"])
+def test_two_ranks_give_one_process_results_file(job, tmp_path, data_parallel, launcher):
     folder, requests, one = job
     results = tmp_path / "out.jsonl"
     done = run(bloom(folder, "--requests", requests, "--results", results, "--budget", "128",
-                     "--data_parallel", str(data_parallel), ranks=2))
+                     "--data_parallel", str(data_parallel), ranks=2, launcher=launcher))
     assert done.returncode == 0, done.stderr[-4000:]
     if data_parallel == 2:  # two whole replicas: the very same numbers
         assert without_timings(results) == without_timings(one)
@@ -216,6 +223,21 @@ def kill_tree(pid: int) -> None:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_give_one_process_results_file(job, tmp_path):
+    """Two torchrun launchers, one per "node" (--node_rank 0 and 1), one rank each: two replicas."""
+    folder, requests, one = job
+    results = tmp_path / "out.jsonl"
+    port = free_port()
+    nodes = [subprocess.Popen(bloom(folder, "--requests", requests, "--results", results, "--budget", "128",
+                                    "--data_parallel", "2", node=(r, port)),
+                              env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    logs = [node.communicate(timeout=300) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [err[-3000:] for _, err in logs]
+    assert without_timings(results) == without_timings(one)
+    assert "26 requests answered by 2 replicas" in logs[0][1]
 
 
 @pytest.mark.slow
