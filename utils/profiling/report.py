@@ -103,7 +103,7 @@ def table(rows: list[dict], top: int) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
     out = ["  ".join([c.rjust(w) if i != 1 else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))]
                      + [line[-1]]) for line in lines]
-    out.insert(1, "-" * max(len(line) for line in out))
+    out.insert(1, "-" * len(out[0]))
     return "\n".join(out)
 
 
@@ -152,8 +152,10 @@ def draw(points: dict, title: str):
     by_key = {p["key"]: p for p in points["points"]}
     front = [by_key[k] for k in points["pareto"]]
     if front:
-        ax.plot([p["latency_ms"] for p in front], [p["tokens_per_s"] for p in front], "--", color="tab:red",
-                zorder=2, label="Pareto front")
+        # Ringed and joined: a front of one point (one configuration beats all) still shows.
+        ax.plot([p["latency_ms"] for p in front], [p["tokens_per_s"] for p in front], "--", color="tab:red", zorder=2)
+        ax.scatter([p["latency_ms"] for p in front], [p["tokens_per_s"] for p in front], s=160, facecolors="none",
+                   edgecolors="tab:red", linewidths=1.5, zorder=4, label="Pareto front")
     if points["bound_ms"] is not None:
         ax.axvline(points["bound_ms"], color="tab:orange", linewidth=1.5, label=f"bound {points['bound_ms']:g} ms")
     ok = [p for p in points["points"] if p["status"] == "ok"]
