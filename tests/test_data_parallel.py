@@ -174,14 +174,17 @@ def one_per_batch(job):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data_parallel, launcher", [(2, "deepspeed"), (1, "torchrun")], ids=["D2xT1", "D1xT2"])
-def test_two_ranks_give_one_process_results_file(job, tmp_path, data_parallel, launcher):
+@pytest.mark.parametrize("ranks, data_parallel, launcher", [(2, 2, "deepspeed"), (2, 1, "torchrun"), (4, 2, "torchrun")],
+                         ids=["D2xT1", "D1xT2", "D2xT2"])
+def test_replicas_give_one_process_results_file(job, tmp_path, ranks, data_parallel, launcher):
+    """Each replica's model collectives stay in its own group: were they the world's, the two
+    replicas' different batches would be summed together (or hang)."""
     folder, requests, one = job
     results = tmp_path / "out.jsonl"
     done = run(bloom(folder, "--requests", requests, "--results", results, "--budget", "128",
-                     "--data_parallel", str(data_parallel), ranks=2, launcher=launcher))
+                     "--data_parallel", str(data_parallel), ranks=ranks, launcher=launcher))
     assert done.returncode == 0, done.stderr[-4000:]
-    if data_parallel == 2:  # two whole replicas: the very same numbers
+    if ranks == data_parallel:  # whole replicas: the very same numbers
         assert without_timings(results) == without_timings(one)
     else:  # one model split over two ranks: its sums add up in another order (float tolerance)
         assert_close_records(results, one)
