@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval", help='evaluate last-word accuracy and perplexity on a JSONL of {"text": ...} (LAMBADA)')
     p.add_argument("--data_parallel", type=int, default=1, metavar="D",
                    help="--requests/--eval under deepspeed/torchrun: the launch's ranks as D model replicas of "
-                   "ranks/D tensor-parallel ranks each, splitting the lines (see docs/tensor-parallel.md)")
+                   "ranks/D tensor-parallel ranks each, splitting the lines (see docs/parallelism.md)")
     p.add_argument("--stream", action="store_true", help="print each prompt's tokens as they are generated")
     p.add_argument("--all_ranks", action="store_true",
                    help="tensor parallel runs: every rank prints (prefixed [rank r]) and writes its own "
