@@ -161,6 +161,11 @@ def test_prompt_lookup_on_text_that_repeats(tiny_checkpoint):
     assert ids_of(generator.generate(REPEATING, speculate="ngram:4", **options)) == plain
     stats = generator.last_stats.speculation
     assert stats.acceptance > 0.3 and stats.tokens_per_verify > 1.5
+    # Alone, this prompt's text repeats only after a while: its first guesses fail (k falls to 0,
+    # decodes), and a probe notices the repetition later.
+    generator.generate(REPEATING[0], max_length=96, speculate="ngram:4")
+    stats = generator.last_stats.speculation
+    assert stats.decodes > 0 and stats.tokens_per_verify > 2.5 and stats.verifies > 10
 
 
 @pytest.mark.parametrize("kwargs", [dict(dtype="bf16"), dict(quantize="int8")], ids=["bf16", "int8"])

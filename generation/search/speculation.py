@@ -124,25 +124,32 @@ def choose_and_accept(scores: torch.Tensor, guesses: torch.Tensor, counts: torch
 
 
 class AdaptiveK:
-    """Each row's guess budget, following its acceptance: one more after a pass that accepted
+    """Each row's guess budget, following its acceptance: doubled after a pass that accepted
     every guess offered (up to ``most``), down to what was accepted (at least one less) after a
-    pass that rejected one. A row at 0 costs no verify; after ``PROBE_EVERY`` passes it is offered
-    one guess again, so text that starts to repeat is noticed."""
+    pass that rejected one. A row at 0 costs no verify (when no row offers a guess, the pass is a
+    plain decode); ``PROBE_EVERY`` passes later it is offered ``most`` guesses again (a verify
+    pass costs the same for one guess as for ``most``), so text that starts to repeat is noticed;
+    a probe that accepts nothing puts it back at 0 at once.
+    ``update`` runs after every pass, decodes included: they count a row's wait."""
 
     def __init__(self, rows: int, most: int, device):
         self.most = most
         self.k = torch.full((rows,), most, dtype=torch.long, device=device)
         self.idle = torch.zeros(rows, dtype=torch.long, device=device)
+        self.probing = torch.zeros(rows, dtype=torch.bool, device=device)  # offered a probe, not yet tried
 
     def update(self, offered: torch.Tensor, accepted: torch.Tensor) -> None:
         tried = offered > 0
         every = tried & (accepted == offered)
-        k = torch.where(every, (self.k + 1).clamp(max=self.most),
+        k = torch.where(every, (2 * self.k).clamp(max=self.most),
                         torch.where(tried, torch.maximum(accepted, self.k - 1), self.k))
+        k = torch.where(tried & self.probing & (accepted == 0), 0, k)  # a failed probe: back to 0 at once
+        self.probing &= ~tried
         self.idle = torch.where(k == 0, self.idle + 1, 0)
         probe = self.idle >= PROBE_EVERY
-        self.k = torch.where(probe, 1, k)
+        self.k = torch.where(probe, self.most, k)
         self.idle = torch.where(probe, 0, self.idle)
+        self.probing |= probe
 
 
 def run_speculative_loop(
@@ -216,8 +223,8 @@ def run_speculative_loop(
         finish.masked_fill_((finish == RUNNING) & (generated >= limits), LENGTH)
         if s > 1:
             totals += torch.stack([counts.sum(), accepted.sum(), (counts > 0).sum()])
-            if adaptive:
-                budget.update(counts, accepted)
+        if adaptive:  # every pass, decodes too: they count the passes a row at 0 waits for its probe
+            budget.update(counts, accepted)
         passes += 1
         if hooks.tick is not None:
             hooks.tick()

@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Speculative decoding, side by side (issue 44): our generator with and without guesses, and
+transformers' ``generate`` with and without its prompt lookup (``prompt_lookup_num_tokens``), on
+the same checkpoint and token ids, in one process, one prompt at a time (batch 1).
+
+Two figures:
+
+* **verify cost**: one verify pass of k + 1 positions (``bloom_hpu/runtime/verify.py``) against one
+  plain decode step, on the same cache (a prompt of ``--prompt_len`` tokens in it), medians of
+  ``--steps`` alternated calls;
+* **tokens/s** of whole requests (prefill included, the same for every variant) of ``--new_tokens``
+  tokens, greedy, medians of ``--repeats`` rounds that go round-robin over the variants:
+
+  - ``ours``                  the plain loop
+  - ``ours+ngram:K``          prompt lookup (``--speculate ngram:K``)
+  - ``ours+fail:K``           planted guesses that are always wrong: what adaptive k leaves of the cost
+  - ``ours+oracle:K``         planted guesses that are always right (the plain run's own tokens):
+                              the ceiling, acceptance 1
+  - ``transformers``          ``BloomForCausalLM.generate``, greedy
+  - ``transformers+lookup:K`` the same with ``prompt_lookup_num_tokens=K`` (assisted generation)
+
+  Every variant's tokens are compared with ours' plain ones (``same``).
+
+Random weights do not copy their context, so prompt lookup is measured where a model does: the
+embedded default checkpoint (``--config tiny``), whose greedy text repeats itself; on a real
+shape (``--config bloom-560m``) the verify cost, the failing and the oracle guesses say what a pass
+costs and what acceptance 1 would give.
+
+    python bench/speculate_bench.py --config tiny --new_tokens 96
+    python bench/speculate_bench.py --config bloom-560m --dtype bf16 --prompt_len 64 --new_tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.generate_bench import checkpoint_folder, log, make_prompts  # noqa: E402
+from bloom_hpu.runtime.steps import step_input  # noqa: E402
+from bloom_hpu.runtime.verify import verify  # noqa: E402
+from generation.generator import Generator, parse_dtype  # noqa: E402
+from generation.search import speculation  # noqa: E402
+
+TINY_PROMPT = "And God said unto Moses"
+
+
+def planted(truth: list[int], right: bool):
+    """A guesser for one row whose guesses are the true continuation ``truth`` (prompt + the plain
+    run's tokens), or that plus one (always wrong)."""
+    table = torch.tensor(truth + [3] * 64)
+
+    def guess(sequence, used, k):
+        slots = (used[:, None] + torch.arange(k)).clamp(max=table.numel() - 1)
+        guesses = table[slots]
+        return (guesses if right else (guesses + 1) % 1000), torch.full_like(used, k)
+
+    return guess
+
+
+def verify_cost(generator: Generator, prompt_ids: list[int], k: int, steps: int) -> tuple[float, float]:
+    """Median ms of one decode step and of one verify pass of k + 1 positions, alternated, on one
+    cache holding the prompt."""
+    runner = generator.runner
+    length = len(prompt_ids) + 2 * (k + 1) + steps
+    cache = runner.cache(1, length)
+    ids = torch.tensor([prompt_ids])
+    runner.prefill(step_input(ids), torch.tensor([len(prompt_ids)]), cache)
+    start = torch.tensor([len(prompt_ids)])
+    token = torch.tensor([[prompt_ids[-1]]])
+    guesses = torch.tensor([prompt_ids[-(k + 1):]])
+    decode_ms, verify_ms = [], []
+    for i in range(steps + 2):  # the first two of each untimed
+        t = time.perf_counter()
+        runner.decode(step_input(token), step_input(start), cache, length)
+        d = time.perf_counter() - t
+        t = time.perf_counter()
+        verify(runner, step_input(guesses), step_input(start), cache, length)
+        v = time.perf_counter() - t
+        if i >= 2:
+            decode_ms.append(d * 1e3)
+            verify_ms.append(v * 1e3)
+    return statistics.median(decode_ms), statistics.median(verify_ms)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="tiny", help="tiny, bloom-560m, bloom-1b1 or a checkpoint folder")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--prompt_len", type=int, default=32, help="tokens of the prompt (shapes other than tiny)")
+    p.add_argument("--new_tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=4, help="guesses a pass (ours: --speculate ngram:K; transformers: "
+                   "prompt_lookup_num_tokens)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="alternated calls of the verify-cost figure")
+    p.add_argument("--no_transformers", action="store_true")
+    args = p.parse_args()
+
+    dtype = parse_dtype(args.dtype)
+    folder = checkpoint_folder(args.config, dtype)
+    generator = Generator.from_pretrained(folder, dtype=args.dtype)
+    if args.config == "tiny":
+        prompt = TINY_PROMPT
+    else:
+        prompt = make_prompts(generator.tokenizer, 1, args.prompt_len)[0]
+    prompt_ids = generator.tokenizer.encode(prompt)
+    max_length = len(prompt_ids) + args.new_tokens
+    options = dict(max_length=max_length, ignore_eos=False)
+    kspec = f"ngram:{args.k}"
+
+    log(f"checkpoint {folder} ({args.dtype}), prompt {len(prompt_ids)} tokens, {args.new_tokens} new, k {args.k}")
+    log(f"CPU fast path: {generator.backend.fast_path}")
+    decode_ms, verify_ms = verify_cost(generator, prompt_ids, args.k, args.steps)
+    print(f"verify cost: decode step {decode_ms:.2f} ms, verify of {args.k + 1} positions {verify_ms:.2f} ms, "
+          f"ratio {verify_ms / decode_ms:.2f}x")
+
+    plain = generator.generate(prompt, **options)[0].token_ids
+    truth = prompt_ids + plain
+    hf = None
+    if not args.no_transformers:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        hf = transformers.BloomForCausalLM.from_pretrained(folder, torch_dtype=dtype).eval()
+
+    def ours(guesser=None, spec=None):
+        def run():
+            if guesser is not None:
+                speculation.GUESSERS["ngram"] = guesser
+            try:
+                out = generator.generate(prompt, speculate=spec, **options)[0].token_ids
+            finally:
+                speculation.GUESSERS["ngram"] = speculation.ngram_guesses
+            stats = generator.last_stats.speculation
+            return out, stats
+        return run
+
+    def theirs(lookup: int | None):
+        def run():
+            extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+            with torch.no_grad():
+                out = hf.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                  max_length=max_length, do_sample=False, num_beams=1, pad_token_id=3, **extra)
+            return out[0, len(prompt_ids):].tolist(), None
+        return run
+
+    variants = {
+        "ours": ours(spec="off"),
+        f"ours+{kspec}": ours(spec=kspec),
+        f"ours+fail:{args.k}": ours(planted(truth, right=False), kspec),
+        f"ours+oracle:{args.k}": ours(planted(truth, right=True), kspec),
+    }
+    if hf is not None:
+        variants["transformers"] = theirs(None)
+        variants[f"transformers+lookup:{args.k}"] = theirs(args.k)
+
+    names = list(variants)
+    times = {n: [] for n in names}
+    results = {}
+    for name in names:  # warm-up, untimed
+        results[name] = variants[name]()
+    for r in range(args.repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            t = time.perf_counter()
+            results[name] = variants[name]()
+            times[name].append(time.perf_counter() - t)
+    base = statistics.median(times["ours"])
+    hf_base = statistics.median(times["transformers"]) if hf is not None else None
+    print(f"{'variant':<26} {'tokens':>6} {'s':>8} {'tokens/s':>9} {'x ours':>7} {'x hf':>6} "
+          f"{'tok/verify':>10} {'accept':>7} {'same':>5}")
+    for name in names:
+        tokens, stats = results[name]
+        seconds = statistics.median(times[name])
+        speed = len(tokens) / seconds
+        per_verify = f"{stats.tokens_per_verify:.2f}" if stats and stats.verifies else "-"
+        accept = f"{stats.acceptance:.2f}" if stats and stats.offered else "-"
+        vs_hf = f"{hf_base / seconds:.2f}" if hf_base else "-"
+        print(f"{name:<26} {len(tokens):>6} {seconds:>8.3f} {speed:>9.1f} {base / seconds:>7.2f} {vs_hf:>6} "
+              f"{per_verify:>10} {accept:>7} {'yes' if tokens == plain else 'NO':>5}")
+    print("(x ours, x hf: the plain variant's median time over this one's: above 1 is faster)")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
