@@ -128,3 +128,75 @@ def test_the_schema_documents_the_ranges_the_core_checks():
     assert completion["n"]["maximum"] == 128 and completion["logprobs"]["maximum"] == 5
     assert completion["max_tokens"]["minimum"] == 0 and chat["max_tokens"]["minimum"] == 1
     assert completion["temperature"]["minimum"] == 0  # 0: greedy search
+
+
+# Where a range of the tables (options.RANGES, parse.RANGES, parse.CHAT_RANGES) is checked: the
+# functions that call ``Range.holds``. One check of the options' ranges (``validate``) and one per
+# kind of request field (``_int``, ``_float``); ``valid_seed`` checks the library's ``seed_each``,
+# seeds that are no option.
+RANGE_CHECKS = {"request/options.py::GenerationOptions.validate", "request/options.py::valid_seed",
+                "request/parse.py::_int", "request/parse.py::_float"}
+
+
+def range_checks() -> set[str]:
+    """``path::function`` of every call of ``.holds(`` in generation/."""
+    found = set()
+    for path in modules():
+        tree = ast.parse(path.read_text(), str(path))
+        for scope in ast.walk(tree):
+            if isinstance(scope, ast.ClassDef):
+                methods = [(f"{scope.name}.{f.name}", f) for f in scope.body if isinstance(f, ast.FunctionDef)]
+            elif isinstance(scope, ast.Module):
+                methods = [(f.name, f) for f in scope.body if isinstance(f, ast.FunctionDef)]
+            else:
+                continue
+            for name, function in methods:
+                if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "holds"
+                       for n in ast.walk(function)):
+                    found.add(f"{path.relative_to(PACKAGE)}::{name}")
+    return found
+
+
+def test_each_range_is_checked_in_one_place():
+    assert range_checks() == RANGE_CHECKS
+    # The server's body models document the ranges but check none (pydantic's ge/gt/le/lt).
+    source = (PACKAGE / "serving" / "schema.py").read_text()
+    assert not any(f"{word}=" in source for word in ("ge", "gt", "le", "lt")), "a range checked by the schema"
+
+
+@pytest.fixture
+def validations(monkeypatch):
+    """How many times ``GenerationOptions.validate`` runs (the one check of the options' ranges)."""
+    calls = []
+    original = GenerationOptions.validate
+
+    def counted(self):
+        calls.append(self)
+        return original(self)
+
+    monkeypatch.setattr(GenerationOptions, "validate", counted)
+    return calls
+
+
+def test_a_request_is_checked_once_and_made_into_options_in_one_step(validations):
+    """A request-file line: read and checked once; its batch's options and the server's per-row
+    options are made from the checked request, not checked again."""
+    from generation.run.request_batch import RequestBatch
+    from generation.serving.params import SamplingParams
+
+    request = parse_request('{"prompt": "x", "temperature": 0.7, "top_p": 0.9, "seed": 3, "max_tokens": 5}', 1)
+    assert len(validations) == 1
+    options = RequestBatch([request], [[1]], 32, 4096).options()
+    params = SamplingParams.of(request)
+    assert len(validations) == 1
+    assert (options.temperature, options.top_p, options.max_new_tokens, options.max_length) == (0.7, 0.9, 5, 32)
+    assert (params.temperature, params.top_p, params.seed) == (0.7, 0.9, 3)
+
+
+def test_a_server_body_is_checked_once(validations):
+    from generation.serving.params import SamplingParams
+
+    completion = parse_completion({"prompt": "x", "temperature": 0.5, "top_k": 4, "ignore_eos": True}, "m")
+    params = SamplingParams.of(completion.request)
+    assert len(validations) == 1
+    assert (params.temperature, params.top_k, params.ignore_eos) == (0.5, 4, True)

@@ -193,11 +193,11 @@ def test_temperature_maps_to_greedy_or_sampling():
     greedy = parse_request('{"prompt": "x", "temperature": 0, "n": 3}', 1)
     assert not greedy.sampling and greedy.n == 3 and greedy.rows_per_prompt == 1
     sampled = parse_request('{"prompt": "x", "n": 2, "best_of": 4, "top_p": 0.9, "seed": 5}', 1)  # default T=1
-    assert sampled.search == {"do_sample": True, "temperature": 1.0, "top_p": 0.9, "num_return_sequences": 4,
-                              "seed": 5}
+    o = sampled.options
+    assert (o.do_sample, o.temperature, o.top_p, o.num_return_sequences, o.seed) == (True, 1.0, 0.9, 4, 5)
     assert sampled.rows_per_prompt == 4
     beams = parse_request('{"prompt": "x", "num_beams": 3, "n": 2}', 1)
-    assert not beams.sampling and beams.search["num_beams"] == 3 and beams.rows_per_prompt == 3
+    assert not beams.sampling and beams.options.num_beams == 3 and beams.rows_per_prompt == 3
 
 
 def test_batches_share_options_and_stay_within_the_budget():

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..run.batch import round_up
 from .options import MAX_INT, OPTIONS_BY_NAME, GenerationOptions, OptionError, Range
@@ -80,14 +80,16 @@ class Request:
     logprobs: int | None  # top alternatives per token; None: no logprobs at all
     echo: bool
     stop: list[str]
-    search: dict = field(default_factory=dict)  # GenerationOptions values of the search
+    # The search, checked once (``_search``): its options as the generate call that answers the
+    # request takes them, seed and ignore_eos included; max_length and max_new_tokens are the
+    # batch's (``to_options``).
+    options: GenerationOptions = field(default_factory=lambda: GenerationOptions(ignore_eos=False))
     # Token ids the caller gave instead of text (the server's token prompts; ``prompts`` then holds
     # their decoding): a scoring-only request scores these very ids.
     prompt_ids: list[list[int]] | None = None
     # The server's only (a request file accepts only their "off" values):
     presence_penalty: float = 0.0  # OpenAI's, over generated tokens
     frequency_penalty: float = 0.0
-    ignore_eos: bool = False  # vLLM's: rows do not stop at EOS
     grammar: Grammar | None = None  # structured output: what every answer must match (structured.py)
 
     @property
@@ -101,26 +103,27 @@ class Request:
         """Requests with the same group share one generate call's options. Their max_tokens and
         seeds may differ (each row stops at its own budget and samples with its own seed), but
         scoring-only requests (max_tokens 0, echo) make no generate call and go apart."""
-        return tuple(sorted(self.shared_search.items())) + (("generates", self.max_tokens > 0),)
+        return self.to_options(), self.max_tokens > 0
 
     @property
-    def shared_search(self) -> dict:
-        """The search options a batch shares: all but the seed."""
-        return {name: value for name, value in self.search.items() if name != "seed"}
+    def ignore_eos(self) -> bool:
+        """vLLM's: rows do not stop at EOS (the server's only)."""
+        return self.options.ignore_eos
 
     @property
     def sampling(self) -> bool:
-        return bool(self.search.get("do_sample"))
+        return self.options.do_sample
 
     @property
     def rows_per_prompt(self) -> int:
         """Rows of the batch one prompt occupies: its beams, or its sampled candidates."""
-        return max(self.search.get("num_beams", 1), self.best_of if self.sampling else 1)
+        return max(self.options.num_beams, self.best_of if self.sampling else 1)
 
     def to_options(self, **shape) -> GenerationOptions:
         """The options of a generate call that answers it, the seed aside (each prompt brings its
-        own, ``seed_each``); ``shape``: what its batch fixes (``max_length``, ``max_new_tokens``)."""
-        return GenerationOptions().updated(ignore_eos=self.ignore_eos, **self.shared_search, **shape)
+        own, ``seed_each``); ``shape``: what its batch fixes (``max_length``, ``max_new_tokens``).
+        Checked when the request was read: nothing is checked again here."""
+        return replace(self.options, seed=None, **shape)
 
 
 def request_key(raw: dict) -> str:
@@ -246,12 +249,16 @@ def _search_value(name: str, value):
         ok, wanted = number, "a finite number"  # (_check_values has refused inf and nan)
     if not ok:
         raise RequestError(f"{name} must be {wanted}, got {value!r}")
-    return value
+    try:
+        return int(value) if kind is int else float(value) if kind is float else value  # (3.0 is 3)
+    except OverflowError:  # an integer of hundreds of digits as a float
+        raise RequestError(f"{name} must be {wanted}, got {value}") from None
 
 
-def _search(raw: dict, n: int, best_of: int, min_new_tokens: int | None) -> dict:
-    """The generation options the request asks for, checked by ``GenerationOptions`` (every value
-    given, used by the search or not: top_p is checked under greedy search too)."""
+def _search(raw: dict, n: int, best_of: int, min_new_tokens: int | None, ignore_eos: bool) -> GenerationOptions:
+    """The generation options the request asks for, checked by ``GenerationOptions.validate`` (every
+    value given, used by the search or not: top_p is checked under greedy search too), the one
+    check of their ranges."""
     search = {k: _search_value(k, raw[k]) for k in SEARCH_OPTIONS if raw.get(k) is not None}
     if min_new_tokens is not None:
         search["min_new_tokens"] = min_new_tokens
@@ -272,10 +279,11 @@ def _search(raw: dict, n: int, best_of: int, min_new_tokens: int | None) -> dict
     if seed is not None:
         search["seed"] = seed
     try:
-        checked = GenerationOptions().updated(**{**unused, **search})  # types and ranges, with the options' messages
+        checked = replace(GenerationOptions(ignore_eos=ignore_eos), **{**unused, **search}).validate()
     except OptionError as error:
         raise RequestError(str(error)) from None
-    return {k: getattr(checked, k) for k in search}
+    # What the search does not use goes back to its default (a greedy row has no top_p).
+    return replace(checked, **{name: OPTIONS_BY_NAME[name].default for name in unused if name not in search})
 
 
 # --- bodies -------------------------------------------------------------------------------------
@@ -321,20 +329,20 @@ def from_body(raw, line: int = 0, serving: bool = False) -> Request:
     if min_tokens is not None and min_tokens > max_tokens:  # as vLLM
         raise RequestError(f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})")
     # With ignore_eos no row stops early, so min_tokens has nothing to add.
-    search = _search(raw, n, best_of, min_tokens if min_tokens and not ignore_eos else None)
+    options = _search(raw, n, best_of, min_tokens if min_tokens and not ignore_eos else None, ignore_eos)
     penalties = {name: _float(raw, name, 0.0, RANGES[name]) for name in ("presence_penalty", "frequency_penalty")}
-    return Request(line, raw, prompts, max_tokens, n, best_of, logprobs, echo, stop, search, ignore_eos=ignore_eos,
-                   grammar=_grammar(raw, search), **penalties)
+    return Request(line, raw, prompts, max_tokens, n, best_of, logprobs, echo, stop, options,
+                   grammar=_grammar(raw, options), **penalties)
 
 
-def _grammar(raw: dict, search: dict) -> Grammar | None:
+def _grammar(raw: dict, options: GenerationOptions) -> Grammar | None:
     """The structured output a request asks for (its field's value checked by the grammar
     library; the grammar against the tokenizer: ``structured.Compiler.check``)."""
     try:
         grammar = grammar_from_fields(**{k: raw[k] for k in STRUCTURED_KEYS if raw.get(k) is not None})
     except GrammarError as error:
         raise RequestError(str(error)) from None
-    if grammar is not None and search.get("num_beams", 1) > 1:
+    if grammar is not None and options.num_beams > 1:
         raise RequestError(f"{grammar.field} works with greedy search and sampling, not with beam search (num_beams > 1)")
     return grammar
 

@@ -41,7 +41,7 @@ class RequestBatch:
 
     def seeds(self) -> list[int | None]:
         """Each prompt's seed (None: the request gave none), in the order of its prompts."""
-        return [r.search.get("seed") for r in self.requests for _ in r.prompts]
+        return [r.options.seed for r in self.requests for _ in r.prompts]
 
 
 # --- result records -----------------------------------------------------------------------------

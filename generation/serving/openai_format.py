@@ -49,10 +49,9 @@ class Completion:
     @property
     def offline(self) -> bool:
         """Searches the engine does not run row by row: the batch runner's path answers them."""
-        r, search = self.request, self.request.search
-        return (search.get("num_beams", 1) > 1 or (r.sampling and r.best_of > r.n) or r.max_tokens == 0
-                or (r.echo and r.logprobs is not None) or search.get("no_repeat_ngram_size", 0) > 0
-                or search.get("min_new_tokens", 0) > 0)
+        r, o = self.request, self.request.options
+        return (o.num_beams > 1 or (r.sampling and r.best_of > r.n) or r.max_tokens == 0
+                or (r.echo and r.logprobs is not None) or o.no_repeat_ngram_size > 0 or o.min_new_tokens > 0)
 
 
 # vLLM's extensions to the OpenAI bodies, as load generators (guidellm...) and vLLM's clients send

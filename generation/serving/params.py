@@ -31,11 +31,11 @@ class SamplingParams:
     def of(cls, request: Request, adapter: int = 0) -> "SamplingParams":
         """A checked request (greedy search or sampling: what the engine runs row by row) as its
         rows' options."""
-        s = request.search
-        return cls(max_tokens=request.max_tokens, temperature=s.get("temperature", 1.0) if request.sampling else 0.0,
-                   top_p=s.get("top_p", 1.0), top_k=s.get("top_k", 0),
-                   repetition_penalty=s.get("repetition_penalty", 1.0), presence_penalty=request.presence_penalty,
-                   frequency_penalty=request.frequency_penalty, seed=s.get("seed"), stop=request.stop,
+        o = request.options  # (checked when the request was read)
+        return cls(max_tokens=request.max_tokens, temperature=o.temperature if o.do_sample else 0.0,
+                   top_p=o.top_p, top_k=o.top_k, repetition_penalty=o.repetition_penalty,
+                   presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+                   seed=o.seed, stop=request.stop,
                    logprobs=request.logprobs, n=request.n, adapter=adapter, ignore_eos=request.ignore_eos,
                    grammar=request.grammar)
 
