@@ -316,6 +316,7 @@ def test_two_ranks_under_the_deepspeed_launcher(tiny_spec, tmp_path):
     (["--model", "{spec}", "--dtypes"], "the sweep is empty: --dtypes has no values"),
     (["--model", "{spec}", "--input_output_lengths", "60"], "INPUT,OUTPUT pairs"),
     (["--model", "{spec}", "--dtypes", "fp8"], "unknown dtype 'fp8'"),
+    (["--model", "{spec}", "--dtypes", "int4", "--tensor_parallel_sizes", "2"], "64 / 2 ranks is not a multiple"),
     (["--model", "{spec}", "--out", "{file}/sub"], "cannot write there"),
 ])
 def test_bad_input_is_one_error_line(args, message, tiny_spec, tmp_path, capsys):

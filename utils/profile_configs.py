@@ -108,6 +108,13 @@ def check_args(args) -> tuple[object, list[Config]]:
             divisors = [n for n in range(1, spec.n_head + 1) if spec.n_head % n == 0]
             raise UsageError(f"the model's {spec.n_head} attention heads do not divide into {tp} tensor-parallel "
                              f"ranks; use sizes that divide {spec.n_head}: {', '.join(map(str, divisors))}")
+    if "int4" in args.dtypes:
+        from bloom_hpu.int4 import DEFAULT_GROUP_SIZE
+
+        for tp in args.tensor_parallel_sizes:
+            if (spec.hidden_size // tp) % DEFAULT_GROUP_SIZE:
+                raise UsageError(f"int4 keeps a scale per {DEFAULT_GROUP_SIZE} weights of a rank's part of a row: "
+                                 f"hidden_size {spec.hidden_size} / {tp} ranks is not a multiple of it")
     lengths = []
     for text in args.input_output_lengths:
         try:
