@@ -409,8 +409,10 @@ def run_replicated_job(args, generator) -> int:
                                                       errors_path=args.errors, budget=args.budget,
                                                       progress=shows_progress(args))
         if summary is not None:
+            cached = (f", {summary.cached_tokens} prompt tokens from the replicas' prefix caches"
+                      if generator.runner.prefix is not None else "")
             log(f"{summary.answered} requests answered by {REPLICAS.count} replicas, {summary.skipped} already done, "
-                f"{summary.errors} failed, {summary.completion_tokens} tokens in {summary.seconds:.1f} s")
+                f"{summary.errors} failed, {summary.completion_tokens} tokens in {summary.seconds:.1f} s{cached}")
         return 1 if summary is not None and summary.errors else 0
     from generation.jobs.evaluate import read_passages
 
