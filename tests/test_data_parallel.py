@@ -327,3 +327,19 @@ def test_eval_over_two_replicas_gives_one_process_numbers(job, tmp_path):
     done = run(bloom(folder, "--eval", passages, "--results", two, "--budget", "256", "--data_parallel", "2", ranks=2))
     assert done.returncode == 0, done.stderr[-4000:]
     assert two.read_bytes() == one.read_bytes()
+
+
+def test_the_bar_counts_the_lines_of_every_replica_as_their_parts_grow(tmp_path):
+    from generation.jobs.data_parallel import _PartCounter
+
+    results = tmp_path / "out.jsonl"
+    counter = _PartCounter(results, 2)
+    assert counter.lines() == 0  # no part yet
+    part_path(results, 1).write_bytes(_record("a", 1) + b"\n")
+    assert counter.lines() == 1
+    with open(part_path(results, 0), "ab") as f:
+        f.write(_record("b", 2) + b"\n" + _record("c", 3))  # the last one still being written
+    assert counter.lines() == 2
+    with open(part_path(results, 0), "ab") as f:
+        f.write(b"\n")
+    assert counter.lines() == 3
