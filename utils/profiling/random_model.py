@@ -50,18 +50,15 @@ class RandomReader:
     def stored_dtype(self, name: str) -> torch.dtype:
         return torch.float32
 
-    def _block(self, name: str, index: int, per_block: int, n_rows: int, keep: slice, cols: slice | None,
-               dtype: torch.dtype) -> torch.Tensor:
-        """Block ``index`` of ``name`` (rows index * per_block ...), cut to its rows ``keep`` and
-        ``cols`` and cast, on a pool thread: the cast runs in parallel too."""
+    def _block(self, name: str, index: int, per_block: int, n_rows: int, keep: slice,
+               cols: slice | None) -> torch.Tensor:
+        """Block ``index`` of ``name`` (rows index * per_block ...), cut to its rows ``keep`` and ``cols``."""
         # 32 bits: the CPU generator (mt19937) keeps only the low 32 bits of a seed.
         gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}/{name}#{index}".encode()))
         rows = slice(index * per_block, min((index + 1) * per_block, n_rows))
         block = random_tensor(name, self.config, live_vocab=self.live_vocab, weight_scale=self.weight_scale,
                               gen=gen, rows=rows)[keep]
-        if cols is not None:
-            block = block[:, cols]
-        return block.to(dtype).contiguous()
+        return block if cols is None else block[:, cols]
 
     def get(self, name: str, dtype: torch.dtype | None = None, rows: slice | None = None,
             cols: slice | None = None) -> torch.Tensor:
@@ -70,15 +67,19 @@ class RandomReader:
         row_len = 1 if len(shape) == 1 else shape[1]
         per_block = max(1, BLOCK_ELEMENTS // row_len)
         start, stop, _ = (0, n_rows, 1) if rows is None else rows.indices(n_rows)
+        width = () if len(shape) == 1 else (len(range(*cols.indices(row_len))) if cols is not None else row_len,)
+        out = torch.empty(stop - start, *width, dtype=dtype or torch.float32)
 
-        def block(i: int) -> torch.Tensor:
-            keep = slice(max(start - i * per_block, 0), min(stop - i * per_block, per_block))
-            return self._block(name, i, per_block, n_rows, keep, cols, dtype or torch.float32)
+        def fill(i: int) -> None:
+            # Each pool thread draws a block and casts it straight into its rows of ``out``.
+            first = max(start, i * per_block)
+            last = min(stop, (i + 1) * per_block)
+            keep = slice(first - i * per_block, last - i * per_block)
+            out[first - start : last - start] = self._block(name, i, per_block, n_rows, keep, cols)
 
-        blocks = list(self._pool.map(block, range(start // per_block, (stop - 1) // per_block + 1)))
-        tensor = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
-        self.bytes_read += tensor.numel() * 4
-        return tensor
+        list(self._pool.map(fill, range(start // per_block, (stop - 1) // per_block + 1)))
+        self.bytes_read += out.numel() * 4
+        return out
 
 
 def write_model_folder(folder: Path, config: BloomConfig, tokenizer_dir: str | None) -> int:
