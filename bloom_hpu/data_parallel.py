@@ -48,6 +48,9 @@ def check_data_parallel(world_size: int, data_parallel: int) -> int:
     """T, the ranks per replica; a ParallelError (the same on every rank) when D does not fit."""
     if isinstance(data_parallel, bool) or not isinstance(data_parallel, int) or data_parallel < 1:
         raise ParallelError(f"--data_parallel must be an integer >= 1, got {data_parallel!r}")
+    if world_size == 1 and data_parallel > 1:
+        raise ParallelError(f"--data_parallel {data_parallel} needs a launch of {data_parallel} ranks or a multiple: "
+                            f"start it with deepspeed --num_gpus N or torchrun --nproc_per_node N")
     if world_size % data_parallel:
         raise ParallelError(
             f"--data_parallel {data_parallel} does not divide the {world_size} ranks of this launch: "

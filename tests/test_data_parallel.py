@@ -47,6 +47,8 @@ def test_world_size_must_divide_into_replicas():
     assert check_data_parallel(2, 2) == 1
     with pytest.raises(ParallelError, match="does not divide the 3 ranks"):
         check_data_parallel(3, 2)
+    with pytest.raises(ParallelError, match="needs a launch of 2 ranks or a multiple"):
+        check_data_parallel(1, 2)
     with pytest.raises(ParallelError, match=">= 1"):
         check_data_parallel(2, 0)
 
