@@ -33,15 +33,21 @@ from bloom_hpu.runtime.cpu import CpuOptions, CpuPathError, choice
 from dequantized import write_dequantized
 from generation import Generator
 from generation.run.logprobs import score_rows
+from bloom_hpu.quantize import quantized_products
 from isas import KERNEL_ISAS, ROOT, needs_isa
 
-PROMPTS = ["In the beginning God created", "And the LORD said unto Moses,", "Blessed are the"]
-NEW_TOKENS = 16
-NEAR_TIE = 0.3  # nats
-LOGPROBS = 0.15  # nats
+PROMPTS = ["In the beginning God created", "And the LORD said unto Moses,", "Blessed are the", "And it came to pass",
+           "The LORD is my shepherd", "Thou shalt not"]
+NEW_TOKENS = 24
+# The rounding of the activations moves the embedded default's log-probs by up to ~0.035 nats
+# against the weight-only reference (measured on every route; weight-only routes by ~1e-5): a step
+# whose best two tokens lie closer than NEAR_TIE may flip, and ends the comparison of that prompt.
+NEAR_TIE = 0.05  # nats
+LOGPROBS = 0.1  # nats
 PERPLEXITY = {"int8": 0.01, "int4": 0.05}  # relative to fp32's
-# Every pair of routes a quantized model can be forced to, besides the measured one.
-FORCED = ["prompts=native,decode=weight-only", "prompts=widened,decode=weight-only",
+# Every pair of routes a quantized fp32 model can be forced to, besides the measured one ('widened'
+# is a route of bf16 and fp16 models: test_bf16_routes_keep_the_contract).
+FORCED = ["prompts=native,decode=weight-only", "prompts=native,decode=integer",
           "prompts=integer,decode=weight-only", "prompts=integer,decode=integer"]
 
 
@@ -256,7 +262,7 @@ def check_contract(generator: Generator, reference, mode: str, fp32: float, text
         assert result.token_ids[:clear] == tokens[:clear], prompt
         assert result.sequences[0].token_logprobs[:clear] == pytest.approx(logprobs[:clear], abs=LOGPROBS)
         compared += clear
-    assert compared >= NEW_TOKENS  # the comparison is not empty
+    assert compared >= 2 * NEW_TOKENS  # the comparison is not empty
     return f"perplexity {got:.3f} ({got / fp32 - 1:+.2%} against fp32), {compared} greedy tokens compared"
 
 
@@ -272,16 +278,23 @@ def test_every_route_keeps_the_contract(tiny_checkpoint, references, fp32_perple
     print(f"{mode} {route}: {check_contract(generator, references[mode], mode, fp32_perplexity, held_out_texts(tiny_checkpoint))}")
 
 
+BF16_ROUTES = {None: ["measure", "prompts=native", "prompts=widened", "prompts=kernel"],
+               "int8": ["measure", "prompts=native", "prompts=widened", "prompts=integer,decode=integer"],
+               "int4": ["measure", "prompts=native", "prompts=widened", "prompts=integer,decode=integer"]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("route", ["measure", "prompts=native", "prompts=widened"])
-def test_bf16_routes_keep_bf16s_numbers(tiny_checkpoint, choice_dir, route):
-    """bf16 weights on each float route: the perplexity through our products within 1% of fp32's
-    (bf16 weights are exact in fp32: the routes differ only in where sums are rounded)."""
-    texts = held_out_texts(tiny_checkpoint)
-    fp32 = our_perplexity(Generator.from_pretrained(tiny_checkpoint, cpu=CpuOptions(choice="static")), texts)
-    generator = Generator.from_pretrained(tiny_checkpoint, dtype="bf16", cpu=CpuOptions(choice=route))
-    got = our_perplexity(generator, texts)
-    assert abs(got / fp32 - 1) <= 0.01, generator.backend.fast_path
+@pytest.mark.parametrize("mode, route", [(m, r) for m, routes in BF16_ROUTES.items() for r in routes])
+def test_bf16_routes_keep_the_contract(tiny_checkpoint, fp32_perplexity, choice_dir, mode, route):
+    """bf16 on each route: the perplexity through our products within the mode's bound (1% for
+    bf16 weights) plus 1% for bf16 activations, of fp32's. (bf16 weights are exact in fp32: the
+    float routes differ only in where sums are rounded.)"""
+    generator = Generator.from_pretrained(tiny_checkpoint, dtype="bf16", quantize=mode, cpu=CpuOptions(choice=route))
+    if route == "prompts=kernel" and "kernels" not in generator.backend.fast_path:
+        pytest.skip("no kernels here")
+    got = our_perplexity(generator, held_out_texts(tiny_checkpoint))
+    print(f"bf16 {mode} {route}: perplexity {got:.3f} ({got / fp32_perplexity - 1:+.2%})")
+    assert abs(got / fp32_perplexity - 1) <= PERPLEXITY.get(mode, 0.0) + 0.01, generator.backend.fast_path
 
 
 AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
@@ -318,3 +331,38 @@ def test_every_route_keeps_the_contract_on_the_avx2_build_capped(tiny_checkpoint
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.count("greedy tokens compared") == 2 * (1 + len(FORCED))
     assert "AVX2 kernels" in run.stdout
+
+
+def test_each_route_runs_where_it_is_set(make_ckpt, choice_dir):
+    """A product's route follows its input's shape (``prompt_shaped``): with integer products for
+    prompts only, the integer kernel sees a prefill's [1, T, K] inputs and no decode step's; for
+    decode rows only, a decode step's [1, 1, K] (and the prefill's LM head, one row a prompt) and
+    no [1, T, K]; the one-call decode step takes the route the op-by-op step takes."""
+    folder = make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7)
+    one_call = {}
+    for route in ("prompts=integer,decode=weight-only", "prompts=native,decode=integer",
+                  "prompts=native,decode=weight-only"):
+        g = Generator.from_pretrained(folder, quantize="int8", cpu=CpuOptions(choice=route))
+        seen = []
+        for m in quantized_products(g.model):
+            if m.block_kernel is not None:
+                m.block_kernel = (lambda kernel: lambda x, *a: seen.append(tuple(x.shape)) or kernel(x, *a))(m.block_kernel)
+        ids = torch.tensor([g.tokenizer.encode("The quick brown fox jumps over the lazy dog")])
+        n = ids.shape[1]
+        cache = g.model.allocate_cache(1, n + 8)
+        with torch.no_grad():
+            token = g.model.prefill(ids, torch.tensor([n]), cache).argmax(-1)[:, None]
+            prefill_shapes, seen[:] = set(seen), []
+            op_by_op = g.model.decode(token, torch.tensor([n]), cache, n + 1)
+            plan = g.backend.cpu_plan
+            one_call[route] = plan.decode(token, torch.tensor([n]), cache, n + 1) if plan.decode else op_by_op
+        decode_shapes = set(seen)
+        if route.startswith("prompts=integer"):
+            assert prefill_shapes and all(s[1] == n for s in prefill_shapes if len(s) == 3) and not decode_shapes
+        elif "decode=integer" in route:
+            assert all(len(s) == 2 or s[1] == 1 for s in prefill_shapes) and decode_shapes == {(1, 1, 64), (1, 1, 256), (1, 64)}
+        else:
+            assert not prefill_shapes and not decode_shapes
+        torch.testing.assert_close(one_call[route], op_by_op, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(one_call["prompts=native,decode=integer"], one_call["prompts=native,decode=weight-only"],
+                              atol=1e-4)
