@@ -70,31 +70,35 @@ def ngram_guesses(sequence: torch.Tensor, used: torch.Tensor, k: int,
     sequence [B, L]: each row's prompt + output in its first ``used[b]`` slots (anything after).
     For the longest n in ``sizes`` whose suffix (the row's last n tokens) occurs earlier in the
     row, the latest such occurrence followed by k real tokens (else the latest one) is taken and the
-    (up to k) tokens after it are the guesses;
-    counts is how many of those lie in real tokens (0: no match, the row guesses nothing)."""
+    (up to k) tokens after it are the guesses; counts is how many of those lie in real tokens
+    (0: no match, the row guesses nothing).
+
+    An occurrence is found by where it ends: slot p ends a match of n when slot p - m holds the
+    row's m-th last token for every m < n, so one [B, L] comparison per m serves every n."""
     rows, length = sequence.shape
     device = sequence.device
+    slots = torch.arange(length, device=device)
+    # An occurrence must end before the row's last token (so it is not the suffix itself) and be
+    # followed by one real token at least: p <= used - 2.
+    ends = slots[None, :] <= used[:, None] - 2  # [B, L]
+    full = slots[None, :] + 1 + k <= used[:, None]  # [B, L]: followed by k real tokens
     guesses = torch.zeros(rows, k, dtype=torch.long, device=device)
     counts = torch.zeros(rows, dtype=torch.long, device=device)
     found = torch.zeros(rows, dtype=torch.bool, device=device)
+    match = ends.clone()
+    matches = {}
+    for m in range(max(sizes)):  # match[p]: slots p - m .. p hold the row's last m + 1 tokens
+        last = sequence.gather(1, (used - 1 - m).clamp(min=0)[:, None])  # [B, 1]
+        same = sequence == last  # [B, L]
+        match[:, m:] &= same[:, : length - m]
+        match[:, :m] = False
+        matches[m + 1] = match & (used[:, None] > m + 1)
     ahead = torch.arange(k, device=device)
     for n in sizes:  # longest first: a row keeps the first n that matches
-        if n >= length:
-            continue
-        windows = sequence.unfold(1, n, 1)  # [B, W, n], W = L - n + 1 starts
-        suffix = sequence.gather(1, (used[:, None] - n + torch.arange(n, device=device)).clamp(0, length - 1))  # [B, n]
-        match = (windows == suffix[:, None, :]).all(dim=-1)  # [B, W]
-        starts = torch.arange(windows.shape[1], device=device)
-        # An earlier occurrence with at least one real token after it (so not the suffix itself),
-        # in a row that has n tokens at all.
-        match &= (starts[None, :] + n < used[:, None]) & (used[:, None] > n)
-        # The latest occurrence, preferring those followed by k real tokens (in text that repeats
-        # with a short period, the very latest one is followed by the suffix alone).
-        full = starts[None, :] + n + k <= used[:, None]
-        rank = torch.where(match, starts[None, :] + length * full, -1).amax(dim=1)  # [B], -1: none
-        latest = torch.where(rank >= length, rank - length, rank)
+        rank = torch.where(matches[n], slots[None, :] + length * full, -1).amax(dim=1)  # [B], -1: none
+        end = torch.where(rank >= length, rank - length, rank)
         hit = (rank >= 0) & ~found
-        follow = latest + n  # [B] the first guessed slot
+        follow = end + 1  # [B] the first guessed slot
         picked = sequence.gather(1, (follow[:, None] + ahead[None, :]).clamp(0, length - 1))  # [B, k]
         guesses = torch.where(hit[:, None], picked, guesses)
         counts = torch.where(hit, (used - follow).clamp(max=k), counts)
