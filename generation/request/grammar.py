@@ -12,9 +12,10 @@ allowed). Here:
 * ``Compiler``: grammars against one tokenizer: checked once (a bad schema, regex or grammar is
   a ``GrammarError`` naming its field; compile work bounded by ``LIMITS``), cached per grammar, a
   fresh matcher per row (a copy of the cached one).
-* ``GrammarRows``: the matchers of a batch's rows (None where a row has no constraint); fills the
-  ``[rows, words]`` bitmask on the host (all bits set for a row without one), copies it to the
-  device, and takes each chosen token back to advance its row's matcher.
+* ``RowGrammar``: one row's grammar (its matcher, next mask, end), on the server and in the
+  offline loop; ``GrammarRows`` gathers a batch's into the ``[rows, words]`` bitmask on the host
+  (all bits set for a row without one), copies it to the device, and takes each chosen token back
+  to advance its row's grammar.
 * ``allow``: the mask applied to scores [rows, V] on the device (-inf where not allowed).
 
 A mask is data: it enters the token choice, which runs on logits outside the captured step, with
@@ -234,65 +235,17 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-class GrammarRows:
-    """The grammars of ``rows`` rows of a batch: their matchers (None: unconstrained), a host
-    bitmask [rows, words] int32 (pinned where a card will read it) and its device copy."""
-
-    def __init__(self, rows: int, vocab_size: int, device: torch.device | str):
-        self.device = torch.device(device)
-        self.vocab_size = vocab_size
-        pin = self.device.type == "cuda"
-        self.host = torch.full((rows, mask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
-        self.matchers: list = [None] * rows
-        self.consumed = [0] * rows  # tokens each row's matcher has taken
-        self.ended = [False] * rows  # the row's grammar is complete (its matcher stopped)
-
-    def set(self, row: int, matcher) -> None:
-        self.matchers[row] = matcher
-        self.consumed[row] = 0
-        self.ended[row] = False
-
-    def clear(self, row: int) -> None:
-        self.set(row, None)
-        self.host[row].fill_(-1)
-
-    def any(self, count: int | None = None) -> bool:
-        return any(m is not None for m in self.matchers[:count])
-
-    def masks(self, count: int | None = None) -> torch.Tensor:
-        """The allowed tokens of rows 0..count-1 as the device's [count, words] int32: each
-        constrained row's matcher fills its row on the host; unconstrained rows keep every bit."""
-        import llguidance.torch as llt
-
-        count = len(self.matchers) if count is None else count
-        for row, matcher in enumerate(self.matchers[:count]):
-            if matcher is not None:
-                llt.fill_next_token_bitmask(matcher, self.host, row)
-        return self.host[:count].to(self.device, non_blocking=True)
-
-    def advance(self, tokens: list[int]) -> list[int]:
-        """Each constrained row's chosen token into its matcher; returns the rows whose grammar
-        ended with it (the matcher stopped: nothing but the end may follow)."""
-        ended = []
-        for row, (matcher, token) in enumerate(zip(self.matchers, tokens)):
-            if matcher is None or self.ended[row]:
-                continue
-            matcher.consume_token(token)
-            self.consumed[row] += 1
-            if matcher.is_stopped() or matcher.is_error():
-                self.ended[row] = True
-                ended.append(row)
-        return ended
-
-
 class RowGrammar:
-    """One running row's grammar on the server (``serving``): its matcher and its next mask
-    ([1, words] int32 on the host), computed once per token, ideally while the device decodes."""
+    """One row's grammar, on the server and in the offline loop alike: its matcher, its next mask
+    ([1, words] int32 on the host, computed once per token, ideally while the device decodes), the
+    tokens it has taken and whether it ended (the matcher stopped: nothing but the end may follow)."""
 
     def __init__(self, matcher, vocab_size: int):
         self.matcher = matcher
         self.mask = torch.empty((1, mask_words(vocab_size)), dtype=torch.int32)
         self.ready = False
+        self.consumed = 0
+        self.ended = False
 
     def prepare(self) -> torch.Tensor:
         """The row's allowed tokens now (computed if not yet)."""
@@ -304,10 +257,59 @@ class RowGrammar:
         return self.mask
 
     def consume(self, token: int) -> bool:
-        """The row chose ``token``; True when that ended its grammar (nothing but the end may follow)."""
+        """The row chose ``token``; True when that ended its grammar."""
         self.matcher.consume_token(token)
+        self.consumed += 1
         self.ready = False
-        return self.matcher.is_stopped() or self.matcher.is_error()
+        self.ended = self.matcher.is_stopped() or self.matcher.is_error()
+        return self.ended
+
+
+class GrammarRows:
+    """The grammars of a batch's ``rows`` rows for the offline loop: a ``RowGrammar`` per
+    constrained row (None: unconstrained), gathered into a host bitmask [rows, words] int32
+    (pinned where a card will read it) and its device copy."""
+
+    def __init__(self, rows: int, vocab_size: int, device: torch.device | str):
+        self.device = torch.device(device)
+        self.vocab_size = vocab_size
+        pin = self.device.type == "cuda"
+        self.host = torch.full((rows, mask_words(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
+        self.rows: list[RowGrammar | None] = [None] * rows
+
+    def set(self, row: int, matcher) -> None:
+        self.rows[row] = RowGrammar(matcher, self.vocab_size) if matcher is not None else None
+
+    def clear(self, row: int) -> None:
+        self.set(row, None)
+        self.host[row].fill_(-1)
+
+    @property
+    def consumed(self) -> list[int]:
+        """Tokens each row's grammar has taken (0 without one)."""
+        return [g.consumed if g is not None else 0 for g in self.rows]
+
+    @property
+    def ended(self) -> list[bool]:
+        return [g is not None and g.ended for g in self.rows]
+
+    def any(self, count: int | None = None) -> bool:
+        return any(g is not None for g in self.rows[:count])
+
+    def masks(self, count: int | None = None) -> torch.Tensor:
+        """The allowed tokens of rows 0..count-1 as the device's [count, words] int32: each
+        constrained row's mask; unconstrained rows keep every bit."""
+        count = len(self.rows) if count is None else count
+        for row, grammar in enumerate(self.rows[:count]):
+            if grammar is not None:
+                self.host[row] = grammar.prepare()[0]
+        return self.host[:count].to(self.device, non_blocking=True)
+
+    def advance(self, tokens: list[int]) -> list[int]:
+        """Each constrained row's chosen token into its grammar; returns the rows whose grammar
+        ended with it."""
+        return [row for row, (grammar, token) in enumerate(zip(self.rows, tokens))
+                if grammar is not None and not grammar.ended and grammar.consume(token)]
 
 
 def _bias_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -84,7 +84,7 @@ class GrammarSteps:
         self.rows = rows
         self.pending: torch.Tensor | None = None
         self.copied = None  # CUDA: the event that ends the token's copy to the host
-        self.ended = torch.zeros(len(rows.matchers), dtype=torch.bool, device=rows.device)
+        self.ended = torch.zeros(len(rows.rows), dtype=torch.bool, device=rows.device)
 
     def masks(self) -> torch.Tensor:
         if self.pending is not None:
