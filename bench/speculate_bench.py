@@ -179,7 +179,7 @@ def main() -> int:
     base = statistics.median(times["ours"])
     hf_base = statistics.median(times["transformers"]) if hf is not None else None
     print(f"{'variant':<26} {'tokens':>6} {'s':>8} {'tokens/s':>9} {'x ours':>7} {'x hf':>6} "
-          f"{'tok/verify':>10} {'accept':>7} {'same':>5}")
+          f"{'tok/verify':>10} {'accept':>7} {'same':>5} {'spread':>7}")
     for name in names:
         tokens, stats = results[name]
         # transformers' prompt lookup may run past max_length by a few tokens: what was asked for
@@ -191,8 +191,10 @@ def main() -> int:
         accept = f"{stats.acceptance:.2f}" if stats and stats.offered else "-"
         vs_hf = f"{hf_base / seconds:.2f}" if hf_base else "-"
         print(f"{name:<26} {len(tokens):>6} {seconds:>8.3f} {speed:>9.1f} {base / seconds:>7.2f} {vs_hf:>6} "
-              f"{per_verify:>10} {accept:>7} {'yes' if tokens == plain else 'NO':>5}")
-    print("(x ours, x hf: the plain variant's median time over this one's: above 1 is faster)")
+              f"{per_verify:>10} {accept:>7} {'yes' if tokens == plain else 'NO':>5} "
+              f"{(max(times[name]) - min(times[name])) / seconds:>6.0%}")
+    print("(x ours, x hf: the plain variant's median time over this one's: above 1 is faster; spread: "
+          "(slowest - fastest run) / median)")
     return 0
 
 

@@ -126,7 +126,7 @@ def choose_and_accept(scores: torch.Tensor, guesses: torch.Tensor, counts: torch
 class AdaptiveK:
     """Each row's guess budget, following its acceptance: doubled after a pass that accepted
     every guess offered (up to ``most``), down to what was accepted (at least one less) after a
-    pass that rejected one. A row at 0 costs no verify (when no row offers a guess, the pass is a
+    pass that rejected one, halved after a pass that accepted none. A row at 0 costs no verify (when no row offers a guess, the pass is a
     plain decode); ``PROBE_EVERY`` passes later it is offered ``most`` guesses again (a verify
     pass costs the same for one guess as for ``most``), so text that starts to repeat is noticed;
     a probe that accepts nothing puts it back at 0 at once.
@@ -142,7 +142,8 @@ class AdaptiveK:
         tried = offered > 0
         every = tried & (accepted == offered)
         k = torch.where(every, (2 * self.k).clamp(max=self.most),
-                        torch.where(tried, torch.maximum(accepted, self.k - 1), self.k))
+                        torch.where(tried, torch.where(accepted > 0, torch.maximum(accepted, self.k - 1), self.k // 2),
+                                    self.k))
         k = torch.where(tried & self.probing & (accepted == 0), 0, k)  # a failed probe: back to 0 at once
         self.probing &= ~tried
         self.idle = torch.where(k == 0, self.idle + 1, 0)
