@@ -117,7 +117,7 @@ class Generator:
         ``speculate``: "ngram" or "ngram:K": greedy search and sampling verify up to K guesses of
         each row (prompt lookup) in one pass, the same tokens (``generation/search/speculation.py``)."""
         speculation = parse_speculation(speculate)  # named before anything is loaded
-        parse_size(prefix_cache)  # a bad size is named before anything is loaded
+        prefix_bytes = parse_size(prefix_cache)  # a bad size is named before anything is loaded
         if quantize is not None and quantize not in QUANTIZE_MODES:
             raise QuantizeError(f"unknown quantization {quantize!r}: choose {', '.join(QUANTIZE_MODES)}")
         group_size = resolve_group_size(quantize, group_size)
@@ -160,7 +160,7 @@ class Generator:
             generator.lora = ServedAdapters(names, {n: a.folder for n, a in served.items()}, rows)
             if backend.cpu_plan is not None:  # its one-call decode step knows no adapters
                 backend.cpu_plan.drop_one_call_decode("LoRA adapters are served")
-        enable_prefix_cache(generator, prefix_cache)
+        enable_prefix_cache(generator, prefix_bytes)
         generator.speculation = speculation
         return generator
 

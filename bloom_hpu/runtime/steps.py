@@ -15,11 +15,14 @@ shape signature and, on a Gaudi, captures it and ends it with ``mark_step``.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from ..kv_cache import KVCache
 from ..model import StaticBloom
+from ..prefix_cache import DEFAULT_BLOCK, PrefixCache
 from .backends import Backend
 
 
@@ -127,7 +130,9 @@ class HeadStep(nn.Module):
 
 
 class StepRunner:
-    """Runs the steps of one model on one backend."""
+    """Runs the steps of one model on one backend, and owns its prefix cache (when it has one):
+    made by ``enable_prefix_cache``, set aside by ``prefix_paused``, its namespace set by
+    ``prefix_namespace_of``; the prefills that use it read it as ``prefix``."""
 
     def __init__(self, model: StaticBloom, backend: Backend):
         self.model = model
@@ -135,10 +140,53 @@ class StepRunner:
         backend.prepare_model(model)
         self._caches: dict[tuple[int, int], KVCache] = {}
         self._steps: dict[tuple, nn.Module] = {}
-        self.prefix = None  # a PrefixCache (bloom_hpu/prefix_cache.py) when one is enabled
+        self._prefix: PrefixCache | None = None  # bloom_hpu/prefix_cache.py, when one is enabled
+        self._prefix_paused = False
         # Whose keys and values the steps compute now: a served LoRA adapter's are its own (set by
         # the server while every row runs one adapter); the prefix cache keeps them apart.
-        self.prefix_namespace = ""
+        self._prefix_namespace = ""
+
+    # --- the prefix cache -----------------------------------------------------------------------
+
+    @property
+    def prefix(self) -> PrefixCache | None:
+        """The prefix cache the prefills use now: None when there is none, or while it is paused."""
+        return None if self._prefix_paused else self._prefix
+
+    @property
+    def prefix_namespace(self) -> str:
+        """The namespace of the keys and values the steps compute now (``prefix_namespace_of``)."""
+        return self._prefix_namespace
+
+    def enable_prefix_cache(self, capacity: int, block: int = DEFAULT_BLOCK) -> PrefixCache | None:
+        """A prefix cache of ``capacity`` blocks of ``block`` tokens for this model, in the layout
+        and copy shapes of this backend, replacing any earlier one; 0: none. (The size the user
+        gives, and whether it fits, are the generator's: ``generation/run/prefix_pool.py``.)"""
+        self._prefix = None  # an earlier pool is freed before the new one is allocated
+        if capacity > 0:
+            self._prefix = PrefixCache.for_model(self.model, capacity, self.backend.per_layer_cache,
+                                                 fixed_copy_shapes=self.backend.compiles_eager_ops, block=block)
+        return self._prefix
+
+    @contextlib.contextmanager
+    def prefix_paused(self):
+        """Within it the prefills neither use nor fill the prefix cache (``prefix`` is None): a
+        warm-up's filler prompts run as prefills and leave nothing behind."""
+        paused, self._prefix_paused = self._prefix_paused, True
+        try:
+            yield
+        finally:
+            self._prefix_paused = paused
+
+    @contextlib.contextmanager
+    def prefix_namespace_of(self, namespace: str):
+        """Within it the steps compute keys and values of ``namespace`` (a served LoRA adapter's):
+        what the prefix cache stores and finds is that namespace's."""
+        outer, self._prefix_namespace = self._prefix_namespace, namespace
+        try:
+            yield
+        finally:
+            self._prefix_namespace = outer
 
     def cache(self, batch_size: int, length: int) -> KVCache:
         """The cache for this shape, allocated on first use and then reused."""

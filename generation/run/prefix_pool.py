@@ -1,7 +1,8 @@
 """The prefix cache as the generator offers it: its size as the user gives it (``--prefix_cache``),
 the memory check before the pool is allocated, and what a generate call leaves in it.
 
-The pool and its index are ``bloom_hpu/prefix_cache.py``; the prefill that uses them is
+The pool and its index are ``bloom_hpu/prefix_cache.py``, owned by the generator's ``StepRunner``
+(made there, paused and namespaced through its methods); the prefill that uses them is
 ``bloom_hpu/runtime/prefixed.py``. A generator with a pool uses it for every prompt it prefills
 (``generate``, request files, the chat shell, the server); scoring passes (``--eval``, ``echo``
 with log-probs) need every position's logits and compute their prompts in full.
@@ -43,27 +44,21 @@ def parse_size(size: int | str | None) -> int:
     return value
 
 
-def enable_prefix_cache(generator, size: int | str | None, block: int = DEFAULT_BLOCK) -> PrefixCache | None:
-    """Give ``generator`` a pool of ``size`` (see ``parse_size``), checked against the free memory
-    before it is allocated; None (and no pool) for a size of 0 or one smaller than a block."""
-    nbytes = parse_size(size)
+def enable_prefix_cache(generator, nbytes: int | None, block: int = DEFAULT_BLOCK) -> PrefixCache | None:
+    """Give ``generator``'s runner a pool of ``nbytes`` (as ``parse_size`` gives it), checked
+    against the free memory before it is allocated; None (and no pool) for 0 or None."""
+    nbytes = nbytes or 0
     model = generator.model
     per_block = block_bytes(model.config, generator.dtype, model.parallel.world_size, block)
     capacity = nbytes // per_block
-    if capacity < 1:
-        if nbytes:
-            raise PrefixCacheError(f"a prefix cache of {human(nbytes)} holds no block: one block of {block} tokens "
-                                   f"takes {human(per_block)} for this model; give at least that, or 0 (off)")
-        generator.runner.prefix = None
-        return None
-    free = agreed_free_bytes(generator.device, model.parallel)
+    if nbytes and capacity < 1:
+        raise PrefixCacheError(f"a prefix cache of {human(nbytes)} holds no block: one block of {block} tokens "
+                               f"takes {human(per_block)} for this model; give at least that, or 0 (off)")
+    free = agreed_free_bytes(generator.device, model.parallel) if capacity else None
     if free is not None and capacity * per_block > free:
         raise MemoryCheckError(f"a prefix cache of {human(capacity * per_block)} does not fit: {human(free)} is free "
                                f"on {generator.device.type}; lower --prefix_cache (0: off)")
-    backend = generator.backend
-    generator.runner.prefix = PrefixCache.for_model(model, capacity, backend.per_layer_cache,
-                                                    fixed_copy_shapes=backend.compiles_eager_ops, block=block)
-    return generator.runner.prefix
+    return generator.runner.enable_prefix_cache(capacity, block)
 
 
 def store_generated(generator, cache, prompt_ids: list[list[int]], sequences: list[list[int]]) -> None:

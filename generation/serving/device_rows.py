@@ -19,7 +19,7 @@ own shard, with the collectives inside the steps pairing up.
   ``caches[b]`` (``StaticBloom.mixed``): up to ``prefill_chunk`` tokens per step in *segments* of a
   fixed length (``chunk_shape``), each segment a piece of one prompt, so several short prompts (or
   several pieces of a long one) join in one step and the running rows never wait for a prefill.
-* **The prefix cache** (the generator's pool, when it has one: ``generation/run/prefix_pool.py``): a
+* **The prefix cache** (the runner's pool, when it has one: ``StepRunner.prefix``): a
   prefill copies what the pool holds of its prompts (``runtime/prefixed.py``); a joining prompt's
   held blocks are copied into its row before its first segment (``copy_prefix``), and a row's
   blocks are stored once its prompt is in place and when it ends (``store_prefix``). The pool's
@@ -98,8 +98,12 @@ class DeviceRows:
         per_layer = self.runner.backend.per_layer_cache
         self.caches = {b: model.allocate_cache(b, max_length, per_layer) for b in self.batch_sizes}
         self.prefill_caches = {k: model.allocate_cache(k, max_length, per_layer) for k in self.prefill_sizes}
-        self.pool = self._pool = self.runner.prefix  # the prefix cache, or None
         self.last_cached: list[int] = []  # prompt tokens of each prompt of the last prefill the pool served
+
+    @property
+    def pool(self):
+        """The runner's prefix cache (None: none, or paused)."""
+        return self.runner.prefix
 
     def _check_memory(self, model) -> None:
         """Refuse, before allocating, caches that cannot fit (every bucket's, allocated at once)."""
@@ -137,14 +141,11 @@ class DeviceRows:
         start = time.perf_counter()
         # The prefills as such: the pool would find the filler prompts' blocks and run extends
         # instead (those are warmed up on their own), and it must not keep them.
-        self.pool, self.runner.prefix = None, None
-        try:
+        with self.runner.prefix_paused():
             # Largest first: graphs captured into one memory pool can then reuse the larger ones' scratch.
             for k in reversed(self.prefill_sizes):
                 for p in reversed(self.lengths):
                     self.prefill([[self.pad] * p] * k)
-        finally:
-            self.pool = self.runner.prefix = self._pool
 
         for b in reversed(self.batch_sizes):
             for window in reversed(self.lengths):
@@ -314,12 +315,9 @@ class DeviceRows:
     def _adapter_only(self, adapter: int):
         """Within it, every row of a step reads ``adapter`` (a prefill, an offline answer), and the
         prefix cache keeps that adapter's blocks; the running rows' adapters are put back after it."""
-        self.runner.prefix_namespace = prefix_namespace(adapter)
-        try:
+        with self.runner.prefix_namespace_of(prefix_namespace(adapter)):
             with self.lora.rows.only(adapter) if self.lora is not None else contextlib.nullcontext():
                 yield
-        finally:
-            self.runner.prefix_namespace = ""
 
     def idle(self) -> None:
         """The engine has nothing to do now (under tensor parallelism rank 0 sends a heartbeat)."""
