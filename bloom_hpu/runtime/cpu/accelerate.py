@@ -8,9 +8,13 @@
   the whole decode step and a prefill's attention as one call each;
 * oneDNN (PyTorch's private mkldnn operations, used only where a probe call showed they work):
   bf16 weights packed in oneDNN's layout, the MLP's GELU inside its product;
-* on a CPU whose bf16 products are emulated (AVX2, AVX-512 without BF16), the products of many rows
-  over bf16/fp16, int8 and int4 weights as fp32 products, the weight widened (``WidenedProducts``);
-* PyTorch's public operations alone (other architectures, or ``path='plain'``).
+* PyTorch's public operations alone (other architectures, or ``path='plain'``);
+
+and within that, the route of prompts and of decode rows, timed on this CPU once (``choose_routes``:
+``routes.py`` names the candidates, ``choice.py`` times and caches them): bf16/fp16 products or
+fp32 ones on the widened weight (``WidenedProducts``) or the few-rows kernel for a prompt's many
+rows; weight-only or integer products (``int8_activations.py``) for a quantized model's prompts
+and decode rows apart.
 
 It swaps the model's layers for their CPU variants (``layers.py``) and returns a ``CpuPlan``: what
 was chosen and why (for the load line and the benchmark), and the one-call decode step, if any.
