@@ -104,14 +104,16 @@ def test_server_beams_stop_at_eos(client, eos_generator, eos_reference):
 
 
 def test_server_chat_beams_stop_at_eos(client, eos_generator, eos_reference):
-    out = client.chat.completions.create(model="eos", messages=[{"role": "user", "content": "Hello"}], max_tokens=12,
-                                         extra_body={"use_beam_search": True})
-    ((text, _, reason),) = hf_beams(eos_reference, eos_generator.tokenizer, "User: Hello\nAssistant:", 12, 2, 1,
-                                    ignore_eos=False)
-    for stop in TURN_STOPS:
-        if stop in text:
-            text, reason = text.split(stop)[0], "stop"
-    assert (out.choices[0].message.content, out.choices[0].finish_reason) == (text, reason)
+    """("a": its best beam without EOS starts elsewhere than its best beam with EOS.)"""
+    for content in ("Hello", "a"):
+        out = client.chat.completions.create(model="eos", messages=[{"role": "user", "content": content}],
+                                             max_tokens=12, extra_body={"use_beam_search": True})
+        ((text, _, reason),) = hf_beams(eos_reference, eos_generator.tokenizer, f"User: {content}\nAssistant:", 12,
+                                        2, 1, ignore_eos=False)
+        for stop in TURN_STOPS:
+            if stop in text:
+                text, reason = text.split(stop)[0], "stop"
+        assert (out.choices[0].message.content, out.choices[0].finish_reason) == (text, reason), content
 
 
 def test_server_ignore_eos_runs_greedy_rows_past_eos_and_refuses_beams(client, eos_generator, eos_reference):
