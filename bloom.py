@@ -621,6 +621,10 @@ def main(argv=None) -> int:
         # every rank, so only rank 0 says it; any other error may be this rank's alone.
         if SHOWS_OUTPUT or not isinstance(error, ParallelError):
             print(f"error: {error}", file=sys.stderr, flush=True)
+        if isinstance(error, ParallelError):
+            from bloom_hpu.runtime.launch import stop_together
+
+            stop_together()  # the silent ranks leave only once rank 0 has said why
         return 1
     except KeyboardInterrupt:
         log("interrupted")

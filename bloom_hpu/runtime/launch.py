@@ -119,6 +119,24 @@ def collective_device(kind: str, index: int) -> str:
     return {"cpu": "cpu", "cuda": f"cuda:{index}", "hpu": "hpu"}[kind]
 
 
+def stop_together(timeout: float = 60.0) -> None:
+    """Wait for every rank before stopping on an error they all raised (a ``ParallelError``).
+
+    Only rank 0 prints such an error, and the launchers kill every rank as soon as one exits: a
+    silent rank that left first would take rank 0 down before its line was written. A rank that
+    does not come within ``timeout`` seconds is not waited for longer (gloo's monitored barrier;
+    nccl and hccl have no timeout of their own here beyond the group's)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() <= 1:
+        return
+    try:
+        if torch.distributed.get_backend() == "gloo":
+            torch.distributed.monitored_barrier(timeout=datetime.timedelta(seconds=timeout))
+        else:
+            torch.distributed.barrier()
+    except Exception:  # noqa: BLE001 - stopping anyway; the error was already reported
+        pass
+
+
 def shutdown() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
