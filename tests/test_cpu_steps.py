@@ -229,6 +229,47 @@ def test_one_call_prompt_attention_equals_the_op_by_op_one(isa, dtype, config):
 
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("config", PROMPT_CONFIGS.values(), ids=PROMPT_CONFIGS.keys())
+def test_one_call_extend_attention_equals_the_op_by_op_one(isa, dtype, config):
+    """Prompts continued after 16, 5 and 0 slots a prefix cache put in place (right-padded rests
+    of 9, 3 and 9 real tokens), in a cache of 40 slots: the same last-token logits (generation),
+    hidden states at every real position (scoring) and keys/values in the rows' real slots. Then
+    a row whose padded rest runs past the cache's end."""
+    model, plan = accelerated(isa, dtype, **config)
+    assert plan.prompt_attention
+    ids, starts, lengths = torch.randint(4, 1000, (3, 25)), torch.tensor([16, 5, 0]), torch.tensor([9, 3, 9])
+    rest = torch.stack([ids[row, start:start + 9] for row, start in enumerate(starts.tolist())])  # [3, 9]
+
+    def held(cache):  # the prefixes' slots, as a prefix cache's copy leaves them
+        model.prefill(ids, starts.clamp(min=1), cache)
+        return cache
+
+    for extend in (lambda c: model.extend(rest, starts, lengths, c, 40),
+                   lambda c: model.extend_hidden(rest, starts, c, 40)):
+        one_call, reference_cache = held(model.allocate_cache(3, 40)), op_by_op(plan, lambda: held(model.allocate_cache(3, 40)))
+        ours = extend(one_call)
+        reference = op_by_op(plan, lambda: extend(reference_cache))
+        assert ours.shape == reference.shape and ours.dtype == dtype
+        if ours.dim() == 3:  # pad positions' outputs are never used
+            for row, length in enumerate(lengths.tolist()):
+                torch.testing.assert_close(ours[row, :length], reference[row, :length], **TOLERANCE[dtype])
+        else:
+            torch.testing.assert_close(ours, reference, **TOLERANCE[dtype])
+            assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+        for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
+            for mine, theirs in ((one_call.keys, reference_cache.keys), (one_call.values, reference_cache.values)):
+                torch.testing.assert_close(mine[:, row, :, :start + length], theirs[:, row, :, :start + length],
+                                           **TOLERANCE[dtype])
+    # A rest padded past the end: its real tokens as op by op, the rest neither written nor attended.
+    near_end = torch.tensor([35])
+    one_call, reference_cache = model.allocate_cache(1, 40), model.allocate_cache(1, 40)
+    ours = model.extend(rest[:1], near_end, torch.tensor([3]), one_call, 40)
+    reference = op_by_op(plan, lambda: model.extend(rest[:1], near_end, torch.tensor([3]), reference_cache, 40))
+    torch.testing.assert_close(ours, reference, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
 def test_the_step_refuses_positions_outside_the_cache(isa):
     model, plan = accelerated(isa, torch.float32, hidden_size=64, n_layer=2, n_head=4)
     cache = model.allocate_cache(1, 8)

@@ -9,7 +9,8 @@ The operators, the same sources compiled for each ISA into its own library and n
   rows or more run on AMX tiles (``csrc/amx_rows.h``), still reading the weight in place;
 * ``decode_step(...)``: a whole decode step in one call (``csrc/decode_step.cpp``), or with ``rows``
   and ``keep`` the server's mixed step (a decode carrying prompt segments);
-* ``prompt_attention(...)``: a prefill's attention in one call (``csrc/prompt_attention.cpp``);
+* ``prompt_attention(...)``: a prefill's attention in one call (``csrc/prompt_attention.cpp``),
+  and ``extend_attention(...)`` an extend's (prompts continued after a prefix cache's hit);
 * ``int8_rows_linear`` / ``int4_rows_linear``: products of a few rows with a quantized weight
   (``bloom_hpu/quantize.py``), and ``int4_dequantize``, an int4 weight as floats for many rows;
   ``decode_step_quantized``: the decode step over quantized weights;
@@ -75,6 +76,7 @@ class Kernels:
     few_rows_linear: Callable
     decode_step: Callable
     prompt_attention: Callable
+    extend_attention: Callable  # (qkv, starts, keys, values, alibi, last): an extend's attention
     int8_rows_linear: Callable  # (x [..., K], q int8 [N, K], scales fp32 [N], bias): weight-only int8
     int4_rows_linear: Callable  # (x [..., K], q uint8 [N, K / 2], scales fp32 [N, K / G], bias): int4
     int4_dequantize: Callable  # (q, scales, out [N, K]): the weight in out's dtype
@@ -132,9 +134,9 @@ def _build_and_probe(isa: str) -> Kernels:
         raise KernelsUnavailable(f"could not be built ({error})") from None
     ops = getattr(torch.ops, namespace)
     try:
-        kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention, ops.int8_rows_linear,
-                          ops.int4_rows_linear, ops.int4_dequantize, ops.decode_step_quantized, ops.enable_amx,
-                          ops.counter_uniform, ops.block_q8_quantize, ops.block_q8_linear, ops.gelu_tanh)
+        kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention, ops.extend_attention,
+                          ops.int8_rows_linear, ops.int4_rows_linear, ops.int4_dequantize, ops.decode_step_quantized,
+                          ops.enable_amx, ops.counter_uniform, ops.block_q8_quantize, ops.block_q8_linear, ops.gelu_tanh)
     except AttributeError as error:  # a library built from other sources
         raise KernelsUnavailable(f"were built without their operators ({error})") from None
     _register_fake(namespace)
@@ -164,6 +166,10 @@ def _register_fake(namespace: str) -> None:
     @torch.library.register_fake(f"{namespace}::block_q8_linear")
     def _(x, q, scales, bias):
         return x.new_empty(*x.shape[:-1], q.shape[0])
+
+    @torch.library.register_fake(f"{namespace}::extend_attention")
+    def _(qkv, starts, keys, values, alibi, last):
+        return qkv.new_empty(qkv.shape[0], 1 if last is not None else qkv.shape[1], qkv.shape[2] // 3)
 
     @torch.library.register_fake(f"{namespace}::gelu_tanh")
     def _(x):

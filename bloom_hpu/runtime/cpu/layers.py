@@ -209,10 +209,21 @@ class CpuTiedHead(TiedHead):
 
 class OneCallPromptAttention(Attention):
     """The op-by-op ``Attention.attend_prompt`` as one call of ``op``, masked from the prompt's
-    lengths; pad queries get zeros there (their output is never used)."""
+    lengths; pad queries get zeros there (their output is never used). And ``Attention.extend``
+    (a prefix cache's hit) as one call of ``extend_op``: attention over the slots each row holds,
+    not the whole cache's window, with no score tensor."""
 
     plain_class = Attention
     op: Callable | None = None
+    extend_op: Callable | None = None
 
     def attend_prompt(self, qkv, layer, cache, prompt, last_only=False):
         return self.op(qkv, prompt.lengths, cache.keys[layer], cache.values[layer], cache.alibi, last_only)
+
+    def extend(self, x, layer, cache, slots, window, bias, last=None):
+        if self.extend_op is None or cache.per_layer:
+            return super().extend(x, layer, cache, slots, window, bias, last)
+        # slots [B, R]: each row's rest at starts[b] = slots[b, 0] onwards; every query attends
+        # only slots up to its own, all below ``window`` (the whole cache, in ``ExtendStep``).
+        return self.dense(self.extend_op(self.query_key_value(x), slots[:, 0].contiguous(), cache.keys[layer],
+                                         cache.values[layer], cache.alibi, last))

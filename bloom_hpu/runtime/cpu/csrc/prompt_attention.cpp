@@ -184,12 +184,13 @@ struct Tiles<at::BFloat16> {
 };
 #endif
 
-// Attention of queries first..length-1 of one (row, head) over its keys 0..length-1 (causal).
-// head: position 0's [q, k, v] of this head, position i's at head + i * step; k_cache/v_cache: this
-// head's [K, D] in the cache, already written; alibi [K]. Query i's output goes to out + (i - first) * out_step.
+// Attention of the queries at slots first..length-1 of one (row, head) over its keys 0..length-1
+// (causal). head: this head's [q, k, v] of the token at slot `base`, slot i's at head + (i - base) *
+// step (a prefill: base 0; an extend: the slot its rest starts at); k_cache/v_cache: this head's
+// [K, D] in the cache, already written; alibi [K]. Query i's output goes to out + (i - first) * out_step.
 // probs: the tile's scores, then probabilities; alibi_f: fp32 bias (both reused across calls).
 template <typename T>
-void attend_prompt_head(const T* head, int64_t step, const T* k_cache, const T* v_cache, const T* alibi,
+void attend_prompt_head(const T* head, int64_t base, int64_t step, const T* k_cache, const T* v_cache, const T* alibi,
                         int64_t length, int64_t first, int64_t D, float inv_norm, Tiles<T>& tiles,
                         std::vector<float>& probs, std::vector<float>& alibi_f, T* out, int64_t out_step) {
   // Whole vectors of 16 keys, plus one: rows of a power-of-two size would all fall in the same few
@@ -202,7 +203,7 @@ void attend_prompt_head(const T* head, int64_t step, const T* k_cache, const T* 
   const Vec16 norm = set16(inv_norm);
   for (int64_t i0 = first; i0 < length; i0 += kQueries) {
     const int64_t rows = std::min(kQueries, length - i0), seen_by_last = i0 + rows;
-    tiles.take_queries(head, step, i0, rows);
+    tiles.take_queries(head, step, i0 - base, rows);
     // Scores of the tile's queries against every key its last query sees, 16 keys at a time.
     for (int64_t j0 = 0; j0 < seen_by_last; j0 += 16) {
       Sums acc;
@@ -252,7 +253,7 @@ void run(const T* qkv, const int64_t* lengths, T* keys, T* values, const T* alib
       T* o = out + b * Q * H * D + h * D;  // query n's output at o + n * H * D
       for (int64_t n = last_only ? Q : length; n < Q; ++n)  // pad queries: zeros (finite, never used)
         std::fill(o + n * H * D, o + n * H * D + D, T(0.0f));
-      attend_prompt_head<T>(head, H * 3 * D, k_cache, v_cache, alibi + bh * K, length, last_only ? length - 1 : 0, D,
+      attend_prompt_head<T>(head, 0, H * 3 * D, k_cache, v_cache, alibi + bh * K, length, last_only ? length - 1 : 0, D,
                             inv_norm, tiles, probs, alibi_f, o, H * D);
     }
   });
@@ -284,13 +285,86 @@ at::Tensor prompt_attention(const at::Tensor& qkv_in, const at::Tensor& lengths_
   return out;
 }
 
+// An extend's attention (a prefix cache's hit: model.py, StaticBloom.extend): row b's R tokens
+// continue after the starts[b] slots the cache holds of it. Token r writes its key and value to slot
+// starts[b] + r and attends slots 0..starts[b] + r, as the op-by-op extend does; every token of the
+// rest is computed (a pad token's output is never used) but those past the cache's end, which the
+// op-by-op extend clamps onto its last slot: here they write nothing and get zeros. Attention over
+// the slots a row holds, not over the whole cache: what a chat's later turn costs grows with its
+// history only as its keys do. out [B, R, H * D], or [B, 1, H * D] at last[b] (a rest position).
+template <typename T>
+void run_extend(const T* qkv, const int64_t* starts, const int64_t* last, T* keys, T* values, const T* alibi,
+                int64_t B, int64_t R, int64_t H, int64_t K, int64_t D, T* out) {
+  const float inv_norm = 1.0f / std::sqrt(float(D));
+  const int64_t Q = last ? 1 : R;
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    Tiles<T> tiles;
+    std::vector<float> probs, alibi_f;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H, start = starts[b], tokens = std::min(R, K - start);
+      T* k_cache = keys + bh * K * D;
+      T* v_cache = values + bh * K * D;
+      const T* head = qkv + b * R * H * 3 * D + h * 3 * D;  // rest position r's [q, k, v] at head + r * H * 3 * D
+      for (int64_t r = 0; r < tokens; ++r) {
+        const T* qr = head + r * H * 3 * D;
+        std::copy(qr + D, qr + 2 * D, k_cache + (start + r) * D);
+        std::copy(qr + 2 * D, qr + 3 * D, v_cache + (start + r) * D);
+      }
+      T* o = out + b * Q * H * D + h * D;  // query n's output at o + n * H * D
+      for (int64_t n = last ? Q : tokens; n < Q; ++n)  // past the cache: zeros (never used)
+        std::fill(o + n * H * D, o + n * H * D + D, T(0.0f));
+      const int64_t length = last ? start + last[b] + 1 : start + tokens;  // keys of the last query attended
+      attend_prompt_head<T>(head, start, H * 3 * D, k_cache, v_cache, alibi + bh * K, length, last ? length - 1 : start,
+                            D, inv_norm, tiles, probs, alibi_f, o, H * D);
+    }
+  });
+}
+
+at::Tensor extend_attention(const at::Tensor& qkv_in, const at::Tensor& starts_in, at::Tensor keys, at::Tensor values,
+                            const at::Tensor& alibi, const c10::optional<at::Tensor>& last_in) {
+  TORCH_CHECK(keys.dim() == 4 && keys.is_contiguous() && values.is_contiguous() && values.sizes() == keys.sizes(),
+              "extend_attention: contiguous keys/values [B, H, K, D] (one layer of the cache)");
+  const int64_t H = keys.size(1), K = keys.size(2), D = keys.size(3), B = qkv_in.size(0);
+  TORCH_CHECK(qkv_in.dim() == 3 && B <= keys.size(0) && qkv_in.size(2) == H * 3 * D,
+              "extend_attention: qkv [B, R, H * 3 * D] for rows of the cache");
+  TORCH_CHECK(alibi.is_contiguous() && alibi.numel() >= B * H * K, "extend_attention: alibi [B * H, 1, K]");
+  const auto dtype = keys.scalar_type();
+  TORCH_CHECK(qkv_in.scalar_type() == dtype && values.scalar_type() == dtype && alibi.scalar_type() == dtype,
+              "extend_attention: one dtype");
+  TORCH_CHECK(starts_in.scalar_type() == at::kLong && starts_in.numel() == B, "extend_attention: int64 starts [B]");
+  const int64_t R = qkv_in.size(1);
+  const at::Tensor qkv = qkv_in.contiguous(), starts = starts_in.contiguous();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  at::Tensor last;
+  if (last_in.has_value()) {
+    last = last_in->contiguous();
+    TORCH_CHECK(last.scalar_type() == at::kLong && last.numel() == B, "extend_attention: int64 last [B]");
+  }
+  const int64_t* pick = last.defined() ? last.data_ptr<int64_t>() : nullptr;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(start[b] >= 0 && start[b] < K, "extend_attention: every row starts inside the cache");
+    TORCH_CHECK(!pick || (pick[b] >= 0 && pick[b] < R && start[b] + pick[b] < K),
+                "extend_attention: each last position a token of its row inside the cache");
+  }
+  auto out = at::empty({B, pick ? 1 : R, H * D}, qkv.options());
+  bloom_cpu::with_element_type(dtype, "extend_attention", [&](auto zero) {
+    using T = decltype(zero);
+    run_extend<T>(qkv.data_ptr<T>(), start, pick, keys.data_ptr<T>(), values.data_ptr<T>(), alibi.data_ptr<T>(), B, R,
+                  H, K, D, out.data_ptr<T>());
+  });
+  return out;
+}
+
 }  // namespace
 
 BLOOM_LIBRARY_FRAGMENT(BLOOM_OPS, m) {
   m.def("prompt_attention(Tensor qkv, Tensor lengths, Tensor(a!) keys, Tensor(b!) values, Tensor alibi, "
         "bool last_only) -> Tensor");
+  m.def("extend_attention(Tensor qkv, Tensor starts, Tensor(a!) keys, Tensor(b!) values, Tensor alibi, "
+        "Tensor? last) -> Tensor");
 }
 
 BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {
   m.impl("prompt_attention", &prompt_attention);
+  m.impl("extend_attention", &extend_attention);
 }
