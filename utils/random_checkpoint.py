@@ -82,7 +82,7 @@ def random_tensor(name: str, config: BloomConfig, *, live_vocab: int, weight_sca
     else:
         gain = _OUT_GAIN if module.endswith(("self_attention.dense", "dense_4h_to_h")) else 1.0
         std = gain / math.sqrt(shape[1])
-    tensor = torch.randn(stop - start, *shape[1:], generator=gen).mul_(std)  # in place: one pass less
+    tensor = torch.randn(stop - start, *shape[1:], generator=gen, device=gen.device).mul_(std)  # in place: one pass less
     if name == "word_embeddings.weight":
         tensor[max(live_vocab - start, 0):] = 0  # padded vocabulary rows (see the docstring)
     elif module.endswith(("layernorm", "ln_f")) and kind == "weight":

@@ -29,8 +29,11 @@ class RandomReader:
     """The methods of ``bloom_hpu.checkpoint.CheckpointReader`` that loading uses, over random weights."""
 
     def __init__(self, config: BloomConfig, *, live_vocab: int, seed: int = 0,
-                 weight_scale: float = DEFAULT_WEIGHT_SCALE, threads: int | None = None):
+                 weight_scale: float = DEFAULT_WEIGHT_SCALE, threads: int | None = None, device: str = "cpu"):
+        """``device``: where to draw (a CUDA card draws its weights itself: copying gigabytes from
+        the host would take longer than drawing them; its generator gives other numbers than the CPU's)."""
         self.config = config
+        self.device = torch.device(device)
         self.live_vocab = live_vocab
         self.seed = seed
         self.weight_scale = weight_scale
@@ -54,7 +57,7 @@ class RandomReader:
                cols: slice | None) -> torch.Tensor:
         """Block ``index`` of ``name`` (rows index * per_block ...), cut to its rows ``keep`` and ``cols``."""
         # 32 bits: the CPU generator (mt19937) keeps only the low 32 bits of a seed.
-        gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}/{name}#{index}".encode()))
+        gen = torch.Generator(self.device).manual_seed(zlib.crc32(f"{self.seed}/{name}#{index}".encode()))
         rows = slice(index * per_block, min((index + 1) * per_block, n_rows))
         block = random_tensor(name, self.config, live_vocab=self.live_vocab, weight_scale=self.weight_scale,
                               gen=gen, rows=rows)[keep]
@@ -68,7 +71,7 @@ class RandomReader:
         per_block = max(1, BLOCK_ELEMENTS // row_len)
         start, stop, _ = (0, n_rows, 1) if rows is None else rows.indices(n_rows)
         width = () if len(shape) == 1 else (len(range(*cols.indices(row_len))) if cols is not None else row_len,)
-        out = torch.empty(stop - start, *width, dtype=dtype or torch.float32)
+        out = torch.empty(stop - start, *width, dtype=dtype or torch.float32, device=self.device)
 
         def fill(i: int) -> None:
             # Each pool thread draws a block and casts it straight into its rows of ``out``.
@@ -121,7 +124,8 @@ def build_generator(folder: Path, *, dtype: torch.dtype, quantize: str | None, d
     if parallel.world_size > 1 and backend.device.type != "cpu" and backend.device.index is None:
         backend.device = torch.device(backend.device.type, parallel.local_rank)
     reader = RandomReader(config, live_vocab=tokenizer_size(folder), seed=seed,
-                          threads=int(os.environ.get("OMP_NUM_THREADS", 0)) or None)
+                          threads=int(os.environ.get("OMP_NUM_THREADS", 0)) or None,
+                          device=backend.device if backend.device.type == "cuda" else "cpu")
     model, report = load_model(folder, dtype, backend.device, parallel, reader=reader)
     if quantize is not None:
         quantize_weights(model, quantize, resolve_group_size(quantize, None))
