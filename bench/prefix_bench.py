@@ -14,11 +14,21 @@
   question of ``--own_tokens``, ``--max_tokens`` greedy tokens each, streamed; the same load
   against a server without the cache and one with it; prints time to first token (p50, p90) and
   tokens/s of each, and the ratios.
+* ``evict``: a pool smaller than the working set: ``--prompts`` system prompts of ``--shot_tokens``,
+  each request one of them (drawn at random, seeded) and its own question, against a server whose
+  pool holds ``--pool_prompts`` system prompts' blocks. The same requests under the eviction order
+  before this version's (a store appended a prompt's blocks first block first, so its trunk went
+  first and orphaned the rest) and under the current one; prints the hit rate (prompts that found
+  blocks, and prompt tokens from the pool), blocks evicted and time to first token (p50, p90).
+  One client shows the order alone: prompts arriving together on an idle engine are prefilled as a
+  group, which copies nothing when one of them found nothing (one extend shape for the group).
 
     python bench/prefix_bench.py job --config bloom-560m --dtype fp32 --lines 32
     python bench/prefix_bench.py chat --config bloom-560m --dtype bf16 --turns 10
     python bench/prefix_bench.py server --config bloom-560m --dtype bf16 --clients 16 --shot_tokens 512 \
         --own_tokens 32 --max_tokens 32 --max_length 640
+    python bench/prefix_bench.py evict --config tiny --dtype fp32 --prompts 64 --pool_prompts 16 \
+        --shot_tokens 256 --own_tokens 16 --max_tokens 8 --requests 256 --clients 1 --max_length 320
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.generate_bench import CORPUS, checkpoint_folder  # noqa: E402
+from bloom_hpu.prefix_cache import DEFAULT_BLOCK, block_bytes  # noqa: E402
 from generation.generator import DTYPES, Generator  # noqa: E402
 from generation.jobs.runner import run_requests  # noqa: E402
 
@@ -111,8 +122,8 @@ def run_job(args, folder: Path) -> None:
     for generator in (plain, cached):
         run_requests(generator, warm, work / f"warm-{id(generator)}.jsonl", budget=args.budget, progress=False)
         if generator.runner.prefix is not None:  # what the warm-up job stored is forgotten
-            from generation.run.prefix_pool import enable_prefix_cache
-            enable_prefix_cache(generator, args.prefix_cache)
+            from generation.run.prefix_pool import enable_prefix_cache, parse_size
+            enable_prefix_cache(generator, parse_size(args.prefix_cache))
     times, outputs = {}, {}
     for name, generator in (("no cache", plain), ("prefix cache", cached)):
         out = work / f"{name.replace(' ', '-')}.jsonl"
@@ -198,9 +209,89 @@ def run_server(args, folder: Path) -> None:
               f"{rate / rows[0][3]:.2f} |")
 
 
+def first_block_first(pool) -> None:
+    """Give ``pool`` the store of the version before (for ``evict``'s comparison only): a prompt's
+    new blocks appended to the LRU order first block first, so its trunk is its least recent block;
+    eviction takes the least recent block, and a store stops where that block is its own."""
+
+    def plan_store(ids: list[int], upto: int, namespace: str = "") -> list[tuple[int, int]]:
+        placements, protected = [], set()
+        for i, digest in enumerate(pool.digests(ids, namespace, upto)):
+            known = pool._blocks.get(digest)
+            if known is not None:
+                pool._blocks.move_to_end(digest)
+                protected.add(known)
+                continue
+            if pool._free:
+                block = pool._free.pop()
+            else:
+                oldest_digest, block = next(iter(pool._blocks.items()))
+                if block in protected:
+                    break
+                del pool._blocks[oldest_digest]
+                pool.stats.evicted_blocks += 1
+            pool._blocks[digest] = block
+            protected.add(block)
+            placements.append((i, block))
+        pool.stats.stored_blocks += len(placements)
+        return placements
+
+    pool.plan_store = plan_store
+
+
+def run_evict(args, folder: Path) -> None:
+    import random
+
+    from bench.load_client import measure
+    from bench.serve_bench import free_port, percentile, start_uvicorn
+    from generation.run.prefix_pool import enable_prefix_cache
+    from generation.serving.app import make_app
+    from generation.serving.engine import Engine, EngineConfig
+
+    rows = []
+    for name in ("first block first (before)", "deepest block first (now)"):
+        generator = Generator.from_pretrained(folder, dtype=args.dtype)
+        per_prompt = args.shot_tokens // DEFAULT_BLOCK * block_bytes(generator.model.config, generator.dtype)
+        pool = enable_prefix_cache(generator, args.pool_prompts * per_prompt)
+        if name.startswith("first"):
+            first_block_first(pool)
+        # Distinct from their first block on: each starts with passages of its own.
+        systems = [cut(generator.tokenizer, " ".join(passages(4, 37 * i)), args.shot_tokens) for i in range(args.prompts)]
+        draw = random.Random(0)
+        bodies = [{"prompt": f"{draw.choice(systems)}\nQuestion: {cut(generator.tokenizer, q, args.own_tokens)}\n"
+                             "Answer:", "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
+                   "stream_options": {"include_usage": True}}
+                  for q in passages(args.requests, 2000)]
+        engine = Engine(generator, EngineConfig(max_batch=args.clients, max_length=args.max_length,
+                                                bucket_width=args.bucket_width, max_prefill=4, prefill_chunk=64))
+        engine.start()
+        engine.ready.wait()
+        port = free_port()
+        server, thread = start_uvicorn(make_app(engine, "bench"), port)
+        before = dict(vars(pool.stats))
+        timings, wall, _ = measure(port, bodies, "closed", args.clients)
+        server.should_exit = True
+        thread.join(10)
+        engine.stop()
+        stats = {k: v - before[k] for k, v in vars(pool.stats).items() if isinstance(v, int)}
+        ttft = [t.chunks[0] - t.sent for t in timings if t.chunks]
+        rows.append((name, stats["hits"] / stats["lookups"], stats["cached_tokens"] / stats["looked_up_tokens"],
+                     stats["evicted_blocks"], percentile(ttft, 50), percentile(ttft, 90)))
+        del generator, engine
+    print(f"{machine()}; {args.config} {args.dtype}; {args.requests} requests from {args.clients} clients, each one of "
+          f"{args.prompts} {args.shot_tokens}-token system prompts (seeded draw) + a {args.own_tokens}-token question, "
+          f"{args.max_tokens} new tokens; the pool holds {args.pool_prompts} system prompts' blocks")
+    print("| eviction order | prompts that hit | prompt tokens from the pool | blocks evicted | TTFT p50 ms | "
+          "TTFT p90 ms | TTFT p50 x before |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, hits, tokens, evicted, p50, p90 in rows:
+        print(f"| {name} | {hits:.1%} | {tokens:.1%} | {evicted} | {p50 * 1000:.0f} | {p90 * 1000:.0f} | "
+              f"{p50 / rows[0][4]:.2f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", choices=["job", "chat", "server"])
+    p.add_argument("scenario", choices=["job", "chat", "server", "evict"])
     p.add_argument("--config", default="bloom-560m", help="tiny, bloom-560m, ... or a checkpoint folder")
     p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
     p.add_argument("--prefix_cache", default="1GB")
@@ -216,9 +307,11 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=48, help="server: requests in all")
     p.add_argument("--max_tokens", type=int, default=32, help="server: new tokens per request")
     p.add_argument("--bucket_width", type=int, default=64, help="server: length buckets")
+    p.add_argument("--prompts", type=int, default=64, help="evict: distinct system prompts")
+    p.add_argument("--pool_prompts", type=int, default=16, help="evict: system prompts the pool holds")
     args = p.parse_args()
     folder = checkpoint_folder(args.config, DTYPES[args.dtype])
-    {"job": run_job, "chat": run_chat, "server": run_server}[args.scenario](args, folder)
+    {"job": run_job, "chat": run_chat, "server": run_server, "evict": run_evict}[args.scenario](args, folder)
 
 
 if __name__ == "__main__":
