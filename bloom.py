@@ -326,8 +326,9 @@ def setup_parallel(args):
     WORLD = init_parallel(args.device)
     SHOWS_OUTPUT = route_output(WORLD, args.all_ranks)
     sync_random_seed(WORLD)  # sampling without --seed must draw the same tokens on every rank
-    if args.data_parallel != 1 and not (args.requests or args.eval):
-        raise ParallelError("--data_parallel splits the lines of --requests or --eval; the other modes run one replica")
+    if args.data_parallel != 1 and not (args.requests or args.eval or args.serve):
+        raise ParallelError("--data_parallel splits the lines of --requests or --eval, or serves replicas with --serve; "
+                            "the other modes run one replica")
     PARALLEL, REPLICAS = split_replicas(WORLD, args.data_parallel)
     if PARALLEL.world_size > 1 and args.mode == "vanilla":
         raise ParallelError("--mode vanilla runs in one process; launch it without deepspeed/torchrun")
@@ -445,8 +446,18 @@ def run_server(args, opts) -> int:
     from generation.serving.listen import ListenError, bind
 
     check_ranks_agree(args, [])
-    listener = None
-    if PARALLEL.rank == 0:  # the address first: a busy port is found in a second, not after the load
+    listener = front = None
+    if REPLICAS.count > 1:  # D replicas on loopback ports, one front door on --port (serving/replicas.py)
+        from generation.serving.dp_serving import open_listeners
+        from generation.serving.replicas import FrontDoor
+
+        try:
+            ports = open_listeners(args.host, args.port, REPLICAS, PARALLEL.rank == 0)
+        except ListenError as error:
+            raise UsageError(str(error)) from None
+        listener = ports.replica
+        front = FrontDoor(ports.urls, ports.front, log=log) if ports.front is not None else None
+    elif PARALLEL.rank == 0:  # the address first: a busy port is found in a second, not after the load
         try:
             listener = bind(args.host, args.port)
         except ListenError as error:
@@ -470,7 +481,14 @@ def run_server(args, opts) -> int:
                 raise UsageError(str(error)) from None
             return 0
         rows = LeaderRows(rows)
-    serve(generator, config, args.host, args.port, args.api_key, log=log, device_rows=rows, listener=listener)
+    if front is None:
+        serve(generator, config, args.host, args.port, args.api_key, log=log, device_rows=rows, listener=listener)
+        return 0
+    front.start()  # global rank 0: the front door on a thread, its own replica below
+    try:
+        serve(generator, config, "127.0.0.1", 0, args.api_key, log=log, device_rows=rows, listener=listener)
+    finally:
+        front.stop()
     return 0
 
 

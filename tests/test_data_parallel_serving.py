@@ -1,0 +1,247 @@
+"""``./bloom.py --serve --data_parallel 2``: two one-thread replicas behind one port.
+
+The router and the metrics merge in the test process (quick); then real launches under torchrun,
+asked through the official ``openai`` client: greedy answers equal one process's, requests sharing a
+system prompt land on one replica (its prefix-cache hits in /metrics), both replicas get work, and a
+replica whose launcher is killed (two launchers on loopback as two "nodes") leaves the other serving.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from servers import free_port, health, wait_until_healthy
+from test_data_parallel import ENV, ROOT, kill_tree
+from test_serving_tp import stop
+
+from generation.serving.replicas import BLOCK_CHARS, Router, merge_metrics, prompt_text
+
+SERVE = ["--serve", "--max_batch", "4", "--max_length", "96", "--bucket_width", "32", "--max_prefill", "2"]
+SYSTEM = ("You are a terse assistant for a shipping company. Answer in one short sentence, never more; "
+          "do not apologise and do not repeat the question. ")  # longer than two routing blocks
+PROMPTS = ["the cat sat on", "a", "once upon a time there was", "hello world", "and then", "x y z",
+           "seven eight", "numbers: 1 2 3"]
+
+
+# -- the router, in the test process --------------------------------------------------------------
+
+def test_a_shared_leading_block_goes_to_the_replica_that_served_it():
+    router = Router(2)
+    first, why = router.choose(SYSTEM + "where is my parcel?")
+    assert why == "least_loaded"
+    router.in_flight[first] += 1  # still answering: the other replica is now the less loaded
+    again, why = router.choose(SYSTEM + "when do you open?")
+    assert (again, why) == (first, "prefix")
+    other, why = router.choose("something else entirely, long enough to fill a block or two of text " * 2)
+    assert (other, why) == (1 - first, "least_loaded")
+
+
+def test_distinct_prompts_spread_over_replicas_and_a_down_one_gets_none():
+    router = Router(2)
+    chosen = [router.choose(f"prompt {i}")[0] for i in range(6)]
+    assert chosen.count(0) == chosen.count(1) == 3
+    router.up[1] = False
+    assert {router.choose(SYSTEM + str(i))[0] for i in range(4)} == {0}
+    router.up[0] = False
+    assert router.choose("x") == (None, "down")
+
+
+def test_prompt_text_reads_completions_and_chats():
+    assert prompt_text(b'{"prompt": "abc"}') == "abc"
+    assert prompt_text(b'{"prompt": ["abc", "def"]}') == "abc"
+    assert prompt_text(b'{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]}') \
+        == "<system>S<user>U"
+    assert prompt_text(b"not json") == "" and prompt_text(b"[1]") == ""
+    assert len(SYSTEM) > 2 * BLOCK_CHARS
+
+
+def test_metrics_get_a_replica_label_and_a_total():
+    text = ("# HELP bloom_generated_tokens_total tokens generated\n# TYPE bloom_generated_tokens_total counter\n"
+            "bloom_generated_tokens_total 5.0\n"
+            "# HELP bloom_queue_length requests waiting\n# TYPE bloom_queue_length gauge\nbloom_queue_length 1.0\n")
+    from prometheus_client import generate_latest
+    from generation.serving.replicas import _Families
+
+    out = generate_latest(_Families(merge_metrics({0: text, 1: text.replace("5.0", "7.0")}))).decode()
+    assert 'bloom_generated_tokens_total{replica="0"} 5.0' in out
+    assert 'bloom_generated_tokens_total{replica="1"} 7.0' in out
+    assert 'bloom_generated_tokens_total{replica="total"} 12.0' in out
+    assert 'bloom_queue_length{replica="total"} 2.0' in out
+
+
+# -- real launches ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint(make_ckpt):
+    return make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=5)
+
+
+def command(checkpoint, port: int, *extra, ranks: int = 1, node: tuple[int, int] | None = None) -> list[str]:
+    import sys
+
+    prefix = [sys.executable]
+    if node is not None:  # (this node's rank, master port): one launcher per "node" on loopback
+        prefix += ["-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node[0]), "--nproc_per_node",
+                   "1", "--master_addr", "127.0.0.1", "--master_port", str(node[1])]
+    elif ranks > 1:
+        prefix += ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port())]
+    return [*prefix, str(ROOT / "bloom.py"), "--weights", str(checkpoint), *SERVE, "--port", str(port), *extra]
+
+
+def launch(cmd: list[str], port: int, log_path, wait: bool = True) -> subprocess.Popen:
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    if wait:
+        try:
+            wait_until_healthy(proc, port, 300, log=lambda: log_path.read_text()[-4000:])
+        except AssertionError:
+            kill_tree(proc.pid)
+            raise
+    return proc
+
+
+def client(port: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def greedy(port: int, model: str) -> list[str]:
+    """Completions, chats and a stream, sent 8 at a time."""
+    c = client(port)
+
+    def ask(i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i % 3 == 0:
+            return c.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0).choices[0].text
+        if i % 3 == 1:
+            return c.chat.completions.create(model=model, messages=[{"role": "system", "content": SYSTEM},
+                                                                    {"role": "user", "content": prompt}],
+                                             max_tokens=8, temperature=0).choices[0].message.content
+        chunks = c.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, stream=True)
+        return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(ask, range(24)))
+
+
+def metrics(port: int) -> dict[tuple, float]:
+    """The front door's /metrics: (sample name, sorted (label, value) pairs) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def at(samples: dict, name: str, **labels) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.mark.slow
+def test_two_replicas_answer_what_one_process_answers(checkpoint, tmp_path):
+    """Completions, chats and streams sent 8 at a time. The prefix cache is off on both sides: a hit
+    replays a prompt's blocks through another path (an extend), whose float sums may flip a near
+    tie of this random model's logits, and which requests hit depends on arrival timing."""
+    port = free_port()
+    one = launch(command(checkpoint, port, "--prefix_cache", "0"), port, tmp_path / "one.log")
+    try:
+        want = greedy(port, checkpoint.name)
+    finally:
+        stop(one)
+    port = free_port()
+    two = launch(command(checkpoint, port, "--prefix_cache", "0", "--data_parallel", "2", ranks=2), port,
+                 tmp_path / "two.log")
+    try:
+        got = greedy(port, checkpoint.name)
+        seen = metrics(port)
+        health_body = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health").read())
+    finally:
+        stop(two)
+    assert got == want
+    assert any(got)
+    assert health_body["status"] == "ok" and [r["status"] for r in health_body["replicas"]] == ["ready", "ready"]
+    for r in ("0", "1"):  # both replicas did work: distinct prompts are spread by load
+        assert at(seen, "bloom_requests_total", endpoint="/v1/completions", replica=r, status="200") > 0, seen
+    assert at(seen, "bloom_generated_tokens_total", replica="total") == sum(
+        at(seen, "bloom_generated_tokens_total", replica=r) for r in ("0", "1")) > 0
+
+
+@pytest.mark.slow
+def test_requests_sharing_a_system_prompt_land_on_one_replica(checkpoint, tmp_path):
+    """One system prompt, many users, 4 at a time: every chat after the first is routed by its
+    prefix to the replica that served the first, and hits that replica's prefix cache."""
+    port = free_port()
+    two = launch(command(checkpoint, port, "--data_parallel", "2", ranks=2), port, tmp_path / "two.log")
+    try:
+        c = client(port)
+        c.completions.create(model=checkpoint.name, prompt="warm", max_tokens=1)  # replica 0 now has one served
+        ask = lambda i: c.chat.completions.create(model=checkpoint.name, messages=[
+            {"role": "system", "content": SYSTEM}, {"role": "user", "content": f"question {i}"}],
+            max_tokens=2, temperature=0)
+        ask(0)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(ask, range(1, 9)))
+        seen = metrics(port)
+    finally:
+        stop(two)
+    routed = {r: at(seen, "bloom_routed_requests_total", reason="prefix", replica=r) for r in ("0", "1")}
+    holder = max(routed, key=routed.get)
+    assert sorted(routed.values()) == [0, 8], routed
+    hits = {r: at(seen, "bloom_prefix_cache_hits", replica=r) for r in ("0", "1")}
+    assert hits[holder] >= 8 and hits[str(1 - int(holder))] == 0, hits
+    assert at(seen, "bloom_prefix_cache_hits", replica="total") == hits["0"] + hits["1"]
+
+
+@pytest.mark.slow
+def test_a_killed_replica_is_reported_and_the_other_keeps_serving(checkpoint, tmp_path):
+    """Two launchers on loopback as two "nodes", one replica each (one launcher ends every rank it
+    started when one dies, so a replica that dies alone is another node's)."""
+    port, master = free_port(), free_port()
+    nodes = [launch(command(checkpoint, port, "--data_parallel", "2", node=(r, master)), port,
+                    tmp_path / f"node{r}.log", wait=False) for r in (0, 1)]
+    try:
+        wait_until_healthy(nodes[0], port, 300, log=lambda: (tmp_path / "node0.log").read_text()[-4000:])
+        c = client(port)
+        ask = lambda p: c.completions.create(model=checkpoint.name, prompt=p, max_tokens=4, temperature=0).choices[0].text
+        want = [ask(p) for p in PROMPTS]
+        kill_tree(nodes[1].pid)  # replica 1's leader, and its launcher
+        nodes[1].wait(30)
+        deadline = time.time() + 30
+        while time.time() < deadline and health(port) != 503:
+            time.sleep(0.2)
+        answer = urllib.request.Request(f"http://127.0.0.1:{port}/health")
+        with pytest.raises(urllib.error.HTTPError) as down:
+            urllib.request.urlopen(answer, timeout=10)
+        body = json.loads(down.value.read())
+        assert down.value.code == 503 and "replica 1 is down" in body["error"]["message"], body
+        assert [r["status"] for r in body["replicas"]] == ["ready", "down"]
+        assert [ask(p) for p in PROMPTS] == want  # every request now on replica 0, answered as before
+        assert nodes[0].poll() is None
+        up = metrics(port)
+        assert at(up, "bloom_replica_up", replica="0") == 1 and at(up, "bloom_replica_up", replica="1") == 0
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                stop(node)
+    assert "replica 1 is down" in (tmp_path / "node0.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_busy_port_stops_every_rank_with_one_error_line(checkpoint, tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = subprocess.run(command(checkpoint, port, "--data_parallel", "2", ranks=2), cwd=ROOT, env=ENV,
+                              capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    # Every rank stops with the same line, before loading anything (the launcher then reports its children).
+    assert f"error: rank 0: 127.0.0.1:{port} is already in use" in done.stderr, done.stderr[-3000:]
+    assert "warm-up" not in done.stderr
