@@ -456,7 +456,7 @@ def run_server(args, opts) -> int:
         except ListenError as error:
             raise UsageError(str(error)) from None
         listener = ports.replica
-        front = FrontDoor(ports.urls, ports.front, log=log) if ports.front is not None else None
+        front = FrontDoor(ports.urls, ports.front, log, args.max_batch) if ports.front is not None else None
     elif PARALLEL.rank == 0:  # the address first: a busy port is found in a second, not after the load
         try:
             listener = bind(args.host, args.port)

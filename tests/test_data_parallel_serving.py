@@ -52,6 +52,17 @@ def test_distinct_prompts_spread_over_replicas_and_a_down_one_gets_none():
     assert router.choose("x") == (None, "down")
 
 
+def test_a_prefix_spreads_once_its_replica_has_no_free_row():
+    router = Router(2, rows=3)
+    holder, _ = router.choose(SYSTEM + "0")
+    router.in_flight[holder] = 2
+    assert router.choose(SYSTEM + "1") == (holder, "prefix")
+    router.in_flight[holder] = 3  # every row busy: the other replica takes it, and holds the prefix too
+    assert router.choose(SYSTEM + "2") == (1 - holder, "least_loaded")
+    router.in_flight[1 - holder] = 1
+    assert router.choose(SYSTEM + "3") == (1 - holder, "prefix")  # the less loaded of its two holders
+
+
 def test_prompt_text_reads_completions_and_chats():
     assert prompt_text(b'{"prompt": "abc"}') == "abc"
     assert prompt_text(b'{"prompt": ["abc", "def"]}') == "abc"

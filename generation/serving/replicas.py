@@ -8,8 +8,9 @@ come), so a replica answers exactly what one process answers.
 Routing is prefix-aware, as SGLang's router: the engine's prefix cache holds the leading blocks of
 the prompts a replica has seen, so a request goes to the replica that last served the longest
 leading block of its prompt (blocks of ``BLOCK_CHARS`` characters, hashed), else to the least
-loaded one (fewest requests in flight, then fewest routed). A prefix never pins a request to a
-replica far busier than the others (``MAX_IMBALANCE``).
+loaded one (fewest requests in flight, then fewest routed). A prefix never makes a request queue
+on a replica whose rows are all busy while another replica is less loaded (``Router.rows``): a
+popular system prompt then spreads, and each replica computes it once.
 
 A replica that stops answering (its port refuses connections: its process is gone) is marked down:
 the requests it held get a 503 with a JSON error, /health names it, new requests go to the others.
@@ -37,7 +38,6 @@ from prometheus_client.parser import text_string_to_metric_families
 BLOCK_CHARS = 64  # a leading block of the prompt, in characters (a few of the prefix cache's token blocks)
 MAX_BLOCKS = 64  # blocks hashed per prompt: prefixes longer than 4096 characters route as their first 4096
 REMEMBERED = 100_000  # leading blocks remembered (least recently used forgotten)
-MAX_IMBALANCE = 16  # a prefix's replica is skipped when it holds this many more requests than the least loaded
 HEALTH_EVERY_S = 0.5
 
 
@@ -76,13 +76,17 @@ def leading_blocks(text: str) -> list[bytes]:
 
 @dataclass
 class Router:
-    """Which replica gets a request. Used from the front door's event loop only (no locks)."""
+    """Which replica gets a request. Used from the front door's event loop only (no locks).
+    ``rows``: each replica's rows (--max_batch). A prefix's replica gets the request while it has a
+    free row, or when no replica is less loaded; past that it would queue the request while another
+    replica's rows idle, so the other takes it, computes the prefix once and holds it too."""
 
     count: int
+    rows: int = 8
     in_flight: list[int] = field(default_factory=list)
     routed: list[int] = field(default_factory=list)
     up: list[bool] = field(default_factory=list)
-    holder: OrderedDict = field(default_factory=OrderedDict)  # leading block's hash -> replica
+    holders: OrderedDict = field(default_factory=OrderedDict)  # leading block's hash -> replicas that served it
 
     def __post_init__(self):
         self.in_flight, self.routed, self.up = [0] * self.count, [0] * self.count, [True] * self.count
@@ -92,20 +96,22 @@ class Router:
         live = [r for r in range(self.count) if self.up[r]]
         if not live:
             return None, "down"
+        load = lambda r: (self.in_flight[r], self.routed[r], r)
         keys = leading_blocks(text)
-        least = min(live, key=lambda r: (self.in_flight[r], self.routed[r], r))
+        least = min(live, key=load)
         chosen, why = least, "least_loaded"
         for key in reversed(keys):  # the longest leading block a live replica holds
-            holder = self.holder.get(key)
-            if holder is not None and self.up[holder]:
-                if self.in_flight[holder] - self.in_flight[least] < MAX_IMBALANCE:
+            held = [r for r in self.holders.get(key, ()) if self.up[r]]
+            if held:
+                holder = min(held, key=load)
+                if self.in_flight[holder] < self.rows or self.in_flight[holder] <= self.in_flight[least]:
                     chosen, why = holder, "prefix"
                 break
-        for key in keys:  # its prefix is now in the chosen replica's cache
-            self.holder[key] = chosen
-            self.holder.move_to_end(key)
-        while len(self.holder) > REMEMBERED:
-            self.holder.popitem(last=False)
+        for key in keys:  # its prefix is now in the chosen replica's cache too
+            self.holders[key] = self.holders.get(key, frozenset()) | {chosen}
+            self.holders.move_to_end(key)
+        while len(self.holders) > REMEMBERED:
+            self.holders.popitem(last=False)
         self.routed[chosen] += 1
         return chosen, why
 
@@ -153,9 +159,10 @@ def merge_metrics(texts: dict[int, str]) -> list[Metric]:
     return list(merged.values())
 
 
-def make_front_door(urls: list[str], log=print, request_timeout: float | None = None) -> FastAPI:
+def make_front_door(urls: list[str], log=print, rows: int = 8,
+                    request_timeout: float | None = None) -> FastAPI:
     """The app on the user's port; ``urls``: each replica's base URL (``http://127.0.0.1:PORT``)."""
-    router = Router(len(urls))
+    router = Router(len(urls), rows)
     metrics = FrontMetrics(len(urls), router)
     state = {"health": ["starting"] * len(urls), "reported": False}
     app = FastAPI(title="bloom-hpu front door", docs_url=None, redoc_url=None, openapi_url=None)
@@ -287,10 +294,10 @@ def make_front_door(urls: list[str], log=print, request_timeout: float | None = 
 class FrontDoor:
     """The front door served by uvicorn on a thread of global rank 0, beside its own replica."""
 
-    def __init__(self, urls: list[str], listener, log=print):
+    def __init__(self, urls: list[str], listener, log=print, rows: int = 8):
         import uvicorn
 
-        self.app = make_front_door(urls, log)
+        self.app = make_front_door(urls, log, rows)
         self.listener = listener
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listener]}, daemon=True,
