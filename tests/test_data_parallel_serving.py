@@ -169,6 +169,8 @@ def test_two_replicas_answer_what_one_process_answers(checkpoint, tmp_path):
                  tmp_path / "two.log")
     try:
         got = greedy(port, checkpoint.name)
+        with pytest.raises(openai.NotFoundError, match="'nope' does not exist"):  # a replica's error, passed on
+            client(port).completions.create(model="nope", prompt="a", max_tokens=2)
         seen = metrics(port)
         health_body = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health").read())
     finally:
