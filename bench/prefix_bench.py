@@ -151,18 +151,22 @@ def run_chat(args, folder: Path) -> None:
     for name, size in (("no cache", 0), ("prefix cache", args.prefix_cache)):
         generator = Generator.from_pretrained(folder, dtype=args.dtype, prefix_cache=size)
         generator.generate("warm up", max_length=args.max_length, max_new_tokens=2)  # kernels, shapes
-        turns, ttft = [], []
+        turns, ttft, cpu = [], [], []
         for t, question in enumerate(passages(args.turns, 500)):
             question = cut(generator.tokenizer, question, args.question)
             turns.append(Turn(HUMAN, question))
             prompt = fmt.render(turns, open_reply=True)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             generator.generate(prompt, max_length=args.max_length, max_new_tokens=1)
             ttft.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
             reply = generator.generate(prompt, max_length=args.max_length, max_new_tokens=args.reply,
                                        stop=fmt.stops)[0].text
             turns.append(Turn(BOT, reply.strip() or "..."))
         results[name] = ttft
+        results[f"{name}, CPU"] = cpu
+    # The CPU time of the process (all its threads): on a machine shared with other work, what a
+    # turn costs whatever the wait for a core; with OMP_NUM_THREADS=1, no thread spins idle in it.
     print(f"{machine()}; {args.config} {args.dtype}; {args.turns} turns, replies of {args.reply} tokens")
     print("| turn | " + " | ".join(f"TTFT ms, {n}" for n in results) + " |")
     print("| --- | " + " | ".join("---" for _ in results) + " |")
