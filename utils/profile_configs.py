@@ -132,11 +132,11 @@ def check_args(args) -> tuple[object, list[Config]]:
     except ValueError as error:
         raise UsageError(f"--prefix_cache: {error}") from None
     if max(args.tensor_parallel_sizes) > 1:
-        try:
-            import deepspeed  # noqa: F401
-        except ImportError:
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
             raise UsageError("tensor-parallel sizes above 1 run under the DeepSpeed launcher; install deepspeed "
-                             "(pip install -r requirements.txt)") from None
+                             "(pip install -r requirements.txt)")
     return spec, product(args.scenario, args.tensor_parallel_sizes, args.dtypes, args.max_batch_sizes, lengths)
 
 

@@ -124,7 +124,7 @@ def build_generator(folder: Path, *, dtype: torch.dtype, quantize: str | None, d
     if parallel.world_size > 1 and backend.device.type != "cpu" and backend.device.index is None:
         backend.device = torch.device(backend.device.type, parallel.local_rank)
     reader = RandomReader(config, live_vocab=tokenizer_size(folder), seed=seed,
-                          threads=int(os.environ.get("OMP_NUM_THREADS", 0)) or None,
+                          threads=int(os.environ.get("OMP_NUM_THREADS") or 0) or None,
                           device=backend.device if backend.device.type == "cuda" else "cpu")
     model, report = load_model(folder, dtype, backend.device, parallel, reader=reader)
     if quantize is not None:
