@@ -159,76 +159,129 @@ def merge_metrics(texts: dict[int, str]) -> list[Metric]:
     return list(merged.values())
 
 
+class Upstreams:
+    """The replicas as the front door sees them: their URLs, health and load, and one HTTP client."""
+
+    def __init__(self, urls: list[str], router: Router, log, request_timeout: float | None):
+        self.urls, self.router, self.log, self.request_timeout = urls, router, log, request_timeout
+        self.health = ["starting"] * len(urls)
+        self.reported = False
+        self.client: httpx.AsyncClient | None = None
+
+    def mark_down(self, replica: int, why: str) -> None:
+        if self.router.up[replica]:
+            self.router.up[replica] = False
+            self.health[replica] = "down"
+            self.log(f"replica {replica} is down ({why}); the others keep serving")
+
+    async def watch(self) -> None:
+        """Poll each replica's /health: ready, warming up, or down (its port refuses)."""
+        while True:
+            for replica, url in enumerate(self.urls):
+                if not self.router.up[replica]:
+                    continue  # a dead replica's port may be taken by another program: never trust it again
+                try:
+                    answer = await self.client.get(f"{url}/health", timeout=2.0)
+                    self.health[replica] = "ready" if answer.status_code == 200 else "warming up"
+                except httpx.ConnectError as error:
+                    self.mark_down(replica, f"its port refuses connections: {error}")
+                except httpx.TimeoutException:  # bound but not yet answering: still loading its weights
+                    self.health[replica] = "starting"
+                except httpx.HTTPError as error:
+                    self.mark_down(replica, str(error) or type(error).__name__)
+            if not self.reported and all(h == "ready" for h in self.health):
+                self.reported = True
+                self.log(f"front door: {len(self.urls)} replicas ready")
+            await asyncio.sleep(HEALTH_EVERY_S)
+
+    @contextlib.asynccontextmanager
+    async def running(self, app):
+        """The app's lifespan: the client and the health watcher live as long as the server."""
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.request_timeout, connect=10.0),
+                                        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        watcher = asyncio.create_task(self.watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            await self.client.aclose()
+
+    def health_answer(self) -> dict | JSONResponse:
+        replicas = [{"replica": r, "status": h} for r, h in enumerate(self.health)]
+        if all(h == "ready" for h in self.health):
+            return {"status": "ok", "replicas": replicas}
+        down = [r for r, h in enumerate(self.health) if h == "down"]
+        message = (f"replica {', '.join(map(str, down))} {'is' if len(down) == 1 else 'are'} down" if down
+                   else "warming up")
+        return JSONResponse(error_body(503, message) | {"replicas": replicas}, status_code=503)
+
+    async def scrape(self) -> dict[int, str]:
+        """Each live replica's /metrics text."""
+        async def one(url):
+            try:
+                answer = await self.client.get(f"{url}/metrics", timeout=5.0)
+                return answer.text if answer.status_code == 200 else None
+            except httpx.HTTPError:
+                return None
+
+        texts = await asyncio.gather(*(one(url) for url in self.urls))
+        return {r: t for r, t in enumerate(texts) if t is not None and self.router.up[r]}
+
+    async def forward(self, request: Request, replica: int, body: bytes) -> Response:
+        """Send the request to ``replica``; its answer back as it comes (a stream event by event)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
+        upstream = self.client.build_request(request.method, f"{self.urls[replica]}{request.url.path}", content=body,
+                                             headers=headers, params=request.query_params)
+        self.router.in_flight[replica] += 1
+        try:
+            answer = await self.client.send(upstream, stream=True)
+        except httpx.HTTPError as error:
+            self.router.in_flight[replica] -= 1
+            if isinstance(error, httpx.ConnectError):
+                self.mark_down(replica, f"its port refuses connections: {error}")
+            return JSONResponse(error_body(503, f"replica {replica} is down ({type(error).__name__})"), status_code=503)
+        kept = {k: v for k, v in answer.headers.items()
+                if k.lower() in ("content-type", "cache-control", "www-authenticate", "allow")}
+        if "text/event-stream" in answer.headers.get("content-type", ""):
+            return StreamingResponse(self._events(answer, replica), status_code=answer.status_code, headers=kept)
+        try:
+            content = await answer.aread()
+        except httpx.HTTPError as error:  # it died while answering
+            return JSONResponse(error_body(503, f"replica {replica} failed while answering "
+                                                f"({type(error).__name__})"), status_code=503)
+        finally:
+            self.router.in_flight[replica] -= 1
+            await answer.aclose()
+        return Response(content, status_code=answer.status_code, headers=kept)
+
+    async def _events(self, answer, replica: int):
+        try:
+            async for chunk in answer.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as error:  # the replica died mid-stream: say so in the stream's own terms
+            failed = error_body(503, f"replica {replica} failed while answering ({type(error).__name__})")
+            yield f"data: {json.dumps(failed)}\n\n".encode()
+        finally:
+            self.router.in_flight[replica] -= 1
+            await answer.aclose()
+
+
 def make_front_door(urls: list[str], log=print, rows: int = 8,
                     request_timeout: float | None = None) -> FastAPI:
     """The app on the user's port; ``urls``: each replica's base URL (``http://127.0.0.1:PORT``)."""
     router = Router(len(urls), rows)
     metrics = FrontMetrics(len(urls), router)
-    state = {"health": ["starting"] * len(urls), "reported": False}
+    upstreams = Upstreams(urls, router, log, request_timeout)
     app = FastAPI(title="bloom-hpu front door", docs_url=None, redoc_url=None, openapi_url=None)
-    client: httpx.AsyncClient | None = None
-
-    def mark_down(replica: int, why: str) -> None:
-        if router.up[replica]:
-            router.up[replica] = False
-            state["health"][replica] = "down"
-            log(f"replica {replica} is down ({why}); the others keep serving")
-
-    async def watch() -> None:
-        """Poll each replica's /health: ready, warming up, or down (its port refuses)."""
-        while True:
-            for replica, url in enumerate(urls):
-                if not router.up[replica]:
-                    continue  # a dead replica's port may be taken by another program: never trust it again
-                try:
-                    answer = await client.get(f"{url}/health", timeout=2.0)
-                    state["health"][replica] = "ready" if answer.status_code == 200 else "warming up"
-                except httpx.ConnectError as error:
-                    mark_down(replica, f"its port refuses connections: {error}")
-                except httpx.TimeoutException:  # bound but not yet answering: still loading its weights
-                    state["health"][replica] = "starting"
-                except httpx.HTTPError as error:
-                    mark_down(replica, str(error) or type(error).__name__)
-            if not state["reported"] and all(h == "ready" for h in state["health"]):
-                state["reported"] = True
-                log(f"front door: {len(urls)} replicas ready")
-            await asyncio.sleep(HEALTH_EVERY_S)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        nonlocal client
-        client = httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=10.0),
-                                   limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-        watcher = asyncio.create_task(watch())
-        try:
-            yield
-        finally:
-            watcher.cancel()
-            await client.aclose()
-
-    app.router.lifespan_context = lifespan
+    app.router.lifespan_context = upstreams.running
 
     @app.get("/health")
     async def health():
-        replicas = [{"replica": r, "status": h} for r, h in enumerate(state["health"])]
-        if all(h == "ready" for h in state["health"]):
-            return {"status": "ok", "replicas": replicas}
-        down = [r for r, h in enumerate(state["health"]) if h == "down"]
-        message = (f"replica {', '.join(map(str, down))} {'is' if len(down) == 1 else 'are'} down" if down
-                   else "warming up")
-        return JSONResponse(error_body(503, message) | {"replicas": replicas}, status_code=503)
+        return upstreams.health_answer()
 
     @app.get("/metrics")
     async def prometheus():
-        async def scrape(url):
-            try:
-                answer = await client.get(f"{url}/metrics", timeout=5.0)
-                return answer.text if answer.status_code == 200 else None
-            except httpx.HTTPError:
-                return None
-
-        texts = await asyncio.gather(*(scrape(url) for r, url in enumerate(urls)))
-        families = merge_metrics({r: t for r, t in enumerate(texts) if t is not None and router.up[r]})
+        families = merge_metrics(await upstreams.scrape())
         body = generate_latest(_Families(families)) + generate_latest(metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
@@ -236,7 +289,7 @@ def make_front_door(urls: list[str], log=print, rows: int = 8,
     async def models(request: Request):
         for replica in range(len(urls)):  # every replica serves the same models: ask a live one
             if router.up[replica]:
-                return await forward(request, replica, b"")
+                return await upstreams.forward(request, replica, b"")
         return JSONResponse(error_body(503, "every replica is down"), status_code=503)
 
     @app.post("/v1/completions")
@@ -247,45 +300,7 @@ def make_front_door(urls: list[str], log=print, rows: int = 8,
         if replica is None:
             return JSONResponse(error_body(503, "every replica is down"), status_code=503)
         metrics.routed.labels(str(replica), why).inc()
-        return await forward(request, replica, body)
-
-    async def forward(request: Request, replica: int, body: bytes) -> Response:
-        """Send the request to ``replica``; its answer back as it comes (a stream event by event)."""
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
-        upstream = client.build_request(request.method, f"{urls[replica]}{request.url.path}", content=body,
-                                        headers=headers, params=request.query_params)
-        router.in_flight[replica] += 1
-        try:
-            answer = await client.send(upstream, stream=True)
-        except httpx.HTTPError as error:
-            router.in_flight[replica] -= 1
-            if isinstance(error, httpx.ConnectError):
-                mark_down(replica, f"its port refuses connections: {error}")
-            return JSONResponse(error_body(503, f"replica {replica} is down ({type(error).__name__})"), status_code=503)
-        kept = {k: v for k, v in answer.headers.items()
-                if k.lower() in ("content-type", "cache-control", "www-authenticate", "allow")}
-        if "text/event-stream" not in answer.headers.get("content-type", ""):
-            try:
-                content = await answer.aread()
-            except httpx.HTTPError as error:  # it died while answering
-                return JSONResponse(error_body(503, f"replica {replica} failed while answering "
-                                                    f"({type(error).__name__})"), status_code=503)
-            finally:
-                router.in_flight[replica] -= 1
-                await answer.aclose()
-            return Response(content, status_code=answer.status_code, headers=kept)
-
-        async def events():
-            try:
-                async for chunk in answer.aiter_raw():
-                    yield chunk
-            except httpx.HTTPError as error:  # the replica died mid-stream: say so in the stream's own terms
-                yield f"data: {json.dumps(error_body(503, f'replica {replica} failed while answering ({type(error).__name__})'))}\n\n".encode()
-            finally:
-                router.in_flight[replica] -= 1
-                await answer.aclose()
-
-        return StreamingResponse(events(), status_code=answer.status_code, headers=kept)
+        return await upstreams.forward(request, replica, body)
 
     app.state.router = router
     return app
