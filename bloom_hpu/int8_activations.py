@@ -22,6 +22,8 @@ result from weight-only quantization's.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import torch
 import torch.nn.functional as F
 
@@ -55,11 +57,26 @@ def parse_mode(value: bool | str | None) -> str:
     raise Int8ActivationsError(f"int8_activations must be one of {', '.join(MODES)} (or True / False), got {value!r}")
 
 
+# Speculation's verify pass computes a few tokens a row, but each stands for a decode step: inside
+# ``as_decode_rows()`` its products take the decode rows' route, so its tokens are the plain loop's.
+_AS_DECODE_ROWS = contextvars.ContextVar("as_decode_rows", default=False)
+
+
+@contextlib.contextmanager
+def as_decode_rows():
+    token = _AS_DECODE_ROWS.set(True)
+    try:
+        yield
+    finally:
+        _AS_DECODE_ROWS.reset(token)
+
+
 def prompt_shaped(x: torch.Tensor) -> bool:
     """x [B, T, K] with more than one token a row: a prompt's (prefill, extend, scoring) product.
     A decode step's are [B, 1, K] (the server's mixed step too: one token a row), the LM head's of
-    a prefill [B, K]. Decided by the shape alone, so a row's route never depends on the rows beside it."""
-    return x.dim() >= 3 and x.shape[-2] > 1
+    a prefill [B, K]. Decided by the shape alone, so a row's route never depends on the rows beside
+    it; a verify pass's (``as_decode_rows``) are decode rows whatever their shape."""
+    return x.dim() >= 3 and x.shape[-2] > 1 and not _AS_DECODE_ROWS.get()
 
 
 def takes_integer(module, x: torch.Tensor) -> bool:

@@ -176,6 +176,42 @@ def test_bf16_and_int8_weights(tiny_checkpoint, kwargs):
     assert generator.last_stats.speculation.accepted > 0
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_verify_takes_the_decode_rows_route(monkeypatch, tiny_checkpoint, mode):
+    """Where the CPU's measured choice gives prompts integer products and decode rows weight-only
+    ones, a verify pass (a few tokens a row, standing for decode steps) takes the decode route: the
+    tokens are the plain loop's."""
+    from bloom_hpu.runtime.cpu import CpuOptions
+
+    import bloom_hpu.quantize as quantize
+    from bloom_hpu.runtime.verify import VerifyStep
+
+    route = CpuOptions(choice="prompts=integer,decode=weight-only")
+    generator = Generator.from_pretrained(tiny_checkpoint, quantize=mode, int8_activations="auto", cpu=route)
+    plain = ids_of(generator.generate(REPEATING, max_length=64))
+    routes, inside = {"prefill": set(), "verify": set()}, [False]
+    takes_integer, forward = quantize.takes_integer, VerifyStep.forward
+
+    def spied_takes_integer(module, x):
+        chosen = takes_integer(module, x)
+        routes["verify" if inside[0] else "prefill"].add((x.shape[-2] > 1, chosen))
+        return chosen
+
+    def spied_forward(self, *args):
+        inside[0] = True
+        try:
+            return forward(self, *args)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(quantize, "takes_integer", spied_takes_integer)
+    monkeypatch.setattr(VerifyStep, "forward", spied_forward)
+    assert ids_of(generator.generate(REPEATING, max_length=64, speculate="ngram:4")) == plain
+    assert generator.last_stats.speculation.accepted > 0
+    assert (True, True) in routes["prefill"]  # the prompts did take integer products
+    assert routes["verify"] == {(True, False)}  # every verify product: several tokens a row, weight-only
+
+
 def test_from_pretrained_speculates_every_call(tiny_checkpoint):
     generator = Generator.from_pretrained(tiny_checkpoint, speculate="ngram:2")
     assert str(generator.speculation) == "ngram:2"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..int8_activations import as_decode_rows
 from ..kv_cache import KVCache
 from ..model import StaticBloom
 
@@ -33,7 +34,8 @@ class VerifyStep(nn.Module):
 
     def forward(self, ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         # ids [B, S], starts [B] -> logits [B, S, V]
-        return self.model.lm_head(self.model.extend_hidden(ids, starts, self.cache, self.window))
+        with as_decode_rows():  # quantized products as the decode steps this pass stands for take them
+            return self.model.lm_head(self.model.extend_hidden(ids, starts, self.cache, self.window))
 
 
 @torch.no_grad()
