@@ -8,6 +8,8 @@ results. The model lives in ``bloom_hpu/``, the search in ``generation/``.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -27,10 +29,32 @@ def set_hpu_environment(argv: list[str]) -> None:
 
 # Run as a script, this file's folder (the repository root) is first on sys.path: bloom_hpu/ and
 # generation/ import from the clone, installed or not. The HPU environment first, then torch (through
-# generation/); the rest when needed.
+# generation/). The server, the chat shell and the vanilla path import their heavier libraries
+# (FastAPI, transformers) only when asked for.
 set_hpu_environment(sys.argv[1:])
 
-from generation.request.options import parse_bool  # noqa: E402  (after the HPU environment)
+from bloom_hpu.checkpoint import CheckpointError, resolve_checkpoint  # noqa: E402
+from bloom_hpu.data_parallel import split_replicas  # noqa: E402
+from bloom_hpu.runtime.backends import DeviceError, make_backend  # noqa: E402
+from bloom_hpu.runtime.cpu import CpuOptions, CpuPathError  # noqa: E402
+from bloom_hpu.runtime.launch import (check_agreement, exit_process, init_parallel, route_output,  # noqa: E402
+                                      shutdown, stop_together, sync_random_seed)
+from bloom_hpu.tp import ParallelError  # noqa: E402
+from generation.chat.settings import CHAT_FLAGS, HYPERPARAMETERS, chat_options  # noqa: E402
+from generation.generator import Generator, parse_dtype  # noqa: E402
+from generation.jobs import data_parallel  # noqa: E402
+from generation.jobs.evaluate import evaluate, read_passages  # noqa: E402
+from generation.jobs.files import check_distinct, replace_file  # noqa: E402
+from generation.jobs.inputs import read_prompt_file  # noqa: E402
+from generation.jobs.outputs import ResultWriter  # noqa: E402
+from generation.jobs.runner import run_requests  # noqa: E402
+from generation.request.options import OptionError, build_options, options_help, parse_bool  # noqa: E402
+from generation.request.validate import check_prompts  # noqa: E402
+from generation.run.batch import InputError  # noqa: E402
+from generation.run.prefix_pool import DEFAULT_SIZE as PREFIX_CACHE_DEFAULT  # noqa: E402
+from generation.run.streaming import generate_streaming  # noqa: E402
+from generation.run.warmup import chunk_sizes, warm_up  # noqa: E402
+from generation.search.guesses import parse_speculation  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 
@@ -55,99 +79,128 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Generation options (sampling, beams, penalties...): --options \"k=v,...\"; list: --help_options.",
     )
     p.add_argument("prompts", nargs="*", help="prompts to continue")
-    p.add_argument("--weights", help="checkpoint folder, or a folder filled by utils/fetch_weights.py "
-                   "(default: the embedded tiny checkpoint, checkpoints/bloom-tiny)")
-    p.add_argument("--model", help="model inside --weights, e.g. bloom-560m or bigscience/bloom-7b1")
-    p.add_argument("--peft_weights", metavar="DIR",
-                   help="a LoRA adapter saved by PEFT (adapter_config.json + adapter_model.*), merged at load")
-    p.add_argument("--max_length", type=int, help="prompt + generated tokens per row (default 128)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and compute dtype")
-    p.add_argument("--device", help="cpu, cuda or hpu (default: hpu if present, else cuda, else cpu)")
-    p.add_argument("--batch_size", type=int, default=1, help="prompts per batch (more prompts run in successive batches)")
-    p.add_argument("--mode", default="optimized", choices=["optimized", "vanilla"],
-                   help="optimized: our static-shape loops; vanilla: transformers generate on the same weights")
-    p.add_argument("--seed", type=int, help="random seed (sampling)")
-    p.add_argument("--input_file", help="prompts: a JSON list of strings, or a text file with one prompt per line")
-    p.add_argument("--output_file", help="write results as a JSON list, one object per prompt")
-    p.add_argument("--ignore_eos", type=flag_bool, help="t: generate to max_length (default); f: stop each row at EOS")
-    p.add_argument("--use_graphs", type=flag_bool, help="capture steps as HPU/CUDA graphs (default t)")
-    p.add_argument("--static_shapes", type=flag_bool, help="static-shape recipe (default t)")
-    p.add_argument("--quantize", choices=["int8", "int4"],
-                   help="keep the weights quantized (activations and cache stay in --dtype): int8, one scale per "
-                        "output row, about half of bf16's bytes; int4, one scale per --group_size weights of a row, "
-                        "about a quarter; see docs/performance.md")
-    p.add_argument("--group_size", type=int, metavar="G",
-                   help="with --quantize int4: weights per scale, 32, 64 (default), 128 or 256; a smaller group "
-                        "keeps more quality, a larger one fewer bytes")
-    p.add_argument("--int8_activations", choices=["off", "on", "auto"], default="auto",
-                   help="with quantized weights: integer products, the activations entering each product rounded "
-                        "to int8 per block of 32 values (as llama.cpp's Q8_0); on a CPU faster prompts, a small "
-                        "change in the numbers. auto (default): where this CPU measured them faster (cpu; off on "
-                        "a card); the bare flag means on; see docs/performance.md#integer-products---int8_activations")
-    p.add_argument("--limit_hpu_graphs", type=flag_bool,
-                   help="hpu: run the prefill without a graph, so its scores are not kept (default: t under "
-                        "tensor parallelism, f on one card)")
-    p.add_argument("--prefix_cache", default=None, metavar="SIZE",
-                   help="keys and values of prompt prefixes seen before are copied, not computed: the pool's "
-                        "size, e.g. 512MB, 2GB (default 1GB; 0: off; see docs/prefix-cache.md)")
-    p.add_argument("--speculate", metavar="ngram[:K]",
-                   help="speculative decoding: each pass over the weights verifies up to K (1..8, default 4) "
-                        "guesses of every row, taken from its own prompt and output (prompt lookup); the same "
-                        "tokens, greedy or sampled (see docs/performance.md#speculative-decoding)")
-    p.add_argument("--options", default="", help='generation options "k=v,k:int=3,flag,!flag" (see --help_options)')
-    p.add_argument("--help_options", action="store_true", help="list every generation option and exit")
-    p.add_argument("--compile", action="store_true", help="cpu: run the decode step through torch.compile")
-    p.add_argument("--cpu_path", default="auto", choices=["auto", "avx512_bf16", "avx2", "onednn", "plain"],
-                   help="cpu: auto (default) takes the fastest this CPU can run; avx512_bf16 / avx2 force "
-                   "our kernels for that ISA; onednn: no kernels; plain: PyTorch's public operations only")
-    p.add_argument("--quiet", action="store_true", help="print only the generated texts")
-    p.add_argument("--warmup", action="store_true", help="run every step shape (each bucket) once before the "
-                   "first prompt, so no request meets a first-time capture or compile; prints the time taken")
-    p.add_argument("--requests", help="batch job: a JSONL file of OpenAI-style completion requests "
-                   "(see docs/batch-jobs.md); needs --results")
-    p.add_argument("--results", help="--requests: JSONL file the result records are appended to (a rerun "
-                   "skips requests already answered); --eval: write the numbers there as JSON")
-    p.add_argument("--errors", help="--requests: JSONL file of the lines that failed (default RESULTS.errors.jsonl)")
-    p.add_argument("--budget", type=int, default=8192, help="--requests/--eval: max tokens (rows x length) per batch")
-    p.add_argument("--eval", help='evaluate last-word accuracy and perplexity on a JSONL of {"text": ...} (LAMBADA)')
-    p.add_argument("--data_parallel", type=int, default=1, metavar="D",
-                   help="--requests/--eval under deepspeed/torchrun: the launch's ranks as D model replicas of "
-                   "ranks/D tensor-parallel ranks each, splitting the lines (see docs/parallelism.md)")
-    p.add_argument("--stream", action="store_true", help="print each prompt's tokens as they are generated")
-    p.add_argument("--all_ranks", action="store_true",
-                   help="tensor parallel runs: every rank prints (prefixed [rank r]) and writes its own "
-                   "--output_file (name.rankR.json), not only rank 0")
-    p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
-    chat = p.add_argument_group("chat (--chat: an interactive shell; README's Chat section)")
-    chat.add_argument("--chat", action="store_true", help="talk with the model: >>> prompt, replies streamed, "
-                      "/help lists the commands (default max_length 1024 so that the history fits)")
-    chat.add_argument("--max_tokens", "--max-tokens", type=int, help="--chat: new tokens per reply (default 128)")
-    chat.add_argument("--sample", type=flag_bool, help="--chat: t: sample (default); f: greedy")
-    chat.add_argument("--temperature", type=float, help="--chat: sampling temperature (default 0.6)")
-    chat.add_argument("--top_k", "--top-k", type=int, help="--chat: sample among the k most likely tokens (default 40)")
-    chat.add_argument("--repetition_penalty", "--repetition-penalty", type=float,
-                      help="--chat: penalise tokens already in the conversation (default 1.0: off)")
-    serving = p.add_argument_group("server (--serve: an OpenAI-compatible HTTP server, see docs/serving.md)")
-    serving.add_argument("--serve", action="store_true", help="answer /v1/completions and /v1/chat/completions over HTTP")
-    serving.add_argument("--host", default="127.0.0.1", help="--serve: address to listen on (default 127.0.0.1)")
-    serving.add_argument("--port", type=int, default=8000, help="--serve: port (default 8000)")
-    serving.add_argument("--max_batch", type=int, default=8, help="--serve: rows generating at once (default 8)")
-    serving.add_argument("--bucket_width", type=int, default=32,
-                         help="--serve: prompt and attention-window buckets, in tokens (default 32; 0: max_length only)")
-    serving.add_argument("--max_prefill", type=int, default=4,
-                         help="--serve: waiting prompts prefilled together in one step when no row is running (default 4)")
-    serving.add_argument("--prefill_chunk", type=int, default=64,
-                         help="--serve: prompt tokens fed per decode step while rows run, in up to 4 segments (default 64)")
-    serving.add_argument("--burst_wait_ms", type=float, default=8.0,
-                         help="--serve: when no row is running, gather arriving requests until none came for this "
-                              "long, then prefill them together (default 8; 0: off)")
-    serving.add_argument("--max_queue", type=int, default=256, help="--serve: requests waiting before 503 (default 256)")
-    serving.add_argument("--lora", action="append", metavar="NAME=DIR",
-                         help="--serve: a LoRA adapter saved by PEFT, served unmerged beside the base model; a "
-                              "request's \"model\": NAME picks it (repeatable)")
-    serving.add_argument("--api_key", help="--serve: require 'Authorization: Bearer KEY' on /v1/ endpoints")
+    add_model_flags(p.add_argument_group("the model and its weights"))
+    add_device_flags(p.add_argument_group("the device and its runtime"))
+    add_search_flags(p.add_argument_group("generation (more options: --options, --help_options)"))
+    add_io_flags(p.add_argument_group("prompts in, results out"))
+    add_jobs_flags(p.add_argument_group("batch jobs (--requests, --eval: docs/batch-jobs.md)"))
+    add_launch_flags(p.add_argument_group("several ranks (deepspeed / torchrun: docs/parallelism.md)"))
+    add_chat_flags(p.add_argument_group("chat (--chat: an interactive shell; README's Chat section)"))
+    add_server_flags(p.add_argument_group("server (--serve: an OpenAI-compatible HTTP server, see docs/serving.md)"))
     return p
 
+
+def add_model_flags(group) -> None:
+    group.add_argument("--weights", help="checkpoint folder, or a folder filled by utils/fetch_weights.py "
+                       "(default: the embedded tiny checkpoint, checkpoints/bloom-tiny)")
+    group.add_argument("--model", help="model inside --weights, e.g. bloom-560m or bigscience/bloom-7b1")
+    group.add_argument("--peft_weights", metavar="DIR",
+                       help="a LoRA adapter saved by PEFT (adapter_config.json + adapter_model.*), merged at load")
+    group.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="weights and compute dtype")
+    group.add_argument("--quantize", choices=["int8", "int4"],
+                       help="keep the weights quantized (activations and cache stay in --dtype): int8, one scale per "
+                            "output row, about half of bf16's bytes; int4, one scale per --group_size weights of a row, "
+                            "about a quarter; see docs/performance.md")
+    group.add_argument("--group_size", type=int, metavar="G",
+                       help="with --quantize int4: weights per scale, 32, 64 (default), 128 or 256; a smaller group "
+                            "keeps more quality, a larger one fewer bytes")
+    group.add_argument("--int8_activations", choices=["off", "on", "auto"], default="auto",
+                       help="with quantized weights: integer products, the activations entering each product rounded "
+                            "to int8 per block of 32 values (as llama.cpp's Q8_0); on a CPU faster prompts, a small "
+                            "change in the numbers. auto (default): where this CPU measured them faster (cpu; off on "
+                            "a card); the bare flag means on; see docs/performance.md#integer-products---int8_activations")
+
+
+def add_device_flags(group) -> None:
+    group.add_argument("--device", help="cpu, cuda or hpu (default: hpu if present, else cuda, else cpu)")
+    group.add_argument("--use_graphs", type=flag_bool, help="capture steps as HPU/CUDA graphs (default t)")
+    group.add_argument("--static_shapes", type=flag_bool, help="static-shape recipe (default t)")
+    group.add_argument("--limit_hpu_graphs", type=flag_bool,
+                       help="hpu: run the prefill without a graph, so its scores are not kept (default: t under "
+                            "tensor parallelism, f on one card)")
+    group.add_argument("--compile", action="store_true", help="cpu: run the decode step through torch.compile")
+    group.add_argument("--cpu_path", default="auto", choices=["auto", "avx512_bf16", "avx2", "onednn", "plain"],
+                       help="cpu: auto (default) takes the fastest this CPU can run; avx512_bf16 / avx2 force "
+                       "our kernels for that ISA; onednn: no kernels; plain: PyTorch's public operations only")
+
+
+def add_search_flags(group) -> None:
+    group.add_argument("--max_length", type=int, help="prompt + generated tokens per row (default 128)")
+    group.add_argument("--batch_size", type=int, default=1, help="prompts per batch (more prompts run in successive batches)")
+    group.add_argument("--mode", default="optimized", choices=["optimized", "vanilla"],
+                       help="optimized: our static-shape loops; vanilla: transformers generate on the same weights")
+    group.add_argument("--seed", type=int, help="random seed (sampling)")
+    group.add_argument("--ignore_eos", type=flag_bool, help="t: generate to max_length (default); f: stop each row at EOS")
+    group.add_argument("--prefix_cache", default=None, metavar="SIZE",
+                       help="keys and values of prompt prefixes seen before are copied, not computed: the pool's "
+                            "size, e.g. 512MB, 2GB (default 1GB; 0: off; see docs/prefix-cache.md)")
+    group.add_argument("--speculate", metavar="ngram[:K]",
+                       help="speculative decoding: each pass over the weights verifies up to K (1..8, default 4) "
+                            "guesses of every row, taken from its own prompt and output (prompt lookup); the same "
+                            "tokens, greedy or sampled (see docs/performance.md#speculative-decoding)")
+    group.add_argument("--options", default="", help='generation options "k=v,k:int=3,flag,!flag" (see --help_options)')
+    group.add_argument("--help_options", action="store_true", help="list every generation option and exit")
+    group.add_argument("--warmup", action="store_true", help="run every step shape (each bucket) once before the "
+                       "first prompt, so no request meets a first-time capture or compile; prints the time taken")
+
+
+def add_io_flags(group) -> None:
+    group.add_argument("--input_file", help="prompts: a JSON list of strings, or a text file with one prompt per line")
+    group.add_argument("--output_file", help="write results as a JSON list, one object per prompt")
+    group.add_argument("--stream", action="store_true", help="print each prompt's tokens as they are generated")
+    group.add_argument("--quiet", action="store_true", help="print only the generated texts")
+
+
+def add_jobs_flags(group) -> None:
+    group.add_argument("--requests", help="batch job: a JSONL file of OpenAI-style completion requests "
+                       "(see docs/batch-jobs.md); needs --results")
+    group.add_argument("--results", help="--requests: JSONL file the result records are appended to (a rerun "
+                       "skips requests already answered); --eval: write the numbers there as JSON")
+    group.add_argument("--errors", help="--requests: JSONL file of the lines that failed (default RESULTS.errors.jsonl)")
+    group.add_argument("--budget", type=int, default=8192, help="--requests/--eval: max tokens (rows x length) per batch")
+    group.add_argument("--eval", help='evaluate last-word accuracy and perplexity on a JSONL of {"text": ...} (LAMBADA)')
+
+
+def add_launch_flags(group) -> None:
+    group.add_argument("--data_parallel", type=int, default=1, metavar="D",
+                       help="--requests/--eval under deepspeed/torchrun: the launch's ranks as D model replicas of "
+                       "ranks/D tensor-parallel ranks each, splitting the lines (see docs/parallelism.md)")
+    group.add_argument("--all_ranks", action="store_true",
+                       help="tensor parallel runs: every rank prints (prefixed [rank r]) and writes its own "
+                       "--output_file (name.rankR.json), not only rank 0")
+    group.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+
+
+def add_chat_flags(group) -> None:
+    group.add_argument("--chat", action="store_true", help="talk with the model: >>> prompt, replies streamed, "
+                       "/help lists the commands (default max_length 1024 so that the history fits)")
+    group.add_argument("--max_tokens", "--max-tokens", type=int, help="--chat: new tokens per reply (default 128)")
+    group.add_argument("--sample", type=flag_bool, help="--chat: t: sample (default); f: greedy")
+    group.add_argument("--temperature", type=float, help="--chat: sampling temperature (default 0.6)")
+    group.add_argument("--top_k", "--top-k", type=int, help="--chat: sample among the k most likely tokens (default 40)")
+    group.add_argument("--repetition_penalty", "--repetition-penalty", type=float,
+                       help="--chat: penalise tokens already in the conversation (default 1.0: off)")
+
+
+def add_server_flags(group) -> None:
+    group.add_argument("--serve", action="store_true", help="answer /v1/completions and /v1/chat/completions over HTTP")
+    group.add_argument("--host", default="127.0.0.1", help="--serve: address to listen on (default 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="--serve: port (default 8000)")
+    group.add_argument("--max_batch", type=int, default=8, help="--serve: rows generating at once (default 8)")
+    group.add_argument("--bucket_width", type=int, default=32,
+                       help="--serve: prompt and attention-window buckets, in tokens (default 32; 0: max_length only)")
+    group.add_argument("--max_prefill", type=int, default=4,
+                       help="--serve: waiting prompts prefilled together in one step when no row is running (default 4)")
+    group.add_argument("--prefill_chunk", type=int, default=64,
+                       help="--serve: prompt tokens fed per decode step while rows run, in up to 4 segments (default 64)")
+    group.add_argument("--burst_wait_ms", type=float, default=8.0,
+                       help="--serve: when no row is running, gather arriving requests until none came for this "
+                            "long, then prefill them together (default 8; 0: off)")
+    group.add_argument("--max_queue", type=int, default=256, help="--serve: requests waiting before 503 (default 256)")
+    group.add_argument("--lora", action="append", metavar="NAME=DIR",
+                       help="--serve: a LoRA adapter saved by PEFT, served unmerged beside the base model; a "
+                            "request's \"model\": NAME picks it (repeatable)")
+    group.add_argument("--api_key", help="--serve: require 'Authorization: Bearer KEY' on /v1/ endpoints")
 
 def read_prompts(args) -> list[str]:
     prompts = list(args.prompts)
@@ -157,7 +210,6 @@ def read_prompts(args) -> list[str]:
         except UnicodeEncodeError:  # bytes that were not UTF-8 reach argv as lone surrogates
             raise UsageError(f"prompt {i} on the command line is not UTF-8 text") from None
     if args.input_file:
-        from generation.jobs.inputs import read_prompt_file
 
         prompts += read_prompt_file(args.input_file)
     if not prompts:
@@ -166,7 +218,6 @@ def read_prompts(args) -> list[str]:
 
 
 def check_chat_flags(args) -> None:
-    from generation.chat.settings import CHAT_FLAGS, HYPERPARAMETERS
 
     given = [name for name in CHAT_FLAGS if getattr(args, name) is not None]
     if not args.chat:
@@ -203,7 +254,6 @@ def check_flags(args) -> None:
     if args.errors and not args.requests:
         raise UsageError("--errors goes with --requests")
     if args.speculate:
-        from generation.search.guesses import parse_speculation
 
         parse_speculation(args.speculate)  # a bad value is named before anything is loaded
         where = ("--serve" if args.serve else "--chat" if args.chat else "--requests" if args.requests
@@ -224,7 +274,6 @@ def check_flags(args) -> None:
     if args.lora and args.peft_weights:
         raise UsageError("--lora serves adapters beside the base model; it cannot be combined with --peft_weights")
     lora_adapters(args)
-    from generation.jobs.files import check_distinct
 
     errors = args.errors
     if args.requests and args.results and not errors:
@@ -249,11 +298,9 @@ def lora_adapters(args) -> dict[str, str]:
 
 
 def collect_options(args):
-    from generation.request.options import build_options
 
     flags = {name: getattr(args, name) for name in ("max_length", "ignore_eos", "use_graphs", "static_shapes", "seed")}
     if args.chat:
-        from generation.chat.settings import CHAT_FLAGS, HYPERPARAMETERS, chat_options
 
         flags.update({HYPERPARAMETERS[name]: getattr(args, name) for name in CHAT_FLAGS})
         return chat_options(args.options, **flags)
@@ -261,7 +308,6 @@ def collect_options(args):
 
 
 def make_generator(args, opts):
-    from generation.generator import Generator, parse_dtype
 
     weights = args.weights
     # --model alone is looked up in checkpoints/ (weights None), and said to be missing if it is not
@@ -271,8 +317,6 @@ def make_generator(args, opts):
         log(f"no --weights given: using the embedded default checkpoint {DEFAULT_CHECKPOINT.relative_to(ROOT)} "
             "(a tiny model trained on the King James Bible; pass --weights for a real model)")
     if args.mode == "vanilla":
-        from bloom_hpu.runtime.backends import make_backend
-        from bloom_hpu.checkpoint import resolve_checkpoint
         from generation.run.vanilla import VanillaGenerator
 
         if args.peft_weights:
@@ -281,8 +325,6 @@ def make_generator(args, opts):
             raise UsageError("--prefix_cache runs in --mode optimized only")
         folder = resolve_checkpoint(weights, args.model)  # weights None: checkpoints/
         return VanillaGenerator(folder, parse_dtype(args.dtype), str(make_backend(args.device, use_graphs=False).device))
-    from bloom_hpu.runtime.cpu import CpuOptions
-    from generation.run.prefix_pool import DEFAULT_SIZE as PREFIX_CACHE_DEFAULT
 
     generator = Generator.from_pretrained(
         weights, args.model, dtype=args.dtype, device=args.device, use_graphs=opts.use_graphs,
@@ -319,9 +361,6 @@ def shows_progress(args) -> bool:
 def setup_parallel(args):
     """Join the launcher's process group (a no-op without one); only rank 0 prints from now on."""
     global PARALLEL, SHOWS_OUTPUT, WORLD, REPLICAS
-    from bloom_hpu.data_parallel import split_replicas
-    from bloom_hpu.runtime.launch import init_parallel, route_output, sync_random_seed
-    from bloom_hpu.tp import ParallelError
 
     WORLD = init_parallel(args.device)
     SHOWS_OUTPUT = route_output(WORLD, args.all_ranks)
@@ -335,7 +374,6 @@ def setup_parallel(args):
 
 
 def check_ranks_agree(args, prompts) -> None:
-    from bloom_hpu.runtime.launch import check_agreement
 
     values = {k: v for k, v in vars(args).items() if k not in ("local_rank", "all_ranks", "prompts")}
     for flag in ("requests", "eval"):  # the same path may hold different files on different nodes
@@ -347,7 +385,6 @@ def check_ranks_agree(args, prompts) -> None:
 def file_digest(path: str) -> str:
     """What a rank read at ``path``: a digest of the bytes, or why it could not (the reading itself
     reports that, on every rank alike once they agree)."""
-    import hashlib
 
     try:
         return hashlib.sha256(Path(path).read_bytes()).hexdigest()
@@ -375,7 +412,6 @@ def run_file_job(args, opts) -> int:
         return run_replicated_job(args, generator)
     writes = PARALLEL.rank == 0  # tensor parallel: every rank computes, rank 0 writes
     if args.requests:
-        from generation.jobs.runner import run_requests
 
         summary = run_requests(generator, args.requests, args.results, errors_path=args.errors,
                                budget=args.budget, progress=shows_progress(args), write=writes)
@@ -384,15 +420,12 @@ def run_file_job(args, opts) -> int:
         log(f"{summary.answered} requests answered, {summary.skipped} already done, {summary.errors} failed, "
             f"{summary.completion_tokens} tokens in {summary.seconds:.1f} s{cached}")
         return 1 if summary.errors else 0
-    import json
 
-    from generation.jobs.evaluate import evaluate, read_passages
 
     result = evaluate(generator, read_passages(args.eval), budget=args.budget, progress=shows_progress(args))
     print(f"passages: {result.passages}  accuracy: {result.accuracy:.4f}  perplexity: {result.perplexity:.3f}  "
           f"last-word perplexity: {result.last_word_perplexity:.3f} (per word: {result.last_word_perplexity_per_word:.3f})")
     if args.results and writes:
-        from generation.jobs.files import replace_file
 
         replace_file(args.results, (json.dumps(result.to_dict(), indent=2) + "\n").encode("utf-8"))
     return 0
@@ -401,9 +434,7 @@ def run_file_job(args, opts) -> int:
 def run_replicated_job(args, generator) -> int:
     """--requests or --eval split over --data_parallel replicas (generation/jobs/data_parallel.py):
     every rank takes part, rank 0 reports for the whole job."""
-    import json
 
-    from generation.jobs import data_parallel
 
     if args.requests:
         summary = data_parallel.run_requests_parallel(generator, args.requests, args.results, REPLICAS,
@@ -415,7 +446,6 @@ def run_replicated_job(args, generator) -> int:
             log(f"{summary.answered} requests answered by {REPLICAS.count} replicas, {summary.skipped} already done, "
                 f"{summary.errors} failed, {summary.completion_tokens} tokens in {summary.seconds:.1f} s{cached}")
         return 1 if summary is not None and summary.errors else 0
-    from generation.jobs.evaluate import read_passages
 
     result = data_parallel.evaluate_parallel(generator, read_passages(args.eval), REPLICAS, budget=args.budget,
                                              progress=shows_progress(args))
@@ -424,7 +454,6 @@ def run_replicated_job(args, generator) -> int:
               f"last-word perplexity: {result.last_word_perplexity:.3f} "
               f"(per word: {result.last_word_perplexity_per_word:.3f})")
         if args.results:
-            from generation.jobs.files import replace_file
 
             replace_file(args.results, (json.dumps(result.to_dict(), indent=2) + "\n").encode("utf-8"))
     return 0
@@ -511,7 +540,6 @@ def stream_prompts(args, generator, prompts, opts, writer) -> int:
     --output_file each finished result is saved as without --stream."""
     if args.mode == "vanilla":
         raise UsageError("--stream runs in --mode optimized only")
-    from generation.run.streaming import generate_streaming
 
     for prompt in prompts:
         print(prompt, end="", flush=True)
@@ -543,7 +571,6 @@ def show(args, results) -> None:
 def check_prompts_fit(args, generator, prompts, opts) -> None:
     """Every prompt (numbered over all of them) and the largest batch's memory, before the first
     batch runs: a bad third prompt must not be found after two batches were spent."""
-    from generation.request.validate import check_prompts
 
     ids = check_prompts(generator.tokenizer, prompts, opts)
     size = 1 if args.stream else min(args.batch_size, len(prompts))
@@ -553,7 +580,6 @@ def check_prompts_fit(args, generator, prompts, opts) -> None:
 
 def run(args) -> int:
     if args.help_options:
-        from generation.request.options import options_help
 
         print(options_help())
         return 0
@@ -580,11 +606,9 @@ def run(args) -> int:
     if fast_path != "none":
         log(f"CPU fast path: {fast_path}")
     if args.warmup:
-        from generation.run.warmup import chunk_sizes, warm_up
 
         sizes = [1] if args.stream else chunk_sizes(len(prompts), args.batch_size)
         log(warm_up(generator, opts, sizes, progress=shows_progress(args)).describe())
-    from generation.jobs.outputs import ResultWriter
 
     writer = ResultWriter(rank_output_file(args.output_file)) if args.output_file and SHOWS_OUTPUT else None
     if args.stream:
@@ -615,13 +639,6 @@ def bare_flags_as_on(argv: list[str]) -> list[str]:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(bare_flags_as_on(sys.argv[1:] if argv is None else list(argv)))
-    from bloom_hpu.runtime.backends import DeviceError
-    from bloom_hpu.runtime.cpu import CpuPathError
-    from bloom_hpu.checkpoint import CheckpointError
-    from generation.run.batch import InputError
-    from bloom_hpu.runtime.launch import shutdown
-    from bloom_hpu.tp import ParallelError
-    from generation.request.options import OptionError
 
     try:
         return run(args)
@@ -640,7 +657,6 @@ def main(argv=None) -> int:
         if SHOWS_OUTPUT or not isinstance(error, ParallelError):
             print(f"error: {error}", file=sys.stderr, flush=True)
         if isinstance(error, ParallelError):
-            from bloom_hpu.runtime.launch import stop_together
 
             stop_together()  # the silent ranks leave only once rank 0 has said why
         return 1
@@ -652,6 +668,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from bloom_hpu.runtime.launch import exit_process
 
     exit_process(main())
