@@ -510,8 +510,7 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
                  extend_op=kernels.extend_attention)
             plan.prompt_attention.append(block.self_attention)
         used.append("one-call prompt attention")
-    if chosen.picks:
-        used.append(f"routes {chosen.describe()}")
     source = "PyTorch operations" if kernels is None else f"{capability.ISA_NAMES[kernels.isa]} kernels"
-    plan.description = f"{source}{': ' + ', '.join(used) if used else ''} ({why})"
+    route_note = f"; routes {chosen.describe()}" if chosen.picks else ""  # last: what this CPU's timing chose
+    plan.description = f"{source}{': ' + ', '.join(used) if used else ''} ({why}){route_note}"
     return plan
