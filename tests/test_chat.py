@@ -307,6 +307,7 @@ def test_greedy_replies_equal_transformers_and_ctrl_c_stops_a_reply(make_ckpt):
     assert status == 0, (shell.signalstatus, shell.before)
 
 
+@pytest.mark.slow
 def test_a_chat_under_deepspeed_on_two_ranks(make_ckpt):
     """Slow-ish (two ranks start, ~20 s): rank 0 reads the keyboard, both ranks generate, only rank
     0 prints, and the reply equals transformers' on the whole model."""

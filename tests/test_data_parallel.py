@@ -178,6 +178,7 @@ def one_per_batch(job):
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks, data_parallel, launcher", [(2, 2, "deepspeed"), (2, 1, "torchrun"), (4, 2, "torchrun")],
                          ids=["D2xT1", "D1xT2", "D2xT2"])
+@pytest.mark.slow
 def test_replicas_give_one_process_results_file(job, tmp_path, ranks, data_parallel, launcher):
     """Each replica's model collectives stay in its own group: were they the world's, the two
     replicas' different batches would be summed together (or hang)."""

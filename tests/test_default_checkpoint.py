@@ -138,6 +138,7 @@ def test_prose_it_never_read_is_likelier_than_shuffled_words(hf_model, tokenizer
     assert loss(text) < loss(shuffled) - 20  # nats over the passage
 
 
+@pytest.mark.slow
 def test_script_smoke_run_writes_a_loadable_checkpoint_and_a_reproducible_tokenizer(tmp_path):
     corpus = REPO_ROOT / "utils" / "tiny_corpus.txt"
     out = tmp_path / "smoke"

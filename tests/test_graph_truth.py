@@ -409,6 +409,7 @@ def _free_port() -> int:
 
 @WEIGHTS
 @pytest.mark.parametrize("personality", ["hpu", "cuda"])
+@pytest.mark.slow
 def test_two_ranks_under_deepspeed_equal_one_eager_process(personality, checkpoint, eager, tmp_path, weights):
     prompts = PROMPTS[:3]
     out = tmp_path / "out.json"

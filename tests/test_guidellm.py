@@ -23,6 +23,8 @@ import torch
 from client_venvs import client_or_skip
 from servers import free_port, wait_until_healthy
 
+pytestmark = pytest.mark.slow  # an outside client in its own virtual environment, against a real server
+
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / "checkpoints" / "bloom-tiny"
 REQUESTS, PROMPT_TOKENS, OUTPUT_TOKENS = 12, 24, 12

@@ -200,6 +200,7 @@ def test_the_server_answers_with_integer_products(integer):
             assert got.choices[0].text == integer.generate(prompt, max_new_tokens=8)[0].text
 
 
+@pytest.mark.slow
 def test_two_ranks_give_one_process_tokens(folder, tmp_path):
     """int4 (one mode is enough for the launcher): groups and blocks within each rank's half of a row."""
     flags = ["--weights", str(folder), "--int8_activations", "--quantize", "int4", "--group_size", str(GROUP)]

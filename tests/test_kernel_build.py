@@ -103,6 +103,7 @@ def run_tiny(source: Path, env: dict, timeout: float = 120) -> subprocess.Comple
 
 
 @pytest.mark.parametrize("name", list(SIGNALS))
+@pytest.mark.slow
 def test_a_build_killed_at_a_random_point_leaves_the_next_run_to_finish(tiny, tmp_path, name):
     source, recipe, env = tiny
     delay = random.uniform(0.0, 4.0)  # the slowed build lasts ~4-8 s from its 'building' line
@@ -124,6 +125,7 @@ def test_a_build_killed_at_a_random_point_leaves_the_next_run_to_finish(tiny, tm
     assert again.stdout.split() == ["42"] and "building" not in again.stderr
 
 
+@pytest.mark.slow
 def test_a_stale_torch_lock_of_a_dead_build_does_not_hang_a_run(tiny):
     """What a build killed by the old mechanism left: PyTorch's baton ``lock`` file, whose owner is
     gone, and a lock file naming a dead process. The next run clears them and builds."""
@@ -137,6 +139,7 @@ def test_a_stale_torch_lock_of_a_dead_build_does_not_hang_a_run(tiny):
     assert "waiting" not in run.stderr and not (folder / "build-dead").exists()
 
 
+@pytest.mark.slow
 def test_a_damaged_library_is_rebuilt_not_loaded(tiny):
     source, recipe, env = tiny
     assert run_tiny(source, env).stdout.split() == ["42"]
@@ -147,6 +150,7 @@ def test_a_damaged_library_is_rebuilt_not_loaded(tiny):
     assert "building the tiny library" in run.stderr
 
 
+@pytest.mark.slow
 def test_a_run_that_finds_a_live_build_waits_says_so_and_uses_it(tiny, tmp_path):
     source, recipe, env = tiny
     first = start([sys.executable, "-c", TINY_RUN, str(source)], env, tmp_path / "first.err")
@@ -180,6 +184,7 @@ def test_a_wait_for_a_live_build_is_bounded(tiny):
     assert took < 30
 
 
+@pytest.mark.slow
 def test_the_cli_goes_on_without_kernels_when_another_build_outlasts_the_wait(tiny_checkpoint, tmp_path,
                                                                               monkeypatch):
     """The kernels' own folder locked by a 'builder' that never ends: ./bloom.py says it waits, gives
@@ -237,6 +242,7 @@ def test_folders_are_named_by_what_determines_the_binary(tmp_path, monkeypatch):
                for f in folders)  # never the one folder every version of the library shared
 
 
+@pytest.mark.slow
 def test_a_real_build_killed_then_run_again_gives_the_tokens_of_pytorch_ops(tiny_checkpoint, tmp_path):
     """One real build of the kernels in a private root, killed by a random signal at a random point
     while it compiles; the run after builds them again and generates PyTorch's operations' tokens."""

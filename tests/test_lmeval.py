@@ -26,6 +26,8 @@ from generation.jobs.evaluate import split_last_word
 from client_venvs import client_or_skip
 from servers import free_port, wait_until_healthy
 
+pytestmark = pytest.mark.slow  # an outside client in its own virtual environment, against a real server
+
 ROOT = Path(__file__).resolve().parent.parent
 TASK = ROOT / "utils" / "lmeval" / "lambada_local.yaml"
 PASSAGES = 16

@@ -232,6 +232,7 @@ def test_cli_merges_the_adapter(base, adapters, capsys):
 # --- merged under 2-rank tensor parallelism equals one process ------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_rank_merge_matches_one_process(base, adapters, tmp_path):
     from generation.generator import Generator
 

@@ -271,6 +271,7 @@ def test_a_request_file_job_with_the_cache_writes_the_records_of_one_without_it(
         assert summary.cached_tokens > 0
 
 
+@pytest.mark.slow
 def test_two_ranks_with_the_cache_give_transformers_tokens(folder, reference, tmp_path):
     """Each rank keeps its shard of the blocks; the ranks look up the same ids in the same order,
     so they agree on every hit without a word (a rank that copied other slots would give other

@@ -129,6 +129,7 @@ def test_metrics_export_the_pool(server, client):
     assert values["bloom_prefix_cache_lookups"] == values["bloom_prefix_cache_hits"] + values["bloom_prefix_cache_misses"]
 
 
+@pytest.mark.slow
 def test_two_ranks_serve_hits_with_one_process_answers(folders, references, tmp_path):
     """Rank 0 decides; the other rank makes the same pool calls (copy_prefix, store_prefix and the
     prefills) in the same order, so its shard of every block is where rank 0 thinks it is."""

@@ -77,6 +77,7 @@ def expected_keys() -> set[str]:
     return keys
 
 
+@pytest.mark.slow
 def test_every_configuration_of_the_product_has_one_row(sweep):
     out, _ = sweep
     rows = read_csv(out)
@@ -171,6 +172,7 @@ def test_a_rerun_skips_what_is_done_and_applies_a_new_bound(sweep, tiny_spec, tm
     assert rows[0]["status"] == "ok" or "best" not in done.stdout
 
 
+@pytest.mark.slow
 def test_a_partial_run_measures_only_the_rest(sweep, tiny_spec, tmp_path):
     out = tmp_path / "partial"
     shutil.copytree(sweep[0], out)

@@ -183,6 +183,7 @@ def test_bad_quantization_flags_are_one_line(folder, capsys):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.slow
 def test_two_ranks_quantized_give_one_process_tokens(folder, tmp_path, mode):
     """int8: row-parallel layers take the whole row's scale (an all-reduce of the row maxima); int4:
     groups lie within a rank's half of a row. Either way the same weights on 2 ranks as in one process."""
@@ -193,6 +194,7 @@ def test_two_ranks_quantized_give_one_process_tokens(folder, tmp_path, mode):
     assert got == want
 
 
+@pytest.mark.slow
 def test_an_int4_group_that_crosses_a_rank_boundary_is_one_line(folder, tmp_path):
     """The test model's dense layer has rows of 64: 2 ranks hold 32 each, which groups of 64 would cross."""
     with socket.socket() as s:
@@ -238,6 +240,7 @@ def test_a_saved_checkpoint_loads_quantized_and_gives_the_same_tokens(quantized,
         Generator.from_pretrained(saved_folder, **quantize_args(other))
 
 
+@pytest.mark.slow
 def test_two_ranks_read_their_slices_of_a_saved_checkpoint(saved_folder, quantized, tmp_path):
     want = [r.token_ids for r in quantized.generate(PROMPTS[1:], max_length=20)]
     assert two_rank_tokens(tmp_path, "--weights", str(saved_folder)) == want

@@ -12,6 +12,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from generation.jobs.runner import run_requests
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +34,7 @@ def key(request: dict) -> str:
     return json.dumps(request, sort_keys=True)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_without_loss_or_duplicates(scoring_setup, tmp_path):
     folder, gen, _ = scoring_setup
     requests_file, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"

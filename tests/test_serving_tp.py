@@ -106,6 +106,7 @@ def checkpoint(make_ckpt):
     return make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=5)
 
 
+@pytest.mark.slow
 def test_two_ranks_serve_what_one_process_serves(checkpoint, tmp_path):
     from lora_adapters import make_adapter
 
@@ -133,6 +134,7 @@ def test_two_ranks_serve_what_one_process_serves(checkpoint, tmp_path):
     assert expected[0] != expected[-2]  # the adapter changes the answer
 
 
+@pytest.mark.slow
 def test_an_idle_two_rank_server_outlives_its_collective_timeout(checkpoint, tmp_path, monkeypatch):
     """Rank 0 sends heartbeats while idle, so the follower's wait never reaches the collective
     timeout (8 s here): after 20 idle seconds the server still answers what one process answers."""

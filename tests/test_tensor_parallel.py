@@ -214,6 +214,7 @@ def ranks(two_rank_run):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_two_ranks_load_half_each(ranks):
     for r, record in enumerate(ranks):
         assert (record["rank"], record["world_size"]) == (r, 2)
