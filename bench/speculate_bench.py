@@ -5,7 +5,7 @@ the same checkpoint and token ids, in one process, one prompt at a time (batch 1
 
 Two figures:
 
-* **verify cost**: one verify pass of k + 1 positions (``bloom_hpu/runtime/verify.py``) against one
+* **verify cost**: one verify pass of k + 1 positions (``StepRunner.verify``) against one
   plain decode step, on the same cache (a prompt of ``--prompt_len`` tokens in it), medians of
   ``--steps`` alternated calls;
 * **tokens/s** of whole requests (prefill included, the same for every variant) of ``--new_tokens``
@@ -46,7 +46,6 @@ sys.path.insert(0, str(ROOT))
 
 from bench.generate_bench import checkpoint_folder, log, make_prompts  # noqa: E402
 from bloom_hpu.runtime.steps import step_input  # noqa: E402
-from bloom_hpu.runtime.verify import verify  # noqa: E402
 from generation.generator import Generator, parse_dtype  # noqa: E402
 from generation.search import speculation  # noqa: E402
 
@@ -83,7 +82,7 @@ def verify_cost(generator: Generator, prompt_ids: list[int], k: int, steps: int)
         runner.decode(step_input(token), step_input(start), cache, length)
         d = time.perf_counter() - t
         t = time.perf_counter()
-        verify(runner, step_input(guesses), step_input(start), cache, length)
+        runner.verify(step_input(guesses), step_input(start), cache, length)
         v = time.perf_counter() - t
         if i >= 2:
             decode_ms.append(d * 1e3)

@@ -184,7 +184,7 @@ def test_quantized_verify_takes_the_decode_rows_route(monkeypatch, tiny_checkpoi
     from bloom_hpu.runtime.cpu import CpuOptions
 
     import bloom_hpu.quantize as quantize
-    from bloom_hpu.runtime.verify import VerifyStep
+    from bloom_hpu.runtime.steps import VerifyStep
 
     route = CpuOptions(choice="prompts=integer,decode=weight-only")
     generator = Generator.from_pretrained(tiny_checkpoint, quantize=mode, int8_activations="auto", cpu=route)

@@ -20,6 +20,7 @@ import contextlib
 import torch
 from torch import nn
 
+from ..int8_activations import as_decode_rows
 from ..kv_cache import KVCache
 from ..model import StaticBloom
 from ..prefix_cache import DEFAULT_BLOCK, PrefixCache
@@ -91,6 +92,18 @@ class MixedStep(DecodeStep):
 
     def forward(self, tokens, positions, chunk, chunk_row, chunk_start, chunk_len) -> torch.Tensor:
         return self.model.mixed(tokens, positions, chunk, chunk_row, chunk_start, chunk_len, self.cache, self.window)
+
+
+class VerifyStep(DecodeStep):
+    """Speculation's verify pass: row b's last token and its guesses, ids [B, S], written from slots
+    ``starts`` [B] (clamped to the cache), each attending the row's slots up to its own
+    (``StaticBloom.extend_hidden``); logits of every position, [B, S, V]. Its shape is (rows, cache
+    length, window, S), captured like the decode step. A rejected guess's keys and values stay in
+    their slot until the row writes it again; nothing attends them before."""
+
+    def forward(self, ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        with as_decode_rows():  # quantized products take the route of the decode steps this pass stands for
+            return self.model.lm_head(self.model.extend_hidden(ids, starts, self.cache, self.window))
 
 
 class ExtendStep(nn.Module):
@@ -207,6 +220,7 @@ class StepRunner:
                 "hidden": lambda: PrefillStep(self.model, cache, self.backend, hidden_only=True),
                 "decode": lambda: DecodeStep(self.model, cache, window),
                 "mixed": lambda: MixedStep(self.model, cache, window),
+                "verify": lambda: VerifyStep(self.model, cache, window),
                 "extend": lambda: ExtendStep(self.model, cache, self.backend),
                 "extend_hidden": lambda: ExtendStep(self.model, cache, self.backend, hidden_only=True),
                 "head": lambda: HeadStep(self.model),
@@ -255,6 +269,11 @@ class StepRunner:
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
         return self.backend.run("decode", self._step("decode", cache, window), tokens, positions)
+
+    @torch.no_grad()
+    def verify(self, ids: torch.Tensor, starts: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
+        """Logits [B, S, V] of ids [B, S] written from slots ``starts`` [B], attending slots < ``window``."""
+        return self.backend.run("verify", self._step("verify", cache, window), ids, starts)
 
     @torch.no_grad()
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, chunk: torch.Tensor, chunk_row: torch.Tensor,

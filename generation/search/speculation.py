@@ -2,7 +2,7 @@
 the weights, the same tokens (greedy) or the same distribution (sampling) as the plain loop.
 
 Each iteration, every row offers up to k guesses of its next tokens (``guesses.py``: prompt
-lookup, on the device). One verify pass (``bloom_hpu/runtime/verify.py``) computes the logits of
+lookup, on the device). One verify pass (``StepRunner.verify``, ``bloom_hpu/runtime/steps.py``) computes the logits of
 the row's last token and its guesses, S = K + 1 positions of every row over its cache, in one
 static shape per call (K: the user's k rounded up to ``guesses.K_SHAPES``; rows with fewer
 guesses pad). At every position the options' processors run exactly as the plain loop would run
@@ -34,7 +34,6 @@ from typing import Callable
 import torch
 
 from bloom_hpu.runtime.steps import StepRunner, step_input
-from bloom_hpu.runtime.verify import verify
 
 from ..run.batch import Batch
 from .choose import argmax_rows, draw
@@ -251,7 +250,7 @@ def run_speculative_loop(
             stats.decodes += 1
         else:
             ids = torch.cat([last[:, None], guesses], dim=1)  # [B, K + 1]
-            logits = verify(runner, step_input(ids), step_input(starts), cache, window)
+            logits = runner.verify(step_input(ids), step_input(starts), cache, window)
             stats.verifies += 1
     stats.offered, stats.accepted, stats.row_verifies = totals.tolist()
     return LoopOutput(out[:, :width], finish, most_tokens, counts=generated), stats
