@@ -176,11 +176,24 @@ def run_chat(args, folder: Path) -> None:
         print(f"{name}: last turn / first turn TTFT = {v[-1] / v[0]:.2f} (median {statistics.median(v) * 1000:.1f} ms)")
 
 
-def run_server(args, folder: Path) -> None:
-    from bench.load_client import measure
-    from bench.serve_bench import free_port, percentile, start_uvicorn
+def serve_engine(generator, args):
+    """``generator`` behind the real app on a free loopback port, ready: (engine, server, thread, port)."""
+    from bench.serve_bench import free_port, start_uvicorn
     from generation.serving.app import make_app
     from generation.serving.engine import Engine, EngineConfig
+
+    engine = Engine(generator, EngineConfig(max_batch=args.clients, max_length=args.max_length,
+                                            bucket_width=args.bucket_width, max_prefill=4, prefill_chunk=64))
+    engine.start()
+    engine.ready.wait()
+    port = free_port()
+    server, thread = start_uvicorn(make_app(engine, "bench"), port)
+    return engine, server, thread, port
+
+
+def run_server(args, folder: Path) -> None:
+    from bench.load_client import measure
+    from bench.serve_bench import percentile
 
     rows = []
     for name, size in (("no cache", 0), ("prefix cache", args.prefix_cache)):
@@ -190,12 +203,7 @@ def run_server(args, folder: Path) -> None:
                    "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
                    "stream_options": {"include_usage": True}}
                   for q in passages(args.requests, 2000)]
-        engine = Engine(generator, EngineConfig(max_batch=args.clients, max_length=args.max_length,
-                                                bucket_width=args.bucket_width, max_prefill=4, prefill_chunk=64))
-        engine.start()
-        engine.ready.wait()
-        port = free_port()
-        server, thread = start_uvicorn(make_app(engine, "bench"), port)
+        engine, server, thread, port = serve_engine(generator, args)
         measure(port, bodies[: args.clients], "closed", args.clients)  # first contact: untimed
         timings, wall, _ = measure(port, bodies, "closed", args.clients)
         server.should_exit = True
@@ -247,10 +255,8 @@ def run_evict(args, folder: Path) -> None:
     import random
 
     from bench.load_client import measure
-    from bench.serve_bench import free_port, percentile, start_uvicorn
+    from bench.serve_bench import percentile
     from generation.run.prefix_pool import enable_prefix_cache
-    from generation.serving.app import make_app
-    from generation.serving.engine import Engine, EngineConfig
 
     rows = []
     for name in ("first block first (before)", "deepest block first (now)"):
@@ -266,12 +272,7 @@ def run_evict(args, folder: Path) -> None:
                              "Answer:", "max_tokens": args.max_tokens, "temperature": 0, "stream": True,
                    "stream_options": {"include_usage": True}}
                   for q in passages(args.requests, 2000)]
-        engine = Engine(generator, EngineConfig(max_batch=args.clients, max_length=args.max_length,
-                                                bucket_width=args.bucket_width, max_prefill=4, prefill_chunk=64))
-        engine.start()
-        engine.ready.wait()
-        port = free_port()
-        server, thread = start_uvicorn(make_app(engine, "bench"), port)
+        engine, server, thread, port = serve_engine(generator, args)
         before = dict(vars(pool.stats))
         timings, wall, _ = measure(port, bodies, "closed", args.clients)
         server.should_exit = True

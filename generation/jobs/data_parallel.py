@@ -36,11 +36,11 @@ from ..request.validate import check_request
 from ..run.batch import InputError
 from ..run.progress import Progress, log
 from . import evaluate as ev
-from .files import check_distinct, disk_error, is_regular_or_new, lock_results
+from .files import disk_error, is_regular_or_new, lock_results
 from .grouping import plan_batches
 from .parts import fold_parts, part_path, rewrite_in_order
-from .runner import DEFAULT_BUDGET, JobSummary, answer_or_split, answered_keys, error_text, fsync, read_requests, \
-    repair_results
+from .runner import DEFAULT_BUDGET, JobSummary, answer_or_split, answered_keys, error_text, fsync, job_paths, \
+    read_requests, repair_results
 
 POLL_SECONDS = 0.5  # how often rank 0 looks at the other replicas' parts while it waits for them
 
@@ -80,12 +80,8 @@ def run_requests_parallel(generator, requests_path, results_path, replicas: Repl
                           budget: int = DEFAULT_BUDGET, progress: bool = True) -> JobSummary | None:
     """Answer every request of ``requests_path`` not yet answered, split over ``replicas``. Every
     rank calls it; rank 0 returns the whole job's summary, the other ranks None."""
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise InputError(f"--budget must be an integer >= 1 token, got {budget!r}")
     start = time.perf_counter()
-    results_path = Path(results_path)
-    errors_path = Path(errors_path) if errors_path else results_path.with_name(results_path.name + ".errors.jsonl")
-    check_distinct({"--requests": requests_path}, {"--results": results_path, "--errors": errors_path})
+    results_path, errors_path = job_paths(requests_path, results_path, errors_path, budget)
     if not is_regular_or_new(results_path):
         raise InputError(f"--data_parallel writes --results {results_path} in parts and joins them: it must be a "
                          "regular file, not a pipe or a device")

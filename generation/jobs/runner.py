@@ -137,6 +137,17 @@ def answered_keys(results_path: Path) -> Counter:
 # --- the run ------------------------------------------------------------------------------------
 
 
+def job_paths(requests_path, results_path, errors_path, budget: int) -> tuple[Path, Path]:
+    """A job's results and errors files (errors beside the results by default), checked distinct from
+    the requests and each other, and its ``budget`` checked: before anything is read or written."""
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise InputError(f"--budget must be an integer >= 1 token, got {budget!r}")
+    results_path = Path(results_path)
+    errors_path = Path(errors_path) if errors_path else results_path.with_name(results_path.name + ".errors.jsonl")
+    check_distinct({"--requests": requests_path}, {"--results": results_path, "--errors": errors_path})
+    return results_path, errors_path
+
+
 def run_requests(generator, requests_path, results_path, *, errors_path=None, budget: int = DEFAULT_BUDGET,
                  progress: bool = True, write: bool = True) -> JobSummary:
     """Answer every request of ``requests_path`` not yet in ``results_path``; see the module doc.
@@ -145,12 +156,8 @@ def run_requests(generator, requests_path, results_path, *, errors_path=None, bu
     ``write=False``: tensor-parallel ranks other than 0 run the same batches (they read the same
     results file before rank 0 can append to it: the first batch needs every rank) but write
     nothing and show nothing."""
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-        raise InputError(f"--budget must be an integer >= 1 token, got {budget!r}")
     start = time.perf_counter()
-    results_path = Path(results_path)
-    errors_path = Path(errors_path) if errors_path else results_path.with_name(results_path.name + ".errors.jsonl")
-    check_distinct({"--requests": requests_path}, {"--results": results_path, "--errors": errors_path})
+    results_path, errors_path = job_paths(requests_path, results_path, errors_path, budget)
     requests, bad_lines = read_requests(requests_path)
     # The lock comes before the results are read back: a second run would otherwise see the same
     # requests pending and answer them twice.
