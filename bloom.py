@@ -500,16 +500,17 @@ def run_server(args, opts) -> int:
     rows = DeviceRows(generator, config.max_batch, config.max_length, config.bucket_width, config.max_prefill,
                       config.prefill_chunk)
     if PARALLEL.world_size > 1:
-        # Rank 0 answers HTTP and sends each step to the other ranks, which make it too (tp_serving.py).
+        # Rank 0 answers HTTP and sends each step to the other ranks, which make it too (tp_serving.py);
+        # with replicas, each replica's rank 0 to its own ranks, over the replica's group.
         from generation.serving.tp_serving import LeaderRows, RankGone, follow
 
         if PARALLEL.rank != 0:
             try:
-                follow(rows)
+                follow(rows, PARALLEL.group, REPLICAS.leader)
             except RankGone as error:
                 raise UsageError(str(error)) from None
             return 0
-        rows = LeaderRows(rows)
+        rows = LeaderRows(rows, group=PARALLEL.group, source=REPLICAS.leader)
     if front is None:
         serve(generator, config, args.host, args.port, args.api_key, log=log, device_rows=rows, listener=listener)
         return 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .runtime.launch import collective_timeout
 from .tp import DistributedParallel, Parallel, ParallelError
 
 # A replica that finished its share waits this long for the slowest one (a share can take hours).
@@ -34,6 +35,11 @@ class Replicas:
     world_rank: int = 0  # rank in the whole launch
     coordination: object = None  # gloo group of the whole world (None when count == 1)
     ranks_per_replica: int = 1  # T
+
+    @property
+    def leader(self) -> int:
+        """The global rank of this replica's rank 0."""
+        return self.index * self.ranks_per_replica
 
     @property
     def leads(self) -> bool:
@@ -69,8 +75,11 @@ def split_replicas(world: Parallel, data_parallel: int) -> tuple[Parallel, Repli
         return world, Replicas(0, 1, world.rank, None, per_replica)
     index = world.rank // per_replica
     mine = None
+    # The world's timeout (new_group's default is torch's own): a serving replica's heartbeats
+    # (serving/tp_serving.py) are paced by it.
+    timeout = datetime.timedelta(seconds=collective_timeout())
     for g in range(data_parallel):
-        group = torch.distributed.new_group(list(range(g * per_replica, (g + 1) * per_replica)))
+        group = torch.distributed.new_group(list(range(g * per_replica, (g + 1) * per_replica)), timeout=timeout)
         if g == index:
             mine = group
     coordination = torch.distributed.new_group(backend="gloo", timeout=COORDINATION_TIMEOUT)

@@ -93,11 +93,14 @@ def checkpoint(make_ckpt):
     return make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=5)
 
 
-def command(checkpoint, port: int, *extra, ranks: int = 1, node: tuple[int, int] | None = None) -> list[str]:
+def command(checkpoint, port: int, *extra, ranks: int = 1, node: tuple[int, int] | None = None,
+            deepspeed: bool = False) -> list[str]:
     import sys
 
     prefix = [sys.executable]
-    if node is not None:  # (this node's rank, master port): one launcher per "node" on loopback
+    if deepspeed:
+        prefix += ["-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port())]
+    elif node is not None:  # (this node's rank, master port): one launcher per "node" on loopback
         prefix += ["-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node[0]), "--nproc_per_node",
                    "1", "--master_addr", "127.0.0.1", "--master_port", str(node[1])]
     elif ranks > 1:
@@ -121,7 +124,7 @@ def client(port: int) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def greedy(port: int, model: str) -> list[str]:
+def greedy(port: int, model: str, count: int = 24) -> list[str]:
     """Completions, chats and a stream, sent 8 at a time."""
     c = client(port)
 
@@ -137,7 +140,7 @@ def greedy(port: int, model: str) -> list[str]:
         return "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
 
     with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(ask, range(24)))
+        return list(pool.map(ask, range(count)))
 
 
 def metrics(port: int) -> dict[tuple, float]:
@@ -182,6 +185,35 @@ def test_two_replicas_answer_what_one_process_answers(checkpoint, tmp_path):
         assert at(seen, "bloom_requests_total", endpoint="/v1/completions", replica=r, status="200") > 0, seen
     assert at(seen, "bloom_generated_tokens_total", replica="total") == sum(
         at(seen, "bloom_generated_tokens_total", replica=r) for r in ("0", "1")) > 0
+
+
+@pytest.mark.slow
+def test_two_replicas_of_two_ranks_answer_what_one_process_answers(checkpoint, tmp_path):
+    """deepspeed --num_gpus 4 ... --data_parallel 2: two replicas of two tensor-parallel ranks, each
+    leader sending its steps over its own replica's group. Few short requests: four one-thread
+    ranks share two cores."""
+    port = free_port()
+    one = launch(command(checkpoint, port, "--prefix_cache", "0"), port, tmp_path / "one.log")
+    try:
+        want = greedy(port, checkpoint.name, count=8)
+    finally:
+        stop(one)
+    port = free_port()
+    four = launch(command(checkpoint, port, "--prefix_cache", "0", "--data_parallel", "2", ranks=4, deepspeed=True),
+                  port, tmp_path / "four.log")
+    try:
+        got = greedy(port, checkpoint.name, count=8)
+        seen = metrics(port)
+        health_body = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health").read())
+    finally:
+        stop(four)
+    log = (tmp_path / "four.log").read_text()
+    assert "num_local_procs=4" in log, log[-3000:]
+    assert got == want
+    assert any(got)
+    assert [r["status"] for r in health_body["replicas"]] == ["ready", "ready"]
+    for r in ("0", "1"):
+        assert at(seen, "bloom_generated_tokens_total", replica=r) > 0, seen
 
 
 @pytest.mark.slow

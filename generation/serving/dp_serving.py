@@ -1,16 +1,14 @@
 """``--serve --data_parallel D``: where each replica listens, agreed before the weights load.
 
 Every replica's leader (rank 0 of its tensor-parallel group) serves its replica as one process
-would (``app.serve``), on a loopback port the system chooses; its followers follow it as today
-(``tp_serving.py``). Global rank 0 also binds the user's ``--port`` for the front door
+would (``app.serve``), on a loopback port the system chooses; its followers follow it over the
+replica's own process group (``tp_serving.py``). Global rank 0 also binds the user's ``--port`` for the front door
 (``replicas.py``). The ports are bound first, then exchanged with one ``all_gather_object`` over
 the launch's gloo coordination group (what the launcher gives; nothing else crosses ranks), so a
 busy ``--port`` is one error line on every rank within seconds, before anything slow.
 
 The front door reaches the replicas over loopback HTTP, so every replica leader must be on global
-rank 0's machine: serving with replicas on other nodes is refused with one line, and so are
-replicas of several ranks (the followers' broadcasts, ``tp_serving.py``, use the world's group and
-rank 0): both left to do.
+rank 0's machine: serving with replicas on other nodes is refused with one line (left to do).
 """
 
 from __future__ import annotations
@@ -35,9 +33,6 @@ class Listeners:
 def open_listeners(host: str, port: int, replicas, leads: bool) -> Listeners:
     """Bind this rank's ports and learn every replica's; a ListenError (the same on every rank)
     when a port cannot be bound or a replica leader is on another machine."""
-    if replicas.ranks_per_replica > 1:  # the same on every rank: no exchange needed to refuse
-        raise ListenError(f"--serve --data_parallel {replicas.count} serves replicas of one rank each for now; "
-                          f"this launch gives each {replicas.ranks_per_replica} (launch {replicas.count} ranks)")
     front = mine = None
     problem = None
     try:

@@ -7,6 +7,11 @@ rank makes the same call on its own shard. So every rank runs the same steps in 
 and the collectives inside the steps pair up. Only rank 0 reads the logits: the tokens it chose
 come to the other ranks as the arguments of the next decode.
 
+With data parallelism (``--serve --data_parallel D``) each replica is such a group of its own:
+"rank 0" is the replica's first rank and the messages go over the replica's process group
+(``group``, ``source``: that rank's global number, as torch's collectives name a source), so the
+replicas' leaders send their steps side by side and never wait on each other.
+
 An idle server sends nothing, and a follower waiting in a broadcast longer than the process
 group's timeout (``BLOOM_COLLECTIVE_TIMEOUT``, ``runtime/launch.py``) would fail. So while idle the
 engine calls ``idle()``, and rank 0 sends a heartbeat (a call the followers skip) whenever nothing
@@ -33,8 +38,8 @@ from .device_rows import DeviceRows
 from .heap import freeze_long_lived
 
 # The DeviceRows calls that touch the model or its caches: every rank makes them.
-FOLLOWED = ("warm_up", "prefill", "decode", "mixed", "place", "move", "resize", "answer_offline", "copy_prefix",
-            "store_prefix", "close")
+FOLLOWED = ("warm_up", "prefill", "decode", "mixed", "verify", "place", "move", "resize", "answer_offline",
+            "copy_prefix", "store_prefix", "close")
 HEARTBEAT = "heartbeat"  # sent by an idle rank 0 so that no follower's wait reaches the timeout
 
 
@@ -51,14 +56,15 @@ def _message_device(rows: DeviceRows):
 class LeaderRows:
     """Rank 0's DeviceRows: each followed call goes to the other ranks first, then runs here."""
 
-    def __init__(self, rows: DeviceRows, heartbeat_seconds: float | None = None):
+    def __init__(self, rows: DeviceRows, heartbeat_seconds: float | None = None, group=None, source: int = 0):
         self._rows = rows
         self._device = _message_device(rows)
+        self._group, self._source = group, source  # None, 0: the whole world, its rank 0
         self.heartbeat_seconds = heartbeat_seconds or collective_timeout() / 4
         self._last_sent = time.monotonic()
 
     def _send(self, name: str, args: tuple) -> None:
-        dist.broadcast_object_list([(name, args)], src=0, device=self._device)
+        dist.broadcast_object_list([(name, args)], src=self._source, group=self._group, device=self._device)
         self._last_sent = time.monotonic()
 
     def idle(self) -> None:
@@ -79,20 +85,21 @@ class LeaderRows:
         return followed
 
 
-def follow(rows: DeviceRows) -> None:
-    """Another rank: make rank 0's calls until it closes. RankGone if rank 0 is gone."""
+def follow(rows: DeviceRows, group=None, source: int = 0) -> None:
+    """Another rank: make its leader's calls until it closes (the leader: global rank ``source`` of
+    ``group``; by default rank 0 of the world). RankGone if the leader is gone."""
     device = _message_device(rows)
     while True:
         message = [None]
         try:
-            dist.broadcast_object_list(message, src=0, device=device)
+            dist.broadcast_object_list(message, src=source, group=group, device=device)
         except RuntimeError as error:  # gloo: the connection closed; nccl/hccl: the timeout
-            raise RankGone(f"rank 0 stopped answering ({str(error).splitlines()[0]})") from None
+            raise RankGone(f"rank {source} stopped answering ({str(error).splitlines()[0]})") from None
         name, args = message[0]
         if name == HEARTBEAT:
             continue
-        if name not in FOLLOWED:  # never sent by LeaderRows: a different program on rank 0
-            raise RuntimeError(f"rank 0 sent an unknown call {name!r}")
+        if name not in FOLLOWED:  # never sent by LeaderRows: a different program on the leader
+            raise RuntimeError(f"rank {source} sent an unknown call {name!r}")
         try:
             getattr(rows, name)(*args)
         except Exception as error:  # rank 0 met the same error and answered it; stay in step
