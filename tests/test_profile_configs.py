@@ -287,6 +287,62 @@ def test_random_weights_follow_the_recipe_and_every_rank_sees_the_same():
         assert not torch.equal(other.get(qkv), whole)
 
 
+def top_probabilities(transformer_weights: dict, checkpoint_config: Path, prompts: torch.Tensor) -> torch.Tensor:
+    """transformers' BloomForCausalLM on ``transformer_weights`` (the normalized names): the
+    probability of the top next token after each prompt [n]."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    model = transformers.BloomForCausalLM(transformers.BloomConfig.from_pretrained(checkpoint_config)).eval()
+    model.transformer.load_state_dict(transformer_weights)
+    model.tie_weights()
+    with torch.no_grad():
+        return model(prompts).logits[:, -1].float().softmax(-1).max(-1).values
+
+
+def test_weights_cut_from_a_tiny_pool_are_still_the_recipes_kind(make_ckpt, monkeypatch):
+    """The fast path cuts every block from one pool. Made as bad as it gets here (the pool one block
+    long, so every block of every tensor is the same window; blocks of 16 rows of 256), the weights
+    must still be a random model of the recipe: no two rows alike (the per-column signs), the
+    recipe's statistics, and transformers' logits as peaky as on random_checkpoint's weights."""
+    from bloom_hpu.checkpoint import expected_names
+    from utils.profiling import random_model
+    from utils.random_checkpoint import recipe_std
+
+    monkeypatch.setattr(random_model, "BLOCK_ELEMENTS", 16 * 256)
+    reference = make_ckpt(hidden_size=256, n_layer=2, n_head=4, seed=3)
+    config = load_spec(str(reference / "config.json")).config()
+    with RandomReader(config, live_vocab=1000, seed=0, pool_elements=1) as reader:
+        assert reader._pools[torch.float32].numel() == 16 * 256  # one block: 16 rows of 256 or 4 of 1024
+        weights = {name: reader.get(name) for name in expected_names(config)}
+
+    rows = torch.cat([w[:1000] if name == "word_embeddings.weight" else w for name, w in weights.items()
+                      if w.dim() == 2 and w.shape[1] == 256])
+    unit = rows / rows.norm(dim=1, keepdim=True)
+    cosines = (unit @ unit.T).fill_diagonal_(0).abs()
+    # Two independent rows of 256: |cos| ~ 0.06; a row and its copy with random signs, ~0.11; equal rows, 1.
+    assert cosines.max().item() < 0.8, "two rows of the weights are (nearly) the same"
+    for name, w in weights.items():
+        within = 4 / math.sqrt(2 * w.numel()) + 0.02  # four standard errors of a std estimate, relative
+        if name.endswith("layernorm.weight") or name == "ln_f.weight":
+            expected_mean = -1 if name.startswith("word_embeddings") else 1
+            assert w.mean().item() == pytest.approx(expected_mean, abs=0.05), name
+        elif name == "word_embeddings.weight":
+            assert w[1000:].abs().max().item() == 0
+            assert w[:1000].std().item() == pytest.approx(recipe_std(name, config, 10.0), rel=within)
+        else:
+            assert w.std().item() == pytest.approx(recipe_std(name, config, 10.0), rel=within), name
+
+    from safetensors.torch import load_file
+
+    prompts = torch.randint(0, 1000, (40, 12), generator=torch.Generator().manual_seed(0))
+    ours = top_probabilities(weights, reference / "config.json", prompts)
+    theirs = top_probabilities(load_file(reference / "model.safetensors"), reference / "config.json", prompts)
+    # Peaky as random_checkpoint's (about 0.9 on the top token), and the top depends on the prompt.
+    assert ours.median().item() > 0.6
+    assert ours.median().item() == pytest.approx(theirs.median().item(), abs=0.15)
+
+
 # --------------------------------------------------------------------------- two ranks
 
 

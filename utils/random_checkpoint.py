@@ -65,31 +65,39 @@ def tensor_shape(name: str, config: BloomConfig) -> tuple[int, ...]:
     return (n_out * h,) if kind == "bias" else (n_out * h, n_in * h)
 
 
-def random_tensor(name: str, config: BloomConfig, *, live_vocab: int, weight_scale: float,
-                  gen: torch.Generator, rows: slice | None = None) -> torch.Tensor:
-    """One float32 weight of the recipe (see the module docstring), drawn from ``gen``; ``rows``:
-    only these rows of it (the first dimension), drawn as if they were the whole tensor.
-
-    ``random_weights`` draws every tensor from one generator in ``expected_names`` order; the
-    profiler (utils/profiling/random_model.py) draws blocks of rows, each from a generator of its own."""
+def recipe_std(name: str, config: BloomConfig, weight_scale: float) -> float:
+    """The standard deviation of weight ``name``'s random part (see the module docstring)."""
     module, kind = name.rsplit(".", 1)
-    shape = tensor_shape(name, config)
-    start, stop, _ = (0, shape[0], 1) if rows is None else rows.indices(shape[0])
     if name == "word_embeddings.weight":
-        std = weight_scale / math.sqrt(config.hidden_size)
-    elif module.endswith(("layernorm", "ln_f")) or kind == "bias":
-        std = _NOISE
-    else:
-        gain = _OUT_GAIN if module.endswith(("self_attention.dense", "dense_4h_to_h")) else 1.0
-        std = gain / math.sqrt(shape[1])
-    tensor = torch.randn(stop - start, *shape[1:], generator=gen, device=gen.device).mul_(std)  # in place: one pass less
+        return weight_scale / math.sqrt(config.hidden_size)
+    if module.endswith(("layernorm", "ln_f")) or kind == "bias":
+        return _NOISE
+    gain = _OUT_GAIN if module.endswith(("self_attention.dense", "dense_4h_to_h")) else 1.0
+    return gain / math.sqrt(tensor_shape(name, config)[1])
+
+
+def finish_recipe(name: str, tensor: torch.Tensor, *, live_vocab: int, start: int = 0) -> torch.Tensor:
+    """The recipe's fixed parts, in place, on rows ``start ...`` of ``name`` drawn with std
+    ``recipe_std``: padded vocabulary rows zero, LayerNorm weights around 1 (-1 for the embeddings')."""
+    module, kind = name.rsplit(".", 1)
     if name == "word_embeddings.weight":
         tensor[max(live_vocab - start, 0):] = 0  # padded vocabulary rows (see the docstring)
     elif module.endswith(("layernorm", "ln_f")) and kind == "weight":
-        tensor = 1 + tensor
+        tensor.add_(1)
         if module == "word_embeddings_layernorm":
             tensor.neg_()  # no echo of the current token (see the docstring)
     return tensor
+
+
+def random_tensor(name: str, config: BloomConfig, *, live_vocab: int, weight_scale: float,
+                  gen: torch.Generator) -> torch.Tensor:
+    """One float32 weight of the recipe (see the module docstring), drawn from ``gen``.
+
+    ``random_weights`` draws every tensor from one generator in ``expected_names`` order; the
+    profiler (utils/profiling/random_model.py) takes the same std and fixed parts, from a pool."""
+    tensor = torch.randn(tensor_shape(name, config), generator=gen, device=gen.device)
+    tensor.mul_(recipe_std(name, config, weight_scale))  # in place: one pass less
+    return finish_recipe(name, tensor, live_vocab=live_vocab)
 
 
 def random_weights(config: BloomConfig, *, live_vocab: int, seed: int, weight_scale: float) -> dict[str, torch.Tensor]:
