@@ -346,3 +346,53 @@ def test_the_bar_counts_the_lines_of_every_replica_as_their_parts_grow(tmp_path)
     with open(part_path(results, 0), "ab") as f:
         f.write(b"\n")
     assert counter.lines() == 3
+
+
+def test_a_shared_count_adds_what_every_replica_scored():
+    """The eval bar's count: one key in the launch's store, added to by every replica's leader."""
+    from torch.distributed import TCPStore
+
+    from generation.jobs.data_parallel import SharedCount
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the launcher's, here
+    where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    first, second = SharedCount.connect("done", where), SharedCount.connect("done", where)
+    assert first.add(3) == 3 and second.add(4) == 7 and first.value() == 7
+    assert SharedCount.connect("another job", where).value() == 0
+    assert SharedCount.connect("done", {}) is None  # no store: the bar counts its own rank's work
+    del server
+
+
+@pytest.mark.slow
+def test_the_eval_bar_counts_every_replicas_passages(job, tmp_path):
+    """On a terminal (a pseudo-terminal here) rank 0's live bar ends at every passage of the job,
+    not at its own replica's share."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    folder, _, _ = job
+    passages = tmp_path / "eval.jsonl"
+    passages.write_text("".join(json.dumps({"text": " ".join(WORDS[(i * j) % 13] for j in range(2 + i % 11))}) + "\n"
+                                for i in range(1, 30)))
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # 0 columns: tqdm draws nothing
+    cmd = [arg for arg in bloom(folder, "--eval", passages, "--budget", "256", "--data_parallel", "2", ranks=2)
+           if arg != "--quiet"]
+    proc = subprocess.Popen(cmd, env=ENV, stdin=subprocess.DEVNULL, stdout=follower, stderr=follower)
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:  # the terminal closed: every process that held it ended
+            break
+        if not data:
+            break
+        seen += data
+    os.close(leader)
+    assert proc.wait(300) == 0, seen[-3000:]
+    bars = [piece for piece in seen.decode(errors="replace").replace("\r", "\n").splitlines() if piece.startswith("eval:")]
+    assert bars and "29/29" in bars[-1], bars[-3:]

@@ -18,12 +18,17 @@ Request files (``run_requests_parallel``):
 
 Evaluation (``evaluate_parallel``): the passages' chunks are dealt the same way, every replica
 scores its chunks, rank 0 gathers the per-passage numbers and sums them in one process's order.
+Its bar counts the passages of every replica: each replica's leader adds what it scored to one
+counter in the launch's key-value store (``SharedCount``).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 
@@ -261,6 +266,33 @@ def _positions(planned, order):
 # --- evaluation ---------------------------------------------------------------------------------
 
 
+class SharedCount:
+    """A count every rank of the launch can add to and read: one key in the key-value store the
+    launcher's rendezvous serves at MASTER_ADDR:MASTER_PORT (a TCPStore; this is one more client of
+    it). Not a collective: replicas finish their chunks at their own pace, and a collective would
+    make each wait for the others. ``key``: the same on every rank, new for each count."""
+
+    def __init__(self, store, key: str):
+        self.store, self.key = store, key
+
+    @classmethod
+    def connect(cls, key: str, environ=None) -> "SharedCount | None":
+        """None when the launch has no such store (no MASTER_ADDR/MASTER_PORT) or it cannot be reached."""
+        environ = os.environ if environ is None else environ
+        try:
+            store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), is_master=False,
+                                  timeout=datetime.timedelta(seconds=30))
+        except (KeyError, ValueError, RuntimeError):
+            return None
+        return cls(store, key)
+
+    def add(self, n: int) -> int:
+        return self.store.add(self.key, n)
+
+    def value(self) -> int:
+        return self.store.add(self.key, 0)
+
+
 def evaluate_parallel(generator, texts: list[str], replicas: Replicas, budget: int = 8192,
                       progress: bool = False) -> ev.EvalResult | None:
     """``evaluate`` split over the replicas; rank 0 returns the result, the other ranks None."""
@@ -273,10 +305,24 @@ def evaluate_parallel(generator, texts: list[str], replicas: Replicas, budget: i
     scored = {}
     mine = [chunks[i] for i in share[replicas.index]]
     first = replicas.world_rank == 0
-    with Progress(sum(map(len, mine)), "eval", "passages", enabled=progress and first) as bar:
+    key = [f"bloom-eval-done-{uuid.uuid4().hex}"]  # rank 0's, on every rank: a count no earlier job touched
+    dist.broadcast_object_list(key, src=0, group=replicas.coordination)
+    done = SharedCount.connect(key[0]) if replicas.leads else None
+    total = len(rows) if done is not None or not first else sum(map(len, mine))  # without a store: its own
+    with Progress(total, "eval", "passages", enabled=progress and first) as bar:
         for chunk in mine:
             scored.update(ev.score_chunk(generator, rows, targets, chunk))
-            bar.update(len(chunk))
+            bar.update(done.add(len(chunk)) - bar.n if done is not None else len(chunk))
+        # Every rank waits here for the last replica; rank 0's bar follows the others meanwhile.
+        follows = progress and first and done is not None
+        waiting = dist.barrier(group=replicas.coordination, async_op=True)
+        while not waiting.is_completed():
+            time.sleep(POLL_SECONDS)
+            if follows:
+                bar.update(done.value() - bar.n)
+        waiting.wait()
+        if follows:
+            bar.update(done.value() - bar.n)
     gathered = [None] * replicas.count * replicas.ranks_per_replica
     dist.all_gather_object(gathered, scored if replicas.leads else None, group=replicas.coordination)
     if not first:
