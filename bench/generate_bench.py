@@ -264,28 +264,58 @@ def transformers_variant(folder: Path, args, prompts, device) -> Variant:
     return Variant("transformers", lambda n: hf.generate(prompts, opts.updated(max_new_tokens=n)))
 
 
-def time_variants(variants: list[Variant], *, warmup: int, repeats: int, new_tokens: int, device,
-                  each_round: Callable[[], None] = lambda: None) -> tuple[dict, dict]:
+@dataclass
+class Rounds:
+    """How many timed rounds ``time_variants`` runs: ``repeats`` when ``min_repeats`` is None (this
+    script's way), else adaptive: at least ``min_repeats``, at most ``repeats``, stopping once the
+    full requests timed add up to ``min_timed_s`` (a long request already averages over many steps)
+    or, from the second round, once every variant's full requests agree within ``spread`` (their
+    range over their median). ``agree``: turns this process's stop into the one every rank takes
+    (a tensor-parallel run's ranks must time the same rounds)."""
+    repeats: int
+    min_repeats: int | None = None
+    min_timed_s: float = 0.0
+    spread: float = 0.0
+    agree: Callable[[bool], bool] = lambda stop: stop
+
+    def done(self, full: dict[str, list[float]]) -> bool:
+        count = len(next(iter(full.values())))
+        if count >= self.repeats:
+            return True
+        if self.min_repeats is None or count < self.min_repeats:
+            return False
+        long_enough = all(sum(times) >= self.min_timed_s for times in full.values())
+        steady = count >= 2 and all((max(t) - min(t)) <= self.spread * statistics.median(t) for t in full.values())
+        return self.agree(long_enough or steady)
+
+
+def time_variants(variants: list[Variant], *, warmup: int, repeats: int | Rounds, new_tokens: int, device,
+                  each_round: Callable[[], None] = lambda: None, warmup_tokens: int | None = None) -> tuple[dict, dict]:
     """Warm every variant up, then time TTFT and full requests of each, round-robin: repeat r of
     every variant runs before repeat r+1 of any, so a drift in the machine's load (this shared CPU
     moved by 30% within minutes) hits every variant alike and the ratios hold; the order rotates
-    from round to round. ``each_round`` runs at the start of every round. Returns ({name: TTFT
-    seconds of each round}, {name: full-request seconds of each round}); also what
-    utils/profile_configs.py times each configuration with."""
+    from round to round. ``each_round`` runs at the start of every round. ``repeats``: the rounds,
+    or a ``Rounds`` to stop adaptively. ``warmup_tokens``: new tokens of each warm-up request
+    (default ``new_tokens``; with static shapes 2 runs every step's shape: the prompt and a decode
+    step). Returns ({name: TTFT seconds of each round}, {name: full-request seconds of each
+    round}); also what utils/profile_configs.py times each configuration with."""
+    rounds = repeats if isinstance(repeats, Rounds) else Rounds(repeats)
     for variant in variants:
         log(f"warming up {variant.name} ...")
         for _ in range(warmup):
             variant.generate(1)
-            variant.generate(new_tokens)
+            variant.generate(warmup_tokens or new_tokens)
     ttft = {v.name: [] for v in variants}
     full = {v.name: [] for v in variants}
-    for repeat in range(repeats):
-        log(f"timed round {repeat + 1}/{repeats}")
+    repeat = 0
+    while not rounds.done(full):
+        log(f"timed round {repeat + 1}/{rounds.repeats}")
         each_round()
         # Each round starts with the next variant, so none always runs first (after the bandwidth pass).
         for v in variants[repeat % len(variants):] + variants[: repeat % len(variants)]:
             ttft[v.name].append(timed(lambda: v.generate(1), device))
             full[v.name].append(timed(lambda: v.generate(new_tokens), device))
+        repeat += 1
     return ttft, full
 
 

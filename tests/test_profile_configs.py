@@ -116,6 +116,7 @@ def test_online_rows_come_from_the_client_levels(sweep):
 
 def test_the_best_is_the_fastest_within_the_bound_and_printed_first(sweep):
     out, done = sweep
+    assert "estimate: about" in done.stderr and "left)" in done.stderr
     rows = read_csv(out)
     ok = [r for r in rows if r["status"] == "ok"]
     fastest = max(ok, key=lambda r: float(r["tokens_per_s"]))
@@ -207,6 +208,70 @@ def test_the_product_has_every_combination_once():
     assert len(configs) == 2 * 2 * 2 * 3 * 2 == len({c.key for c in configs})
     assert [c.tp for c in configs] == sorted(c.tp for c in configs)  # one launch per size
     assert product("offline", [1, 1], ["bf16"], [4, 4], [(8, 4)]) == product("offline", [1], ["bf16"], [4], [(8, 4)])
+
+
+def test_speculation_is_an_axis_of_the_offline_configurations():
+    configs = product("both", [1], ["bf16"], [1, 4], [(8, 4)], ["off", "ngram:4"])
+    offline = [c for c in configs if c.scenario == "offline"]
+    assert len(offline) == 2 * 2 and {c.speculate for c in offline} == {"off", "ngram:4"}
+    assert {c.speculate for c in configs if c.scenario == "online"} == {"off"}  # serve_bench's engine: none
+    assert len({c.key for c in configs}) == len(configs)
+    # Without speculation a key is what earlier runs wrote (a rerun finds them done).
+    assert "offline tp1 bf16 batch4 in8 out4" in {c.key for c in configs}
+
+
+def test_adaptive_rounds_stop_on_time_spent_or_agreement_and_every_rank_agrees():
+    from bench.generate_bench import Rounds
+
+    assert [Rounds(3).done({"ours": [1.0] * n}) for n in range(4)] == [False, False, False, True]
+    adaptive = Rounds(3, min_repeats=1, min_timed_s=10.0, spread=0.05)
+    assert not adaptive.done({"ours": []})
+    assert adaptive.done({"ours": [12.0]})  # one long request: enough
+    assert not adaptive.done({"ours": [1.0]})
+    assert not adaptive.done({"ours": [1.0, 1.2]})  # 20% apart, 2.2 s: one more
+    assert adaptive.done({"ours": [1.0, 1.04]})  # within 5%
+    assert adaptive.done({"ours": [1.0, 2.0, 3.0]})  # the most
+    # Another rank that would go on (agree: False) keeps this one going too.
+    assert not Rounds(3, min_repeats=1, min_timed_s=10.0, agree=lambda stop: False).done({"ours": [12.0]})
+
+
+def test_time_variants_warms_up_with_a_decode_step_and_times_adaptive_rounds():
+    from bench.generate_bench import Rounds, Variant, time_variants
+
+    asked = []
+    variant = Variant("ours", lambda n: asked.append(n))
+    ttft, full = time_variants([variant], warmup=1, repeats=Rounds(3, min_repeats=2, min_timed_s=1e9, spread=1e9),
+                               new_tokens=50, device=torch.device("cpu"), warmup_tokens=2)
+    assert asked == [1, 2, 1, 50, 1, 50]  # warm-up: the prompt and one decode step; then 2 rounds (agreeing)
+    assert len(ttft["ours"]) == len(full["ours"]) == 2
+    asked.clear()
+    time_variants([variant], warmup=1, repeats=2, new_tokens=50, device=torch.device("cpu"))
+    assert asked == [1, 50, 1, 50, 1, 50]  # generate_bench's own way, unchanged
+
+
+def test_the_estimate_grows_with_the_work_and_counts_the_rounds():
+    from utils.profiling.estimate import config_seconds, rounds_of, sweep_seconds
+
+    spec = load_spec("bloom-560m").shape()
+    plan = {"repeats": 3, "min_repeats": 1, "min_timed_s": 10.0, "warmup": 1, "requests_per_client": 2}
+    rates = {"read_bytes_s": 10e9, "ops_s": {"float32": 100e9, "bfloat16": 200e9}}
+
+    def seconds(**config):
+        base = {"key": "k", "scenario": "offline", "tp": 1, "dtype": "bf16", "max_batch": 1, "input_len": 60,
+                "output_len": 20}
+        return config_seconds(spec, {**base, **config}, plan, rates, shared=True)
+
+    assert seconds(max_batch=16) > seconds(max_batch=4) > seconds()
+    assert seconds(input_len=200, output_len=200) > seconds()
+    assert seconds(dtype="fp32") > seconds(dtype="bf16")
+    # A decode step of bloom-560m in bf16 at batch 1 reads ~1.1 GB: ~0.11 s at 10 GB/s; 19 of them.
+    assert 19 * 0.11 < seconds() < 3 * 19 * 0.2 + 5
+    assert [rounds_of(s, plan) for s in (0.5, 4.0, 12.0)] == [3, 3, 1]
+    configs = [{"key": f"k{b}", "scenario": "offline", "tp": 1, "dtype": "bf16", "max_batch": b, "input_len": 60,
+                "output_len": 20} for b in (1, 4)]
+    total = sweep_seconds(spec, configs, plan, rates, shared=True)
+    assert total["total"] == pytest.approx(total["startup"] + sum(total["configs"].values()))
+    assert total["startup"] > 1.1e9 / 1e9  # the bf16 weights' pages at least
 
 
 def offline_record(decode_ms: float, tokens_per_s: float) -> dict:
@@ -376,6 +441,9 @@ def test_two_ranks_under_the_deepspeed_launcher(tiny_spec, tmp_path):
     (["--model", "{spec}", "--dtypes", "fp8"], "unknown dtype 'fp8'"),
     (["--model", "{spec}", "--dtypes", "int4", "--tensor_parallel_sizes", "2"], "64 / 2 ranks is not a multiple"),
     (["--model", "{spec}", "--out", "{file}/sub"], "cannot write there"),
+    (["--model", "{spec}", "--speculate", "ngram:99"], "--speculate: speculation 'ngram:99': K must be"),
+    (["--model", "{spec}", "--speculate", "draft"], "a draft model is another model to profile"),
+    (["--model", "{spec}", "--min_repeats", "4"], "--min_repeats must be from 1 to --repeats"),
 ])
 def test_bad_input_is_one_error_line(args, message, tiny_spec, tmp_path, capsys):
     short = tmp_path / "short.json"

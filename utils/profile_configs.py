@@ -70,8 +70,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, help="rows of the printed table (default 10)")
     p.add_argument("--threads", type=int, help="CPU threads in all, split among the ranks (default: the cores)")
     p.add_argument("--device", help="cpu, cuda or hpu (default: the best available)")
-    p.add_argument("--repeats", type=int, default=3, help="offline: timed runs per configuration, medians kept (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="offline: untimed runs first (default 1)")
+    p.add_argument("--speculate", nargs="*", default=["off"], metavar="S",
+                   help="offline: speculation as another axis, e.g. off ngram:4 (prompt lookup, up to 4 guesses "
+                   "verified a pass; default off)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="offline: the most timed rounds (a one-token and a full request each) per configuration, "
+                   "medians kept (default 3)")
+    p.add_argument("--min_repeats", type=int, default=1, help="offline: the fewest timed rounds (default 1)")
+    p.add_argument("--min_timed_s", type=float, default=10.0,
+                   help="offline: rounds stop once the full requests timed add up to this many seconds "
+                   "(default 10; 0: --min_repeats rounds)")
+    p.add_argument("--spread", type=float, default=0.05,
+                   help="offline: or once two rounds or more agree within this fraction of their median (default 0.05)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="offline: untimed warm-ups (a prompt and a decode step: every shape the timed requests run; "
+                   "default 1)")
     p.add_argument("--requests_per_client", type=int, default=2,
                    help="online: requests per client at each level (at least 4 a level; default 2)")
     p.add_argument("--bucket_width", type=int, default=32, help="online: the server's --bucket_width (default 32)")
@@ -101,6 +114,9 @@ def check_args(args) -> tuple[object, list[Config]]:
         raise UsageError("tensor-parallel and batch sizes must be >= 1")
     if args.top < 1 or args.repeats < 1 or args.warmup < 0 or args.requests_per_client < 1 or args.bucket_width < 0:
         raise UsageError("--top, --repeats and --requests_per_client must be >= 1, --warmup and --bucket_width >= 0")
+    if not 1 <= args.min_repeats <= args.repeats or args.min_timed_s < 0 or args.spread < 0:
+        raise UsageError("--min_repeats must be from 1 to --repeats, --min_timed_s and --spread >= 0")
+    args.speculate = speculations(args.speculate)
     if args.threads is not None and args.threads < 1:
         raise UsageError("--threads must be >= 1")
     for tp in args.tensor_parallel_sizes:
@@ -137,7 +153,27 @@ def check_args(args) -> tuple[object, list[Config]]:
         if importlib.util.find_spec("deepspeed") is None:
             raise UsageError("tensor-parallel sizes above 1 run under the DeepSpeed launcher; install deepspeed "
                              "(pip install -r requirements.txt)")
-    return spec, product(args.scenario, args.tensor_parallel_sizes, args.dtypes, args.max_batch_sizes, lengths)
+    return spec, product(args.scenario, args.tensor_parallel_sizes, args.dtypes, args.max_batch_sizes, lengths,
+                         args.speculate)
+
+
+def speculations(values: list[str]) -> list[str]:
+    """--speculate's values as the library names them ("off", "ngram:4"), or UsageError."""
+    from generation.search.guesses import SpeculationError, parse_speculation
+
+    if not values:
+        raise UsageError("the sweep is empty: --speculate has no values")
+    named = []
+    for value in values:
+        try:
+            speculation = parse_speculation(value)
+        except SpeculationError as error:
+            raise UsageError(f"--speculate: {error}") from None
+        if speculation is not None and speculation.kind != "ngram":
+            raise UsageError(f"--speculate {value}: the profiler speculates by prompt lookup (ngram[:K]); a draft "
+                             "model is another model to profile")
+        named.append("off" if speculation is None else f"{speculation.kind}:{speculation.k}")
+    return list(dict.fromkeys(named))
 
 
 def prepare_out(out: Path) -> None:
@@ -241,6 +277,78 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def confirm_command(spec, row: dict, threads: int | None) -> str | None:
+    """The command that measures ``row``'s configuration with bench/generate_bench.py directly (its
+    own random checkpoint of the recipe on disk, or the checkpoint the spec came from), for a
+    by-hand check that the two agree within noise; None where generate_bench cannot run it (online,
+    tensor-parallel, speculating, or a shape it has no checkpoint of)."""
+    from bench.generate_bench import SHAPES
+
+    if row["scenario"] != "offline" or row["tp"] != 1 or row.get("speculate", "off") != "off":
+        return None
+    folder = spec.tokenizer_dir
+    if spec.name in SHAPES:
+        config = spec.name
+    elif folder and any(Path(folder).glob("*.safetensors")) or folder and any(Path(folder).glob("*.bin")):
+        config = folder
+    else:
+        return None
+    dtype = "fp32" if row["dtype"] == "fp32" else "bf16"
+    variant = "ours" if row["dtype"] in ("fp32", "bf16") else f"ours+{row['dtype']}"
+    command = ["python", "bench/generate_bench.py", "--config", config, "--dtype", dtype, "--batch_size",
+               row["max_batch"], "--prompt_len", row["input_len"], "--new_tokens", row["output_len"], "--max_length",
+               row["input_len"] + row["output_len"], "--variants", variant, "--repeats", 3]
+    return shlex.join(map(str, command + (["--threads", threads] if threads else [])))
+
+
+class Clock:
+    """The sweep's time: estimated before it starts (``estimate.py``), then rescaled as it goes by
+    how the finished configurations compared with their estimates."""
+
+    def __init__(self, shape: dict, todo: list[dict], timing: dict, args):
+        from utils.profiling import estimate
+
+        self.todo = {c["key"]: c for c in todo}
+        self.rates = None
+        self.estimate = {"configs": {}, "startup": 0.0, "total": 0.0}
+        if todo:
+            import torch
+
+            if args.threads:
+                torch.set_num_threads(args.threads)
+            device = args.device or "cpu"
+            self.rates = estimate.machine_rates(device)
+            self.estimate = estimate.sweep_seconds(shape, todo, timing, self.rates, shared=device == "cpu")
+        self.started = time.perf_counter()
+        self.done_estimated = self.done_measured = 0.0
+
+    def describe(self) -> dict:
+        return {"seconds": round(self.estimate["total"]), "rates": self.rates,
+                "configs_s": {k: round(v, 1) for k, v in self.estimate["configs"].items()}}
+
+    def announce(self) -> str:
+        from utils.profiling.estimate import minutes
+
+        if not self.todo:
+            return "nothing to measure"
+        r = self.rates
+        return (f"estimate: about {minutes(self.estimate['total'])} for {len(self.todo)} configurations "
+                f"({minutes(self.estimate['startup'])} of launches and weights; from {r['read_bytes_s'] / 1e9:.1f} GB/s "
+                f"read and {r['ops_s']['bfloat16'] / 1e9:.0f}/{r['ops_s']['float32'] / 1e9:.0f} GFLOP/s bf16/fp32 "
+                f"measured now; rough: rescaled as configurations finish)")
+
+    def progress(self, record: dict) -> str:
+        from utils.profiling.estimate import minutes
+
+        estimated = self.estimate["configs"].pop(record["key"], None)
+        if estimated is not None and record.get("wall_s") is not None:
+            self.done_estimated += estimated
+            self.done_measured += record["wall_s"]
+        scale = self.done_measured / self.done_estimated if self.done_estimated else 1.0
+        left = sum(self.estimate["configs"].values()) * scale
+        return f"{minutes(time.perf_counter() - self.started)} so far, about {minutes(left)} left"
+
+
 def run(args) -> int:
     from utils.profiling.random_model import write_model_folder
     from utils.profiling.report import table, write_outputs
@@ -261,6 +369,11 @@ def run(args) -> int:
     model_dir = work / "model"
     write_model_folder(model_dir, spec.config(), spec.tokenizer_dir)
     in_sweep = {c.key for c in configs}
+    timing = {"repeats": args.repeats, "min_repeats": args.min_repeats, "min_timed_s": args.min_timed_s,
+              "spread": args.spread, "warmup": args.warmup, "requests_per_client": args.requests_per_client}
+    clock = Clock(shape, [c.to_dict() for c in todo], timing, args)
+    meta["estimate"] = clock.describe()
+    log(clock.announce())
 
     def publish() -> list[dict]:
         return write_outputs(out, records, meta, args.max_latency_ms, args.top)
@@ -270,9 +383,8 @@ def run(args) -> int:
             mine = [c.to_dict() for c in todo if c.tp == tp]
             records_path = work / f"records-tp{tp}.jsonl"
             records_path.write_text("")
-            plan = {"device": args.device, "model_dir": str(model_dir), "spec": shape, "configs": mine,
-                    "records": str(records_path), "repeats": args.repeats, "warmup": args.warmup,
-                    "requests_per_client": args.requests_per_client, "bucket_width": args.bucket_width,
+            plan = {**timing, "device": args.device, "model_dir": str(model_dir), "spec": shape, "configs": mine,
+                    "records": str(records_path), "bucket_width": args.bucket_width,
                     "prefix_cache_bytes": args.prefix_cache_bytes, "seed": args.seed,
                     "threads": max(1, args.threads // tp) if args.threads else None}
             plan_path = work / f"plan-tp{tp}.json"
@@ -287,7 +399,7 @@ def run(args) -> int:
                     for line in lines[seen:]:
                         records.append(json.loads(line))
                         log(f"done {records[-1]['key']} ({records[-1]['status']}; "
-                            f"{len(records)}/{len(configs)} recorded)")
+                            f"{len(records)}/{len(configs)} recorded; {clock.progress(records[-1])})")
                         publish()  # the table so far: an interruption keeps it
                     seen = len(lines)
                     if finished:
@@ -308,6 +420,12 @@ def run(args) -> int:
         return 130
     rows = [r for r in publish() if r["key"] in in_sweep]
     print(table(rows, args.top))
+    best = rows[0] if rows and rows[0]["status"] == "ok" else None
+    if best is not None:
+        command = confirm_command(spec, best, args.threads)
+        log(f"confirm the best by hand (generate_bench, docs/profiling.md): {command}" if command else
+            "the best cannot be rerun by bench/generate_bench.py (online, tensor-parallel, speculating or a shape "
+            "it has no checkpoint of): see docs/profiling.md")
     log(f"results: {out / 'results.csv'}, {out / 'results.json'}, {out / 'profile.png'}")
     return 0
 

@@ -21,10 +21,10 @@ import io
 import json
 from pathlib import Path
 
-COLUMNS = ("key", "scenario", "tp", "dtype", "max_batch", "input_len", "output_len", "status", "why",
+COLUMNS = ("key", "scenario", "tp", "dtype", "max_batch", "input_len", "output_len", "speculate", "status", "why",
            "tokens_per_s", "tokens_per_s_per_card", "latency_ms", "ttft_ms", "decode_ms_per_token", "batch_s",
            "requests_per_s", "clients", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "need_gib",
-           "startup_s")
+           "startup_s", "acceptance", "wall_s")
 
 
 def _online_choice(levels: list[dict], bound: float | None) -> tuple[dict, str | None]:
@@ -44,7 +44,8 @@ def _online_choice(levels: list[dict], bound: float | None) -> tuple[dict, str |
 def judge(record: dict, bound: float | None) -> dict:
     """A record as a row of COLUMNS (plus what the plot needs), under ``bound``."""
     row = {k: record.get(k) for k in ("key", "scenario", "tp", "dtype", "max_batch", "input_len", "output_len")}
-    row.update(status=record["status"], why=record.get("reason"), startup_s=record.get("startup_s"))
+    row.update(speculate=record.get("speculate", "off"), status=record["status"], why=record.get("reason"),
+               startup_s=record.get("startup_s"), wall_s=record.get("wall_s"))
     if record.get("need_bytes") is not None:
         row["need_gib"] = round(record["need_bytes"] / 2**30, 3)
     if record["status"] != "measured":
@@ -52,7 +53,7 @@ def judge(record: dict, bound: float | None) -> dict:
     if record["scenario"] == "offline":
         figures = record["offline"]
         row.update(tokens_per_s=figures["tokens_per_s"], ttft_ms=figures["ttft_ms"], batch_s=figures["batch_s"],
-                   decode_ms_per_token=figures["decode_ms_per_token"])
+                   decode_ms_per_token=figures["decode_ms_per_token"], acceptance=figures.get("acceptance"))
         row["latency_ms"] = figures["decode_ms_per_token"]
         why = None
         if bound is not None and (row["latency_ms"] or 0) > bound:

@@ -24,13 +24,25 @@ class Config:
     max_batch: int
     input_len: int
     output_len: int
+    speculate: str = "off"  # offline: "ngram:K" verifies up to K guesses a pass (prompt lookup)
 
     @property
     def key(self) -> str:
-        return f"{self.scenario} tp{self.tp} {self.dtype} batch{self.max_batch} in{self.input_len} out{self.output_len}"
+        key = f"{self.scenario} tp{self.tp} {self.dtype} batch{self.max_batch} in{self.input_len} out{self.output_len}"
+        return key if self.speculate == "off" else f"{key} {self.speculate}"  # keys of earlier runs unchanged
 
     def to_dict(self) -> dict:
         return {"key": self.key, **asdict(self)}
+
+
+def client_levels(max_batch: int) -> list[int]:
+    """The online concurrency sweep of a server of ``max_batch`` rows: 1, 2, 4, ... up to max_batch
+    (more clients than rows would only queue)."""
+    levels, level = [], 1
+    while level < max_batch:
+        levels.append(level)
+        level *= 2
+    return levels + [max_batch]
 
 
 def parse_lengths(text: str) -> tuple[int, int]:
@@ -46,9 +58,12 @@ def parse_lengths(text: str) -> tuple[int, int]:
 
 
 def product(scenario: str, tps: list[int], dtypes: list[str], batches: list[int],
-            lengths: list[tuple[int, int]]) -> list[Config]:
+            lengths: list[tuple[int, int]], speculate: list[str] = ("off",)) -> list[Config]:
     """Every configuration, grouped by tensor-parallel size then dtype (the order they run in: one
-    launch per size, one set of weights per dtype), duplicates dropped."""
-    configs = [Config(s, tp, d, b, i, o)
-               for tp, d, s, b, (i, o) in itertools.product(tps, dtypes, SCENARIOS[scenario], batches, lengths)]
+    launch per size, one set of weights per dtype), duplicates dropped. ``speculate`` is an axis of
+    the offline configurations; online ones run without (serve_bench's engine takes no speculation)."""
+    configs = [Config(s, tp, d, b, i, o, g)
+               for tp, d, s, b, (i, o), g in itertools.product(tps, dtypes, SCENARIOS[scenario], batches, lengths,
+                                                               speculate)
+               if s == "offline" or g == "off"]
     return list(dict.fromkeys(configs))

@@ -19,6 +19,8 @@ import traceback
 from pathlib import Path
 from types import SimpleNamespace
 
+STARTED = time.time()  # before torch and the library are imported: a start-up figure counts them
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -26,7 +28,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from utils.profiling.memory import Need, free_per_rank, memory_need  # noqa: E402
-from utils.profiling.sweep import ACTIVATION_DTYPES, QUANTIZED  # noqa: E402
+from utils.profiling.sweep import ACTIVATION_DTYPES, QUANTIZED, client_levels  # noqa: E402
 
 
 SHOWS_OUTPUT = True  # rank 0 alone prints (Rank sets it)
@@ -53,37 +55,53 @@ class Rank:
 # --------------------------------------------------------------------------- offline
 
 
-def run_offline(generator, config: dict, plan: dict) -> dict:
+def agreement(parallel):
+    """``Rounds.agree`` for this run: under tensor parallelism a round count every rank takes (they
+    stop when all would), so the ranks run the same requests and meet in the same collectives."""
+    if parallel.world_size <= 1:
+        return lambda stop: stop
+
+    def agree(stop: bool) -> bool:
+        flag = torch.tensor([int(stop)], device=getattr(parallel, "device", "cpu"))
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=getattr(parallel, "group", None))
+        return bool(flag.item())
+
+    return agree
+
+
+def run_offline(generator, config: dict, plan: dict, parallel) -> dict:
     """Static batches of ``max_batch`` prompts of ``input_len`` tokens, ``output_len`` new tokens
-    each (EOS ignored), timed by generate_bench's loop: its TTFT, decode ms/token and tokens/s, and
-    the time of a whole batch."""
-    from bench.generate_bench import Variant, make_prompts, time_variants, timing_row
+    each (EOS ignored, speculating as ``config["speculate"]`` says), timed by generate_bench's loop:
+    its TTFT, decode ms/token and tokens/s, and the time of a whole batch.
+
+    What keeps a sweep short: the warm-up is a prompt and one decode step (with static shapes every
+    step has the shape of one of these), and the timed rounds stop early (``Rounds``): once the full
+    requests timed add up to ``min_timed_s`` (a long request averages over its many steps already)
+    or two rounds agree within ``spread``; at most ``repeats``."""
+    from bench.generate_bench import Rounds, Variant, make_prompts, time_variants, timing_row
     from generation.request.options import build_options
 
     batch, prompt_len, new = config["max_batch"], config["input_len"], config["output_len"]
     prompts = make_prompts(generator.tokenizer, batch, prompt_len)
     opts = build_options(max_length=prompt_len + new, ignore_eos=True)
-    variant = Variant("ours", lambda n: generator.generate(prompts, opts.updated(max_new_tokens=n)))
-    ttft, full = time_variants([variant], warmup=plan["warmup"], repeats=plan["repeats"], new_tokens=new,
-                               device=generator.device)
+    speculate = config.get("speculate", "off")
+    variant = Variant("ours", lambda n: generator.generate(prompts, opts.updated(max_new_tokens=n), speculate=speculate))
+    rounds = Rounds(plan["repeats"], min_repeats=plan["min_repeats"], min_timed_s=plan["min_timed_s"],
+                    spread=plan["spread"], agree=agreement(parallel))
+    ttft, full = time_variants([variant], warmup=plan["warmup"], repeats=rounds, new_tokens=new,
+                               device=generator.device, warmup_tokens=min(2, new))
+    stats = generator._speculated  # the last full request's speculation, None without
     row = timing_row("ours", ttft["ours"], full["ours"], batch, new)
     generator.runner.release_caches()  # the next configuration's shape gets the memory
-    return {"ttft_ms": row.ttft_ms, "decode_ms_per_token": row.decode_ms_per_token,
-            "tokens_per_s": row.tokens_per_s, "batch_s": sorted(full["ours"])[len(full["ours"]) // 2],
-            "runs_ms": row.runs_ms}
+    figures = {"ttft_ms": row.ttft_ms, "decode_ms_per_token": row.decode_ms_per_token,
+               "tokens_per_s": row.tokens_per_s, "batch_s": sorted(full["ours"])[len(full["ours"]) // 2],
+               "runs_ms": row.runs_ms, "ttft_runs_ms": [round(t * 1e3, 2) for t in ttft["ours"]]}
+    if stats is not None:
+        figures.update(acceptance=stats.acceptance, tokens_per_verify=stats.tokens_per_verify)
+    return figures
 
 
 # --------------------------------------------------------------------------- online
-
-
-def client_levels(max_batch: int) -> list[int]:
-    """The concurrency sweep of a server of ``max_batch`` rows: 1, 2, 4, ... up to max_batch
-    (more clients than rows would only queue)."""
-    levels, level = [], 1
-    while level < max_batch:
-        levels.append(level)
-        level *= 2
-    return levels + [max_batch]
 
 
 def serve_settings(config: dict, plan: dict) -> SimpleNamespace:
@@ -179,7 +197,8 @@ def run_plan(plan: dict) -> int:
         generator = build_generator(folder, dtype=act_dtype, quantize=quantize, device=plan["device"],
                                     parallel=rank.parallel, seed=plan["seed"], prefix_cache=plan["prefix_cache_bytes"])
         startup_s = time.perf_counter() - start
-        log(f"weights ready in {startup_s:.1f} s")
+        ready_s = round(time.time() - STARTED, 2)  # the first dtype's: the process's start-up
+        log(f"weights ready in {startup_s:.1f} s ({ready_s:.1f} s after the process started)")
         for config in configs:
             need: Need = memory_need(spec, dtype_name, config, rank.parallel.world_size, plan["prefix_cache_bytes"])
             free = free_per_rank(plan["device"], rank.parallel)
@@ -192,8 +211,9 @@ def run_plan(plan: dict) -> int:
                 continue
             log(f"measuring {config['key']}")
             try:
+                started = time.perf_counter()
                 if config["scenario"] == "offline":
-                    figures = {"offline": run_offline(generator, config, plan)}
+                    figures = {"offline": run_offline(generator, config, plan, rank.parallel)}
                 else:
                     figures = run_online(generator, config, plan, rank)
             except Exception as error:  # one configuration's failure is its row, not the sweep's end
@@ -203,7 +223,8 @@ def run_plan(plan: dict) -> int:
                 generator.runner.release_caches()
                 record(config, status="failed", reason=f"{type(error).__name__}: {error}")
                 continue
-            record(config, status="measured", startup_s=startup_s, need_bytes=need.total,
+            record(config, status="measured", startup_s=startup_s, wall_s=round(time.perf_counter() - started, 2),
+                   ready_s=ready_s, need_bytes=need.total,
                    fast_path=generator.backend.fast_path, threads=torch.get_num_threads(), **(figures or {}))
         del generator
         gc.collect()
