@@ -187,6 +187,7 @@ def test_two_replicas_answer_what_one_process_answers(checkpoint, tmp_path):
         assert at(seen, "bloom_requests_total", endpoint="/v1/completions", replica=r, status="200") > 0, seen
     assert at(seen, "bloom_generated_tokens_total", replica="total") == sum(
         at(seen, "bloom_generated_tokens_total", replica=r) for r in ("0", "1")) > 0
+    assert at(seen, "bloom_prefix_cache_hits", replica="total") > 0, seen  # some chats answered after a hit
 
 
 @pytest.mark.slow
