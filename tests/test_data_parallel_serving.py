@@ -220,6 +220,36 @@ def test_two_replicas_of_two_ranks_answer_what_one_process_answers(checkpoint, t
 
 
 @pytest.mark.slow
+def test_idle_replicas_of_two_ranks_outlive_their_collective_timeout(checkpoint, tmp_path, monkeypatch):
+    """Each replica's leader sends heartbeats to its own ranks while idle: 25 idle seconds under a
+    12 s collective timeout (the replicas' groups take it too), then both replicas still answer."""
+    request = dict(prompt="the cat sat on", max_tokens=6, temperature=0)
+    port = free_port()
+    one = launch(command(checkpoint, port), port, tmp_path / "one.log")
+    try:
+        want = client(port).completions.create(model=checkpoint.name, **request).choices[0].text
+    finally:
+        stop(one)
+    monkeypatch.setitem(ENV, "BLOOM_COLLECTIVE_TIMEOUT", "12")
+    port = free_port()
+    four = launch(command(checkpoint, port, "--data_parallel", "2", ranks=4, deepspeed=True), port,
+                  tmp_path / "four.log")
+    try:
+        time.sleep(25)
+        assert four.poll() is None, (tmp_path / "four.log").read_text()[-3000:]
+        c = client(port)
+        with ThreadPoolExecutor(2) as pool:  # two at once: the front door gives the second to the other replica
+            got = list(pool.map(lambda _: c.completions.create(model=checkpoint.name, **request).choices[0].text,
+                                range(2)))
+        seen = metrics(port)
+    finally:
+        stop(four)
+    assert got == [want, want]
+    assert [at(seen, "bloom_requests_total", endpoint="/v1/completions", replica=r, status="200") for r in "01"] \
+        == [1, 1], seen
+
+
+@pytest.mark.slow
 def test_requests_sharing_a_system_prompt_land_on_one_replica(checkpoint, tmp_path):
     """One system prompt, many users, 4 at a time: every chat after the first is routed by its
     prefix to the replica that served the first, and hits that replica's prefix cache."""
