@@ -295,15 +295,17 @@ def time_variants(variants: list[Variant], *, warmup: int, repeats: int | Rounds
     every variant runs before repeat r+1 of any, so a drift in the machine's load (this shared CPU
     moved by 30% within minutes) hits every variant alike and the ratios hold; the order rotates
     from round to round. ``each_round`` runs at the start of every round. ``repeats``: the rounds,
-    or a ``Rounds`` to stop adaptively. ``warmup_tokens``: new tokens of each warm-up request
-    (default ``new_tokens``; with static shapes 2 runs every step's shape: the prompt and a decode
-    step). Returns ({name: TTFT seconds of each round}, {name: full-request seconds of each
-    round}); also what utils/profile_configs.py times each configuration with."""
+    or a ``Rounds`` to stop adaptively. ``warmup_tokens``: each warm-up is a one-token request and
+    a ``new_tokens`` one, or, given, one request of this many (with static shapes 2 runs every
+    step's shape: the prompt and a decode step). Returns ({name: TTFT seconds of each round},
+    {name: full-request seconds of each round}); also what utils/profile_configs.py times each
+    configuration with."""
     rounds = repeats if isinstance(repeats, Rounds) else Rounds(repeats)
     for variant in variants:
         log(f"warming up {variant.name} ...")
         for _ in range(warmup):
-            variant.generate(1)
+            if warmup_tokens is None:
+                variant.generate(1)
             variant.generate(warmup_tokens or new_tokens)
     ttft = {v.name: [] for v in variants}
     full = {v.name: [] for v in variants}

@@ -242,7 +242,7 @@ def test_time_variants_warms_up_with_a_decode_step_and_times_adaptive_rounds():
     variant = Variant("ours", lambda n: asked.append(n))
     ttft, full = time_variants([variant], warmup=1, repeats=Rounds(3, min_repeats=2, min_timed_s=1e9, spread=1e9),
                                new_tokens=50, device=torch.device("cpu"), warmup_tokens=2)
-    assert asked == [1, 2, 1, 50, 1, 50]  # warm-up: the prompt and one decode step; then 2 rounds (agreeing)
+    assert asked == [2, 1, 50, 1, 50]  # warm-up: the prompt and one decode step; then 2 rounds (agreeing)
     assert len(ttft["ours"]) == len(full["ours"]) == 2
     asked.clear()
     time_variants([variant], warmup=1, repeats=2, new_tokens=50, device=torch.device("cpu"))
@@ -406,6 +406,33 @@ def test_weights_cut_from_a_tiny_pool_are_still_the_recipes_kind(make_ckpt, monk
     # Peaky as random_checkpoint's (about 0.9 on the top token), and the top depends on the prompt.
     assert ours.median().item() > 0.6
     assert ours.median().item() == pytest.approx(theirs.median().item(), abs=0.15)
+
+
+@pytest.mark.slow
+def test_the_choice_confirmed_by_generate_bench(tmp_path):
+    """The by-hand check of docs/profiling.md: the command the profiler prints for its best
+    configuration, run, gives the same figures within this machine's noise (the embedded checkpoint's
+    shape; generate_bench on its real weights, the profiler on random ones of the recipe)."""
+    import shlex
+
+    tiny = ROOT / "checkpoints" / "bloom-tiny"
+    done = run_cli("--model", tiny, "--dtypes", "fp32", "--max_batch_sizes", "4", "--input_output_lengths", "32,64",
+                   "--repeats", "5", "--min_repeats", "5", "--threads", "2", "--out", tmp_path / "profile")
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(line for line in done.stderr.splitlines() if line.startswith("confirm the best by hand"))
+    command = shlex.split(line.split(": ", 1)[1])
+    assert command[:2] == ["python", "bench/generate_bench.py"] and str(tiny) in command
+    figures = tmp_path / "bench.json"
+    bench = subprocess.run([sys.executable, *command[1:], "--repeats", "5", "--json", figures], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    theirs = next(r for r in json.loads(figures.read_text())["rows"] if r["variant"] == "ours")
+    ours = read_csv(tmp_path / "profile")[0]
+    # The same shape and the same timing: the same figures within a loaded machine's noise (a
+    # planted mistake of a whole factor, a batch or a length, is well outside it).
+    for mine, bench_key in (("tokens_per_s", "tokens_per_s"), ("decode_ms_per_token", "decode_ms_per_token")):
+        ratio = float(ours[mine]) / theirs[bench_key]
+        assert 0.6 < ratio < 1.67, (mine, ours[mine], theirs[bench_key])
 
 
 # --------------------------------------------------------------------------- two ranks

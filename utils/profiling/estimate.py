@@ -81,7 +81,7 @@ def config_seconds(spec: dict, config: dict, plan: dict, rates: dict, shared: bo
     if config["scenario"] == "offline":
         prompt_s, step_s = request_seconds(spec, dtype, tp, rows, prompt, new, rates, shared)
         full_s = prompt_s + (new - 1) * step_s
-        return plan["warmup"] * (2 * prompt_s + step_s) + rounds_of(full_s, plan) * (prompt_s + full_s)
+        return plan["warmup"] * (prompt_s + step_s) + rounds_of(full_s, plan) * (prompt_s + full_s)
     total = 0.0
     for clients in client_levels(rows):
         prompt_s, step_s = request_seconds(spec, dtype, tp, clients, prompt, new, rates, shared)
