@@ -443,8 +443,8 @@ def test_two_ranks_under_the_deepspeed_launcher(tiny_spec, tmp_path):
     pytest.importorskip("deepspeed")
     out = tmp_path / "tp2"
     done = run_cli("--model", tiny_spec, "--tensor_parallel_sizes", "2", "--dtypes", "bf16", "--max_batch_sizes", "2",
-                   "--input_output_lengths", "8,4", "--scenario", "both", "--repeats", "1", "--threads", "2",
-                   "--out", out)
+                   "--input_output_lengths", "8,4", "--scenario", "both", "--repeats", "3", "--min_timed_s", "0.3",
+                   "--threads", "2", "--out", out)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "deepspeed" in done.stderr.lower() or "[rank 1]" in done.stderr
     rows = {r["key"]: r for r in read_csv(out)}
@@ -452,7 +452,11 @@ def test_two_ranks_under_the_deepspeed_launcher(tiny_spec, tmp_path):
     for row in rows.values():
         assert row["status"] == "ok" and float(row["tokens_per_s"]) > 0
         assert float(row["tokens_per_s_per_card"]) == pytest.approx(float(row["tokens_per_s"]) / 2)
-    online = next(r for r in json.loads((out / "results.json").read_text())["records"] if r["scenario"] == "online")
+    records = json.loads((out / "results.json").read_text())["records"]
+    # Adaptive rounds: the ranks agreed on a count (a disagreement would hang the launch), 1 to 3.
+    offline = next(r for r in records if r["scenario"] == "offline")
+    assert 1 <= len(offline["offline"]["runs_ms"]) == len(offline["offline"]["ttft_runs_ms"]) <= 3
+    online = next(r for r in records if r["scenario"] == "online")
     assert all(level["tokens"] == 4 * level["requests"] for level in online["levels"])
 
 
