@@ -255,12 +255,16 @@ def check_flags(args) -> None:
         raise UsageError("--errors goes with --requests")
     if args.speculate:
 
-        parse_speculation(args.speculate)  # a bad value is named before anything is loaded
-        where = ("--serve" if args.serve else "--chat" if args.chat else "--requests" if args.requests
+        speculation = parse_speculation(args.speculate)  # a bad value is named before anything is loaded
+        if args.serve and speculation is not None and speculation.kind != "ngram":
+            raise UsageError(f"--serve speculates by prompt lookup only for now: use --speculate ngram[:K], "
+                             f"not {args.speculate}")
+        where = ("--chat" if args.chat else "--requests" if args.requests
                  else "--eval" if args.eval else "--stream" if args.stream else "--mode vanilla"
                  if args.mode == "vanilla" else None)
         if where:
-            raise UsageError(f"--speculate runs with prompts (--input_file or the command line) for now, not with {where}")
+            raise UsageError(f"--speculate runs with prompts (--input_file or the command line) and --serve for now, "
+                             f"not with {where}")
     if args.quantize and args.mode == "vanilla":
         raise UsageError("--quantize runs in --mode optimized only (vanilla is transformers' own model)")
     if args.int8_activations == "on" and args.mode == "vanilla":
@@ -332,7 +336,7 @@ def make_generator(args, opts):
         peft_weights=args.peft_weights, lora=lora_adapters(args) or None, limit_hpu_graphs=args.limit_hpu_graphs,
         quantize=args.quantize, group_size=args.group_size, int8_activations=args.int8_activations,
         prefix_cache=PREFIX_CACHE_DEFAULT if args.prefix_cache is None else args.prefix_cache,
-        speculate=args.speculate,
+        speculate=None if args.serve else args.speculate,  # the server's engine speculates itself (EngineConfig)
     )
     if generator.adapter is not None:
         log(f"{generator.adapter.describe()}, merged")
@@ -496,9 +500,9 @@ def run_server(args, opts) -> int:
         log(f"CPU fast path: {generator.backend.fast_path}")
     config = EngineConfig(max_batch=args.max_batch, max_length=opts.max_length, bucket_width=args.bucket_width,
                           max_queue=args.max_queue, max_prefill=args.max_prefill, prefill_chunk=args.prefill_chunk,
-                          burst_wait_ms=args.burst_wait_ms)
+                          burst_wait_ms=args.burst_wait_ms, speculation=parse_speculation(args.speculate))
     rows = DeviceRows(generator, config.max_batch, config.max_length, config.bucket_width, config.max_prefill,
-                      config.prefill_chunk)
+                      config.prefill_chunk, config.speculation.shape_k if config.speculation else 0)
     if PARALLEL.world_size > 1:
         # Rank 0 answers HTTP and sends each step to the other ranks, which make it too (tp_serving.py);
         # with replicas, each replica's rank 0 to its own ranks, over the replica's group.

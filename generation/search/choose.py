@@ -138,6 +138,19 @@ def choose_rows(logits: torch.Tensor, opts, b: int, used: torch.Tensor, steps: t
     the row holds (prompt + generated, = the slot of the token chosen now); steps [b]: tokens the
     row has generated (its sampling step); ``masks`` [b, ceil(V / 32)] int32: the rows' allowed
     tokens (structured output; every bit set for a row without a grammar), or None. Returns [b] long."""
+    scores, sampled, sampled_rows = row_scores(logits, opts, b, used, flags, masks)
+    greedy = argmax_rows(scores)
+    if sampled is None:
+        return greedy
+    return torch.where(sampled_rows, draw(sampled, opts.keys[:b], steps, kernel), greedy)
+
+
+def row_scores(logits: torch.Tensor, opts, b: int, used: torch.Tensor, flags: RowFlags,
+               masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``choose_rows``'s processors without its choice: (the greedy rows' scores [b, V], after the
+    penalties and the masks; the sampled rows' [b, V], after temperature, top-k and top-p, or None
+    when no row samples; which rows sample [b] bool, or None). The server's speculation chooses
+    from them by its own rule (``serving/speculating.py``)."""
     scores = logits
     if flags.repetition:
         scores = repetition_penalty(scores, opts.sequence[:b], used, opts.repetition[:b, None])
@@ -146,14 +159,13 @@ def choose_rows(logits: torch.Tensor, opts, b: int, used: torch.Tensor, steps: t
         scores = scores - opts.frequency[:b, None] * counts - opts.presence[:b, None] * (counts > 0)
     if masks is not None:  # after the penalties (which may lift a token), before any choice
         scores = allow(scores, masks)
-    greedy = argmax_rows(scores)
     if not flags.sample:
-        return greedy
+        return scores, None, None
     sampled_rows = opts.temperature[:b] > 0
-    # Greedy rows divide by 1 (exact) and their draw is thrown away below.
-    scores = temperature(scores, torch.where(sampled_rows, opts.temperature[:b], 1.0)[:, None])
+    # Greedy rows divide by 1 (exact) and their draw is thrown away.
+    sampled = temperature(scores, torch.where(sampled_rows, opts.temperature[:b], 1.0)[:, None])
     if flags.top_k:
-        scores = top_k(scores, opts.top_k[:b], 1, flags.top_k_most)
+        sampled = top_k(sampled, opts.top_k[:b], 1, flags.top_k_most)
     if flags.top_p:
-        scores = top_p(scores, opts.top_p[:b, None], 1, tail=opts.top_p_tail[:b, None])
-    return torch.where(sampled_rows, draw(scores, opts.keys[:b], steps, kernel), greedy)
+        sampled = top_p(sampled, opts.top_p[:b, None], 1, tail=opts.top_p_tail[:b, None])
+    return scores, sampled, sampled_rows

@@ -19,6 +19,10 @@ own shard, with the collectives inside the steps pairing up.
   ``caches[b]`` (``StaticBloom.mixed``): up to ``prefill_chunk`` tokens per step in *segments* of a
   fixed length (``chunk_shape``), each segment a piece of one prompt, so several short prompts (or
   several pieces of a long one) join in one step and the running rows never wait for a prefill.
+* ``verify`` (``--speculate``): the decode of rows that offer guesses, [b, K + 1] tokens each (the
+  last token and K guesses, ``runtime/steps.VerifyStep``) in ``caches[b]``: logits at every
+  position. One shape per (batch bucket, window), K fixed by the server's ``verify_k``. A rejected
+  guess's keys and values stay in a slot the row writes again before anything attends it.
 * **The prefix cache** (the runner's pool, when it has one: ``StepRunner.prefix``): a
   prefill copies what the pool holds of its prompts (``runtime/prefixed.py``); a joining prompt's
   held blocks are copied into its row before its first segment (``copy_prefix``), and a row's
@@ -76,7 +80,7 @@ def length_buckets(max_length: int, width: int) -> list[int]:
 
 class DeviceRows:
     def __init__(self, generator, max_batch: int, max_length: int, bucket_width: int, max_prefill: int,
-                 prefill_chunk: int = 32):
+                 prefill_chunk: int = 32, verify_k: int = 0):
         self.generator = generator
         self.runner = generator.runner
         self.device = generator.device
@@ -87,6 +91,7 @@ class DeviceRows:
         self.prefill_sizes = batch_buckets(min(max_prefill, max_batch))
         self.lengths = length_buckets(max_length, bucket_width)
         self.segment_length, self.segment_counts = chunk_shape(min(prefill_chunk, max_length))
+        self.verify_k = verify_k  # guesses a verify pass carries per row (0: the server does not speculate)
         model = self.runner.model
         if self.lora is not None and max_batch + self.chunk_tokens > self.lora.rows.capacity:
             raise ValueError(f"--max_batch plus --prefill_chunk exceeds the {self.lora.rows.capacity} rows "
@@ -117,6 +122,8 @@ class DeviceRows:
             # its own): one per (batch bucket, window) and (prefill bucket, length bucket).
             outputs = sum(self.batch_sizes) * len(self.lengths)
             outputs += sum(b + s for b in self.batch_sizes for s in self.segment_counts) * len(self.lengths)  # mixed
+            if self.verify_k:
+                outputs += sum(self.batch_sizes) * (self.verify_k + 1) * len(self.lengths)  # verify: [b, K + 1, V]
             if backend.per_layer_cache:
                 outputs += sum(self.prefill_sizes) * len(self.lengths)
             graphs = outputs * model.config.vocab_size * 4
@@ -136,7 +143,8 @@ class DeviceRows:
     @torch.no_grad()
     def warm_up(self) -> dict:
         """Run every step shape the engine uses: a prefill per (prefill bucket, length bucket), a
-        decode per (batch bucket, window), a mixed step per (batch bucket, window, segment count).
+        decode per (batch bucket, window), a mixed step per (batch bucket, window, segment count)
+        and, when speculating, a verify pass per (batch bucket, window).
         Returns what it ran and how long it took."""
         start = time.perf_counter()
         # The prefills as such: the pool would find the filler prompts' blocks and run extends
@@ -152,6 +160,8 @@ class DeviceRows:
                 self.decode(b, [self.pad] * b, [0] * b, window)
                 for count in reversed(self.segment_counts):  # pad tokens into row 0: overwritten before use
                     self.mixed(b, [self.pad] * b, [0] * b, window, [(0, 0, [self.pad] * self.segment_length, 0)] * count)
+                if self.verify_k:
+                    self.verify(b, [[self.pad] * (self.verify_k + 1)] * b, [0] * b, window)
         if self.pool is not None:
             self._warm_up_extends()
         if self.runner.backend.compiles_eager_ops:
@@ -160,6 +170,7 @@ class DeviceRows:
         return {"prefill": len(self.prefill_sizes) * len(self.lengths),
                 "decode": len(self.batch_sizes) * len(self.lengths),
                 "mixed": len(self.batch_sizes) * len(self.lengths) * len(self.segment_counts),
+                "verify": len(self.batch_sizes) * len(self.lengths) if self.verify_k else 0,
                 "seconds": time.perf_counter() - start}
 
     def prefill_size(self, prompts: int) -> int:
@@ -231,6 +242,14 @@ class DeviceRows:
         attending over the first ``window`` slots. Returns logits [b, V]."""
         tokens, positions = self.upload(tokens, positions)
         return self.runner.decode(tokens[:, None], positions, self.caches[bucket], window)
+
+    @torch.no_grad()
+    def verify(self, bucket: int, ids: list[list[int]], starts: list[int], window: int) -> torch.Tensor:
+        """A verify pass in ``caches[bucket]``: row i feeds ``ids[i]`` (``verify_k + 1`` tokens: its
+        last one and its guesses, padded) to slots ``starts[i]``.., each attending the row's slots up
+        to its own, below ``window``. Returns logits [b, verify_k + 1, V]."""
+        ids, starts = self.upload(ids, starts)
+        return self.runner.verify(ids, starts, self.caches[bucket], window)
 
     @torch.no_grad()
     def mixed(self, bucket: int, tokens: list[int], positions: list[int], window: int,

@@ -45,6 +45,7 @@ from bloom_hpu.runtime.transfer import host_to_device
 
 from ..run.logprobs import TokenText
 from ..search.choose import RowFlags, choose_rows
+from ..search.guesses import Speculation
 from ..request.grammar import GrammarError, RowGrammar, for_tokenizer, mask_words
 from .admission import Admission
 from .device_rows import DeviceRows
@@ -54,6 +55,7 @@ from .output import Output, to_host
 from .params import Event, SamplingParams
 from .row_options import RowOptions
 from .slots import Slots
+from .speculating import adapt, choose_verified, propose
 
 
 @dataclass
@@ -65,6 +67,7 @@ class EngineConfig:
     max_prefill: int = 4  # prompts prefilled together in one step (when no row is running)
     prefill_chunk: int = 64  # prompt tokens fed per decode step while rows run (in segments)
     burst_wait_ms: float = 8.0  # idle engine: gather arrivals until none came for this long (0: off)
+    speculation: Speculation | None = None  # rows verify their own guesses (speculating.py), or None
 
 
 class EngineMetrics:
@@ -75,6 +78,9 @@ class EngineMetrics:
     def inter_token(self, seconds: float) -> None: ...
 
     def tokens(self, count: int) -> None: ...
+
+    def speculated(self, offered: int, accepted: int) -> None:
+        """One verify pass: guesses it offered, of them accepted."""
 
 
 class Engine:
@@ -87,10 +93,25 @@ class Engine:
         self.device = generator.device
         self.pad = self.tokenizer.pad_token_id
         self.lora = getattr(generator, "lora", None)  # ServedAdapters, or None
+        if config.speculation is not None and config.speculation.kind != "ngram":
+            raise ValueError(f"the server speculates by prompt lookup only (ngram[:K]), not {config.speculation}")
+        self.speculation = config.speculation
+        verify_k = config.speculation.shape_k if config.speculation else 0
         self.device_rows = device_rows or DeviceRows(generator, config.max_batch, config.max_length,
-                                                     config.bucket_width, config.max_prefill, config.prefill_chunk)
+                                                     config.bucket_width, config.max_prefill, config.prefill_chunk,
+                                                     verify_k)
         vocab = generator.runner.model.config.vocab_size
-        self.logits = torch.zeros(config.max_batch, vocab, dtype=torch.float32, device=self.device)  # [R, V]
+        if self.speculation is None:
+            self.logits = torch.zeros(config.max_batch, vocab, dtype=torch.float32, device=self.device)  # [R, V]
+        else:
+            # A verify pass's logits at every position [R, K + 1, V]; a decode's (and a prefill's
+            # first token's) go to position 0, which ``logits`` views.
+            self.verified_logits = torch.zeros(config.max_batch, verify_k + 1, vocab, dtype=torch.float32,
+                                               device=self.device)
+            self.logits = self.verified_logits[:, 0]
+        # The last verify pass, until its tokens are chosen: (the row in each slot, [R, K] guesses on
+        # the device, each slot's guess count); None after a plain decode.
+        self._verified: tuple[list, torch.Tensor, list[int]] | None = None
         self.opts = RowOptions(config.max_batch, vocab, config.max_length, self.device, self.pad)
         self.vocab = vocab
         # Structured output: every row's allowed tokens of a step, filled on the host ([R, V/32] int32).
@@ -102,7 +123,8 @@ class Engine:
         # lower slots, batch-bucket changes, prefill steps and the prompts they held, mixed steps
         # (decodes with a prompt chunk) and the prompts that joined that way.
         self.stats = {"peak_rows": 0, "row_moves": 0, "bucket_changes": 0, "prefills": 0, "prompts_prefilled": 0,
-                      "mixed_steps": 0, "prompts_chunked": 0, "joined_after_a_hit": 0}
+                      "mixed_steps": 0, "prompts_chunked": 0, "joined_after_a_hit": 0,
+                      "verify_passes": 0, "guesses_offered": 0, "guesses_accepted": 0}
         # Called once a step, after its events are handed out (the app: wait, briefly, until its
         # event loop has sent them). On the CPU before the decode, so that the loop and the decode's
         # threads do not compete for the cores; on a card after the decode is launched, so that the
@@ -260,15 +282,50 @@ class Engine:
             flags.every_processor()
         logits = self.logits[:b]
         masks = self._masks(rows) if flags.grammar else None
-        tokens = choose_rows(logits, self.opts, b, used, steps, flags, self.generator.noise_kernel, masks)  # [b]
-        self.opts.record(b, used, tokens, flags.repetition, flags.openai_penalties)
         top = max((p.logprobs for p in params if p.logprobs is not None), default=None)
-        host = to_host(logits, tokens, top)
-        self.generator.backend.mark_step()
-        self.output.hand_out(live, host, top)
         self.stats["peak_rows"] = max(self.stats["peak_rows"], len(live))
-        self.tokens_total += len(live)
-        self.metrics.tokens(len(live))
+        if self._verified is not None:
+            handed = self._choose_verified(live, rows, used, steps, flags, masks, top)
+        else:
+            tokens = choose_rows(logits, self.opts, b, used, steps, flags, self.generator.noise_kernel, masks)  # [b]
+            self.opts.record(b, used, tokens, flags.repetition, flags.openai_penalties)
+            host = to_host(logits, tokens, top)
+            self.generator.backend.mark_step()
+            self.output.hand_out(live, host, top)
+            handed = len(live)
+        self.tokens_total += handed
+        self.metrics.tokens(handed)
+
+    def _choose_verified(self, live: list[int], rows: list, used, steps, flags: RowFlags, masks, top) -> int:
+        """``_choose`` after a verify pass: every row's tokens at its verified positions, handed out
+        one position at a time (a row ends where the plain step would end it, and hands nothing after).
+        Returns how many tokens were handed out."""
+        b = len(rows)
+        verified_rows, guesses, offered = self._verified
+        self._verified = None
+        # A slot whose row changed since the pass (cancelled, then taken by a new request) offered nothing.
+        counts = [offered[i] if i < len(verified_rows) and rows[i] is verified_rows[i] else 0 for i in range(b)]
+        tokens, accepted = choose_verified(self.verified_logits[:b], self.opts, b, used, steps, guesses[:b],
+                                           host_to_device(torch.tensor(counts), self.device), flags,
+                                           self.generator.noise_kernel, masks)  # [b, S], [b]
+        self.opts.record_verified(b, used, tokens, accepted + 1, flags.repetition, flags.openai_penalties)
+        first = to_host(self.logits[:b], tokens[:, 0], top)
+        later = torch.cat([tokens, accepted[:, None]], dim=1).tolist()  # (with log-probs: a second read)
+        self.generator.backend.mark_step()
+        taken = [later[i][-1] for i in range(b)]
+        self.stats["guesses_offered"] += sum(counts)
+        self.stats["guesses_accepted"] += sum(min(a, c) for a, c in zip(taken, counts))
+        self.metrics.speculated(sum(counts), sum(min(a, c) for a, c in zip(taken, counts)))
+        adapt(rows, counts, taken)
+        handed = 0
+        for j in range(len(later[0]) - 1):
+            # Rows still running that keep position j: their accepted guesses and the token after.
+            at = [i for i in live if self.slots.rows[i] is rows[i] and j <= taken[i]]
+            if not at:
+                break
+            self.output.hand_out(at, first if j == 0 else [[t[j]] for t in later], top if j == 0 else None)
+            handed += len(at)
+        return handed
 
     def _masks(self, rows: list[Row | None]) -> torch.Tensor:
         """[b, V/32] int32 on the device: each running row's allowed tokens (all, without a grammar)."""
@@ -304,6 +361,8 @@ class Engine:
         if not segments:
             if not any(r is not None and r.running for r in rows):
                 return  # only copies waiting for their first row: nothing to decode
+            if self.speculation is not None and self._verify(bucket, rows, tokens, positions):
+                return
             out = self.device_rows.decode(bucket, tokens, positions, self.device_rows.length_bucket(max(positions) + 1))
             self.logits[:bucket].copy_(out)
             self.generator.backend.mark_step()
@@ -330,6 +389,24 @@ class Engine:
                 self.stats["prompts_chunked"] += 1
                 self.admission.begin(row, out[bucket + s : bucket + s + 1])
         self.generator.backend.mark_step()
+
+    def _verify(self, bucket: int, rows: list, tokens: list[int], positions: list[int]) -> bool:
+        """A verify pass in place of the decode when some running row offers guesses (``speculating.py``):
+        row i feeds its last token and its guesses from ``positions[i]``. False: none offered (the
+        rows' budgets count the wait), decode instead."""
+        guesses, counts = propose(rows, self.speculation, self.config.max_length)
+        if not any(counts):
+            adapt(rows, counts, counts)
+            return False
+        s = self.speculation.shape_k + 1
+        window = self.device_rows.length_bucket(min(self.config.max_length, max(positions) + s))
+        out = self.device_rows.verify(bucket, [[t] + g for t, g in zip(tokens, guesses)], positions, window)
+        self.verified_logits[:bucket].copy_(out)
+        padded = guesses + [[0] * (s - 1)] * (self.config.max_batch - bucket)
+        self._verified = (list(rows), host_to_device(torch.tensor(padded), self.device), counts)
+        self.stats["verify_passes"] += 1
+        self.generator.backend.mark_step()
+        return True
 
     def _answer_offline(self, handle: RequestHandle) -> None:
         from ..request.parse import batch_length

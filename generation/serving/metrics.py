@@ -28,6 +28,11 @@ class PrometheusMetrics(EngineMetrics):
                               buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
         self.itl = Histogram("bloom_inter_token_latency_seconds", "between two tokens of a row", registry=r,
                              buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        # Speculative decoding (--speculate): verify passes, the guesses they offered, those accepted.
+        self.verify_passes = Counter("bloom_speculation_verify_passes", "passes that verified guesses", registry=r)
+        self.guesses_offered = Counter("bloom_speculation_guesses_offered", "guesses offered, over rows and passes",
+                                       registry=r)
+        self.guesses_accepted = Counter("bloom_speculation_guesses_accepted", "guesses accepted", registry=r)
         self._recent: deque[tuple[float, int]] = deque()
         self._lock = threading.Lock()
         self.tokens_per_second.set_function(self._rate)
@@ -61,6 +66,11 @@ class PrometheusMetrics(EngineMetrics):
 
     def inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
+
+    def speculated(self, offered: int, accepted: int) -> None:
+        self.verify_passes.inc()
+        self.guesses_offered.inc(offered)
+        self.guesses_accepted.inc(accepted)
 
     def tokens(self, count: int) -> None:
         self.generated.inc(count)

@@ -75,3 +75,17 @@ class RowOptions:
         if counts:
             running = (used > 0).float()
             self.counts[:b].scatter_add_(1, tokens[:, None], running[:, None])
+
+    def record_verified(self, b: int, used: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor,
+                        repetition: bool, counts: bool) -> None:
+        """``record`` for a verify pass: rows 0..b-1 chose tokens [b, S] at slots used + 0.. S-1 and
+        keep the first ``kept`` [b] (the tokens a row keeps past its end are never read: its slot
+        is set anew before another request uses it)."""
+        s = tokens.shape[1]
+        j = torch.arange(s, device=tokens.device)
+        if repetition:
+            slots = (used[:, None] + j).clamp(max=self.sequence.shape[1] - 1)
+            self.sequence[:b].scatter_(1, slots, tokens)
+        if counts:
+            keep = ((j[None, :] < kept[:, None]) & (used[:, None] > 0)).float()
+            self.counts[:b].scatter_add_(1, tokens, keep)
