@@ -310,15 +310,19 @@ class Clock:
 
         self.todo = {c["key"]: c for c in todo}
         self.rates = None
+        self.device = args.device or "cpu"
         self.estimate = {"configs": {}, "startup": 0.0, "total": 0.0}
         if todo:
             import torch
 
             if args.threads:
                 torch.set_num_threads(args.threads)
-            device = args.device or "cpu"
-            self.rates = estimate.machine_rates(device)
-            self.estimate = estimate.sweep_seconds(shape, todo, timing, self.rates, shared=device == "cpu")
+            try:
+                self.rates = estimate.machine_rates(self.device)
+            except (RuntimeError, ImportError):  # a device this process cannot reach (hpu before its bridge)
+                self.rates = None
+            else:
+                self.estimate = estimate.sweep_seconds(shape, todo, timing, self.rates, shared=self.device == "cpu")
         self.started = time.perf_counter()
         self.done_estimated = self.done_measured = 0.0
 
@@ -331,6 +335,8 @@ class Clock:
 
         if not self.todo:
             return "nothing to measure"
+        if self.rates is None:
+            return f"no estimate of the time: the rates could not be measured on {self.device}"
         r = self.rates
         return (f"estimate: about {minutes(self.estimate['total'])} for {len(self.todo)} configurations "
                 f"({minutes(self.estimate['startup'])} of launches and weights; from {r['read_bytes_s'] / 1e9:.1f} GB/s "
@@ -344,9 +350,11 @@ class Clock:
         if estimated is not None and record.get("wall_s") is not None:
             self.done_estimated += estimated
             self.done_measured += record["wall_s"]
+        so_far = f"{minutes(time.perf_counter() - self.started)} so far"
+        if self.rates is None:
+            return so_far
         scale = self.done_measured / self.done_estimated if self.done_estimated else 1.0
-        left = sum(self.estimate["configs"].values()) * scale
-        return f"{minutes(time.perf_counter() - self.started)} so far, about {minutes(left)} left"
+        return f"{so_far}, about {minutes(sum(self.estimate['configs'].values()) * scale)} left"
 
 
 def run(args) -> int:
