@@ -294,6 +294,17 @@ def test_offline_bound_is_on_the_decode_time_per_token():
     assert judge(offline_record(40.0, 100.0), 50)["tokens_per_s_per_card"] == 50.0
 
 
+def test_speculation_has_its_columns_and_older_records_read_as_without():
+    from utils.profiling.report import csv_text
+
+    record = offline_record(40.0, 100.0)
+    speculating = {**record, "key": "k ngram:4", "speculate": "ngram:4", "wall_s": 12.5,
+                   "offline": {**record["offline"], "acceptance": 0.25}}
+    rows = list(csv.DictReader(csv_text([judge(speculating, 50), judge(record, 50)]).splitlines()))
+    assert (rows[0]["speculate"], rows[0]["acceptance"], rows[0]["wall_s"]) == ("ngram:4", "0.25", "12.5")
+    assert (rows[1]["speculate"], rows[1]["acceptance"]) == ("off", "")  # a record of an earlier run
+
+
 def test_online_takes_the_fastest_level_within_the_bound_on_inter_token_and_first_token():
     record = {**offline_record(0, 0), "scenario": "online",
               "levels": [level(1, 50, 20, 30), level(2, 90, 40, 45), level(4, 150, 45, 80)]}
