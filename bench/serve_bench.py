@@ -8,6 +8,9 @@ the same requests as one offline ``--requests`` job, side by side on the same we
                     surface, one request at a time (a lock), streaming one chunk per token
 * ``offline``       the same requests as one batch job (``jobs.runner.run_requests``): throughput
                     only, no latencies (nothing streams)
+* ``ours+ngram:K``  ours with speculative decoding (``--serve --speculate ngram:K``); its ratios
+                    line gives its tokens/s and p99 inter-token latency over ours' at each level,
+                    and the guesses its verify passes accepted
 
 Load: closed loop (``--clients``: each client sends its next request when the last one ended) and
 open loop (``--rates``: Poisson arrivals at these requests/s), prompts of mixed lengths, greedy
@@ -25,6 +28,7 @@ the level: a CPU's speed can drift from one minute to the next, so the yardstick
 two, and both are printed.
 
     python bench/serve_bench.py --config tiny --clients 1,4,16,32 --requests 64
+    python bench/serve_bench.py --config tiny --clients 16 --requests 64 --variants ours,ours+ngram:4
     OMP_NUM_THREADS=2 python bench/serve_bench.py --config bloom-560m --dtype bf16 --clients 1,4,16 \\
         --requests 48 --max_tokens 32 --prompt_len 8,96 --max_length 160
 """
@@ -120,21 +124,25 @@ def start_uvicorn(app, port: int):
     return server, thread
 
 
-def engine_config(args):
+def engine_config(args, speculate: str | None = None):
+    from generation.search.guesses import parse_speculation
     from generation.serving.engine import EngineConfig
 
     return EngineConfig(max_batch=args.max_batch, max_length=args.max_length, bucket_width=args.bucket_width,
                         max_prefill=args.max_prefill, prefill_chunk=args.prefill_chunk,
-                        burst_wait_ms=args.burst_wait_ms)
+                        burst_wait_ms=args.burst_wait_ms, speculation=parse_speculation(speculate))
 
 
-def ours(generator, args, device_rows=None):
+def ours(generator, args, device_rows=None, speculate: str | None = None, engine_out: list | None = None):
     """Our engine behind the HTTP app on a free port, warmed up: (port, stop). ``device_rows``:
-    the engine's rows (tensor parallelism: rank 0's ``LeaderRows``; default: its own)."""
+    the engine's rows (tensor parallelism: rank 0's ``LeaderRows``; default: its own);
+    ``speculate``: "ngram:K" or None; ``engine_out``: a list the engine is appended to."""
     from generation.serving.app import make_app
     from generation.serving.engine import Engine
 
-    engine = Engine(generator, engine_config(args), device_rows=device_rows)
+    engine = Engine(generator, engine_config(args, speculate), device_rows=device_rows)
+    if engine_out is not None:
+        engine_out.append(engine)
     engine.start()
     engine.ready.wait()
     port = free_port()
@@ -247,6 +255,11 @@ def ratios(rows: list[dict]) -> str:
     offline = by.get(("offline", "one job"))
     lines = []
     for (variant, load), r in by.items():
+        if variant.startswith("ours+") and ("ours", load) in by:  # speculation against ours, at the same level
+            plain = by[("ours", load)]
+            lines.append(f"{variant} at {load}: {r['tok_s'] / plain['tok_s']:.2f}x ours' tokens/s, p99 inter-token "
+                         f"{r['itl_p99'] / plain['itl_p99']:.2f}x ours', {r['accepted']} of {r['offered']} guesses "
+                         f"accepted in {r['verify_passes']} verify passes")
         if variant != "ours":
             continue
         parts = [f"ours at {load}:"]
@@ -329,8 +342,9 @@ def main(argv=None) -> int:
         if variant == "offline":
             rows.append(offline_run(generator, bodies, args.budget))
             continue
-        if variant == "ours":
-            port, stop = ours(generator, args)
+        engines = []
+        if variant == "ours" or variant.startswith("ours+"):
+            port, stop = ours(generator, args, speculate=variant.partition("+")[2] or None, engine_out=engines)
         elif variant == "transformers":
             port, stop = baseline(folder, dtype, args.device)
         else:
@@ -342,12 +356,17 @@ def main(argv=None) -> int:
                 if variant == "ours":
                     before = decode_ms(generator, args, running, mean_prompt)
                 shapes_before = generator.backend.graph_count()
+                speculated = dict(engines[0].stats) if engines else {}
                 server_cpu = time.process_time()
                 timings, wall, client_cpu = measure(port, bodies, kind, level, args.seed)
                 server_cpu = time.process_time() - server_cpu
                 name = f"{level} clients" if kind == "closed" else f"{level:g} req/s"
-                new = generator.backend.graph_count() - shapes_before if variant == "ours" else ""
+                new = generator.backend.graph_count() - shapes_before if engines else ""
                 rows.append(summarize(variant, name, timings, wall, new, server_cpu, client_cpu))
+                if engines:
+                    rows[-1].update({key: engines[0].stats[name] - speculated[name] for key, name in
+                                     (("verify_passes", "verify_passes"), ("offered", "guesses_offered"),
+                                      ("accepted", "guesses_accepted"))})
                 if variant == "ours":
                     after = decode_ms(generator, args, running, mean_prompt)
                     rows[-1].update(decode_step_rows=running, decode_step_timed=(before, after),

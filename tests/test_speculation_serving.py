@@ -318,3 +318,21 @@ def test_verify_passes_across_window_ends_op_by_op(seed7_checkpoint):
     got, stats = answers("ngram:8")
     assert stats["guesses_accepted"] > 0
     assert got == answers(None)[0]
+
+
+def test_serve_bench_compares_speculation_on_and_off(tmp_path, capsys):
+    """bench/serve_bench.py's ``ours+ngram:K`` variant: its ratios against ours at the same level
+    and its verify passes; no step shape after warm-up. (No timing assertions: the benchmark's job.)"""
+    import json
+
+    from bench import serve_bench
+
+    out = tmp_path / "serve.json"
+    argv = ["--clients", "2", "--requests", "4", "--max_tokens", "8", "--max_batch", "4", "--max_length", "32",
+            "--bucket_width", "16", "--prompt_len", "2,12", "--variants", "ours,ours+ngram:4", "--json", str(out)]
+    assert serve_bench.main(argv) == 0
+    assert "ours+ngram:4 at 2 clients: " in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["ours", "ours+ngram:4"]
+    assert rows[0]["verify_passes"] == 0 and rows[1]["verify_passes"] > 0
+    assert all(r["new_shapes"] == 0 and r["tokens"] > 0 for r in rows)
