@@ -336,3 +336,47 @@ def test_serve_bench_compares_speculation_on_and_off(tmp_path, capsys):
     assert [r["variant"] for r in rows] == ["ours", "ours+ngram:4"]
     assert rows[0]["verify_passes"] == 0 and rows[1]["verify_passes"] > 0
     assert all(r["new_shapes"] == 0 and r["tokens"] > 0 for r in rows)
+
+
+# --- under tensor parallelism ------------------------------------------------------------------------
+
+TP_SERVE = ["--serve", "--max_batch", "4", "--max_length", "64", "--bucket_width", "16", "--max_prefill", "2"]
+TP_REQUESTS = [dict(prompt=PROMPTS[0], max_tokens=30), dict(prompt=PROMPTS[1], max_tokens=20, stop=[" times"]),
+               dict(prompt=PROMPTS[0], max_tokens=25, frequency_penalty=0.5),
+               dict(prompt=PROMPTS[0], max_tokens=20, temperature=0.8, seed=4)]
+
+
+@pytest.mark.slow
+def test_two_ranks_speculate_as_one_process(seed7_checkpoint, tmp_path):
+    """``--serve --speculate ngram:4`` on 2 ranks (the follower replays each verify pass): greedy
+    answers equal one process's without speculation, the seeded sample one process's with it, and
+    its verify passes accepted guesses."""
+    from test_serving_tp import launch, stop
+
+    def ask(port):
+        client = openai_client(port)
+        with ThreadPoolExecutor(len(TP_REQUESTS)) as pool:
+            return list(pool.map(lambda r: client.completions.create(model=seed7_checkpoint.name, **({"temperature": 0}
+                                                                                                | r)).choices[0].text,
+                                 TP_REQUESTS))
+
+    answers_of = {}
+    for name, flags, ranks in (("plain", [], 1), ("one", ["--speculate", "ngram:4"], 1),
+                               ("two", ["--speculate", "ngram:4"], 2)):
+        proc, port = launch(seed7_checkpoint, TP_SERVE + flags, ranks, tmp_path / f"{name}.log")
+        try:
+            answers_of[name] = ask(port)
+            if name == "two":
+                accepted = metric(type("Running", (), {"port": port}), "bloom_speculation_guesses_accepted_total")
+        finally:
+            stop(proc)
+    assert "num_local_procs=2" in (tmp_path / "two.log").read_text()
+    assert answers_of["two"][:3] == answers_of["plain"][:3] == answers_of["one"][:3]
+    assert answers_of["two"][3] == answers_of["one"][3]
+    assert accepted > 0
+
+
+def openai_client(port: int):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
