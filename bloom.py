@@ -259,12 +259,9 @@ def check_flags(args) -> None:
         if args.serve and speculation is not None and speculation.kind != "ngram":
             raise UsageError(f"--serve speculates by prompt lookup only for now: use --speculate ngram[:K], "
                              f"not {args.speculate}")
-        where = ("--chat" if args.chat else "--requests" if args.requests
-                 else "--eval" if args.eval else "--stream" if args.stream else "--mode vanilla"
-                 if args.mode == "vanilla" else None)
-        if where:
-            raise UsageError(f"--speculate runs with prompts (--input_file or the command line) and --serve for now, "
-                             f"not with {where}")
+        where = "--eval" if args.eval else "--mode vanilla" if args.mode == "vanilla" else None
+        if where:  # --eval scores given text (nothing to guess); vanilla is transformers' own loop
+            raise UsageError(f"--speculate runs with prompts, --stream, --requests, --chat and --serve, not with {where}")
     if args.quantize and args.mode == "vanilla":
         raise UsageError("--quantize runs in --mode optimized only (vanilla is transformers' own model)")
     if args.int8_activations == "on" and args.mode == "vanilla":
@@ -421,8 +418,9 @@ def run_file_job(args, opts) -> int:
                                budget=args.budget, progress=shows_progress(args), write=writes)
         cached = (f", {summary.cached_tokens} prompt tokens from the prefix cache"
                   if generator.runner.prefix is not None else "")
+        speculated = f", {summary.speculation.describe()}" if summary.speculation is not None else ""
         log(f"{summary.answered} requests answered, {summary.skipped} already done, {summary.errors} failed, "
-            f"{summary.completion_tokens} tokens in {summary.seconds:.1f} s{cached}")
+            f"{summary.completion_tokens} tokens in {summary.seconds:.1f} s{cached}{speculated}")
         return 1 if summary.errors else 0
 
 

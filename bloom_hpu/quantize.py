@@ -151,15 +151,15 @@ def routed_product(module, x: torch.Tensor, q: torch.Tensor, scales: torch.Tenso
                    bias: torch.Tensor | None) -> torch.Tensor:
     """The product of a quantized ``module`` (a linear, or the tied head) as its runtime routes it:
     with integer products (``takes_integer``), the CPU runtime's integer kernel or else their
-    public-op form; else the CPU runtime's kernel for the rows it serves, else its fp32 product of
-    many rows (``wide``, on a CPU whose bf16 products are emulated), else ``int8_product`` /
+    public-op form; else its fp32 product on the widened weight where its routes pick it (``wide``,
+    runtime/cpu/routes.py), else its kernel for the rows it serves, else ``int8_product`` /
     ``int4_product``."""
     if takes_integer(module, x):
         return (module.block_kernel or block_product)(x, q, scales, bias)
-    if module.kernel is not None and x.numel() <= module.kernel_rows * x.shape[-1]:
-        return module.kernel(x, q, scales, bias)
     if module.wide is not None and module.wide.takes(x):
         return module.wide.quantized(x, q, scales, bias)
+    if module.kernel is not None and x.numel() <= module.kernel_rows * x.shape[-1]:
+        return module.kernel(x, q, scales, bias)
     if q.dtype == torch.uint8:  # int4, packed
         out = int4_product(x, q, scales, module.int4_dequantize)
     else:
@@ -176,7 +176,7 @@ class _QuantProduct:
     int4_dequantize = None  # int4: the CPU runtime's dequantization into its scratch memory, when it has one
     kernel = None  # the CPU runtime's own product of a few rows, when it has one
     kernel_rows = INT8_KERNEL_ROWS  # the most rows it serves (set with it)
-    wide = None  # the CPU runtime's fp32 products of many rows (runtime/cpu/layers.WidenedProducts), if any
+    wide = None  # the CPU runtime's fp32 products where its routes pick them (runtime/cpu/routes.RoutedWide), if any
     int8_activations = False  # integer products: the input rounded per block of 32 (int8_activations.py)
     integer_prompts = integer_decode = True  # with them, for which products (the CPU runtime's choice)
     block_kernel = None  # with them, the CPU runtime's integer kernel, when it has one

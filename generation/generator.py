@@ -297,20 +297,24 @@ class Generator:
             hooks = replace(hooks, grammar_ended=lambda: steps.ended)
         choose = chooser(processors, keys, self.noise_kernel, steps)
         self._speculated = None
-        # Speculation where its loop serves the call; streaming, structured output and the
-        # recompute switch (use_kv_cache=false) run the plain loop.
-        if speculation is not None and hooks.on_step is None and grammars is None and opts.use_kv_cache:
+        # Speculation serves every greedy and sampled call (streaming hooks and grammars too) but
+        # the recompute switch (use_kv_cache=false), which has no cache to verify guesses over.
+        if speculation is not None and opts.use_kv_cache:
             loop, self._speculated = run_speculative_loop(
                 self.runner, rows, processors, speculation, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id,
-                ignore_eos=opts.ignore_eos, keys=keys, kernel=self.noise_kernel, hooks=hooks)
+                ignore_eos=opts.ignore_eos, keys=keys, kernel=self.noise_kernel, hooks=hooks, grammars=grammars)
         else:
             loop = run_token_loop(self.runner, rows, choose, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id,
                                   ignore_eos=opts.ignore_eos, use_kv_cache=opts.use_kv_cache, hooks=hooks)
         tokens, finish = loop.tokens.tolist(), loop.finish.tolist()
         # Each row's tokens: its budget, or where rows ran at their own pace, its count.
         limits = rows.new_limits.tolist() if loop.counts is None else loop.counts.tolist()
-        if grammars is not None:  # a row its grammar ended keeps what its grammar took (not the forced end)
-            limits = [n if ended else limit for n, ended, limit in zip(grammars.consumed, grammars.ended, limits)]
+        if grammars is not None:
+            # A row its grammar ended keeps what its grammar took (not the forced end). Not more
+            # than its own tokens: the plain loop feeds a finished row's pads to its grammar while
+            # other rows run, and a pad may "end" it.
+            limits = [min(n, limit) if ended else limit
+                      for n, ended, limit in zip(grammars.consumed, grammars.ended, limits)]
         flat = [self.make_sequence(row[:min(limit, loop.steps_run)], FINISH_REASONS[reason], stops=stops[i // copies])
                 for i, (row, limit, reason) in enumerate(zip(tokens, limits, finish))]
         if opts.use_kv_cache:  # a conversation's next turn repeats these tokens

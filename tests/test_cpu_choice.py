@@ -19,6 +19,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -29,7 +30,9 @@ import pytest
 import torch
 import transformers
 
-from bloom_hpu.runtime.cpu import CpuOptions, CpuPathError, choice
+from bloom_hpu.runtime.cpu import CpuOptions, CpuPathError, accelerate, choice, routes
+from bloom_hpu.runtime.cpu.routes import PROMPT_KEYS, RowRoutes
+from bloom_hpu.tp import DistributedParallel
 from dequantized import write_dequantized
 from generation import Generator
 from generation.run.logprobs import score_rows
@@ -51,11 +54,18 @@ FORCED = ["prompts=native,decode=weight-only", "prompts=native,decode=integer",
           "prompts=integer,decode=weight-only", "prompts=integer,decode=integer"]
 
 
+QUIET = (0.0, 0.0, 0.0)
+BUSY = (4.0 * (os.cpu_count() or 1), 0.0, 0.0)  # 1-minute load average: 4 per CPU
+
+
 @pytest.fixture
 def choice_dir(tmp_path, monkeypatch):
+    """An empty folder for the cached choices, on a machine that reads as quiet (the timing's
+    load rule is tested apart: test_a_pick_timed_on_a_busy_machine_is_timed_again_when_quiet)."""
     folder = tmp_path / "choices"
     folder.mkdir()
     monkeypatch.setenv(choice.DIR_ENV, str(folder))
+    monkeypatch.setattr(os, "getloadavg", lambda: QUIET)
     return folder
 
 
@@ -157,6 +167,235 @@ def test_a_killed_first_run_leaves_nothing_and_the_next_times_again(choice_dir, 
     assert picked.how == "measured" and picked.picks == {"prompts": "native"} and calls["native"] > 1
     assert [p.name for p in choice_dir.iterdir()] == [path.name]  # one complete file, no temporary
     assert json.loads(path.read_text())["picks"] == {"prompts": "native"}
+
+
+def test_a_pick_timed_on_a_busy_machine_is_timed_again_when_quiet(choice_dir, monkeypatch):
+    load = {"now": BUSY}
+    monkeypatch.setattr(os, "getloadavg", lambda: load["now"])
+    key = {"k": 6}
+
+    def run(times):
+        runs, calls = counting(times)
+        return choice.choose({"prompts": runs}, {"prompts": "native"}, key, "measure"), calls
+
+    busy, _ = run({"native": 2.0, "widened": 1.0})
+    assert (busy.how, busy.provisional, busy.picks) == ("measured", True, {"prompts": "widened"})
+    assert busy.describe() == "prompts widened (measured, provisional)"
+    saved = json.loads(busy.path.read_text())
+    assert saved["provisional"] is True and saved["load_average"] == BUSY[0] and saved["cpus"] == os.cpu_count()
+    assert abs(saved["timed_at"] - time.time()) < 600
+    still_busy, calls = run({"native": 1.0, "widened": 2.0})  # busy again: kept, not timed
+    assert (still_busy.how, still_busy.provisional, sum(calls.values())) == ("cached", True, 0)
+    load["now"] = QUIET
+    quiet, calls = run({"native": 1.0, "widened": 2.0})  # quiet: timed again, and final
+    assert (quiet.how, quiet.provisional, quiet.picks) == ("measured", False, {"prompts": "native"})
+    assert calls["native"] > 1 and json.loads(quiet.path.read_text())["provisional"] is False
+    load["now"] = BUSY
+    final, calls = run({"native": 2.0, "widened": 1.0})
+    assert (final.how, final.provisional, final.picks, sum(calls.values())) == ("cached", False, {"prompts": "native"}, 0)
+
+
+# --- prompt buckets and decode rows ------------------------------------------------------------
+
+
+def test_each_prompt_bucket_keeps_its_fastest(choice_dir):
+    times = {PROMPT_KEYS[0]: {"native": 1.0, "widened": 2.0, "kernel": 1.5},
+             PROMPT_KEYS[1]: {"native": 2.0, "widened": 1.0, "kernel": 1.5},
+             PROMPT_KEYS[2]: {"native": 2.0, "widened": 1.5, "kernel": 1.0},
+             "decode": {"native": 1.0, "widened": 2.5}}
+    runs = {key: counting(t)[0] for key, t in times.items()}
+    static = {key: "native" for key in times}
+    picked = choice.choose(runs, static, {"k": 7}, "measure")
+    assert picked.picks == {PROMPT_KEYS[0]: "native", PROMPT_KEYS[1]: "widened", PROMPT_KEYS[2]: "kernel",
+                            "decode": "native"}
+    assert picked.describe() == "prompts 1-16 native, 17-64 widened, 65+ kernel, decode native (measured)"
+    assert choice.choose(runs, static, {"k": 7}, "measure").picks == picked.picks  # read back per bucket
+
+
+def test_integer_products_go_to_every_prompt_bucket_or_none():
+    """Integer products are not within float tolerance of the others: picked by the sum over the
+    buckets, so that a prompt's tokens do not depend on the prompts batched with it."""
+    def times(integer):
+        return {k: {"native": 1.0, "integer": t} for k, t in zip(PROMPT_KEYS, integer)} | \
+            {"decode": {"weight-only": 1.0, "integer": 0.5}}
+
+    settled = choice.settle(times([0.5, 2.0, 2.0]), routes.TOGETHER)  # faster in one bucket only
+    assert [settled[k] for k in PROMPT_KEYS] == ["native"] * 3 and settled["decode"] == "integer"
+    settled = choice.settle(times([0.5, 0.5, 1.5]), routes.TOGETHER)  # faster in sum
+    assert [settled[k] for k in PROMPT_KEYS] == ["integer"] * 3
+    keys = {k: ["native", "widened", "integer"] for k in PROMPT_KEYS}
+    static = {k: "native" for k in keys}
+    assert choice.forced_picks(choice.parse_forced("prompts:65+=widened"), keys, static, routes.TOGETHER) == \
+        {PROMPT_KEYS[0]: "native", PROMPT_KEYS[1]: "native", PROMPT_KEYS[2]: "widened"}
+    with pytest.raises(choice.ChoiceError, match="integer products go to every prompts bucket or none"):
+        choice.forced_picks(choice.parse_forced("prompts:1-16=integer"), keys, static, routes.TOGETHER)
+    with pytest.raises(choice.ChoiceError, match="no such bucket; choose one of prompts:1-16"):
+        choice.forced_picks(choice.parse_forced("prompts:3-5=native"), keys, static, routes.TOGETHER)
+
+
+def test_a_products_route_is_its_class_and_its_rows_bucket():
+    picks = RowRoutes(("native", "widened", "kernel"), "decode-pick")
+    k = 8
+    for shape, route in [((1, 8, k), "native"), ((2, 8, k), "native"), ((1, 16, k), "native"), ((1, 17, k), "widened"),
+                         ((2, 32, k), "widened"), ((1, 65, k), "kernel"), ((2, 40, k), "kernel"),
+                         ((1, 1, k), "decode-pick"), ((16, 1, k), "decode-pick"), ((8, k), "decode-pick"),
+                         ((17, 1, k), "widened"), ((80, k), "kernel")]:
+        assert picks.pick(torch.zeros(shape)) == route, shape
+
+
+def small_bf16_model(mode=None):
+    from bloom_hpu.config import BloomConfig
+    from bloom_hpu.model import StaticBloom
+    from bloom_hpu.quantize import quantize
+    from utils.random_checkpoint import random_weights
+
+    config = BloomConfig(vocab_size=1024, hidden_size=64, n_layer=2, n_head=4)
+    model = StaticBloom(config)
+    model.load_state_dict(random_weights(config, live_vocab=1000, seed=4, weight_scale=1.0))
+    model = model.bfloat16().eval().requires_grad_(False)
+    return quantize(model, mode, 32 if mode == "int4" else None) if mode else model
+
+
+class Spy:
+    def __init__(self, fn):
+        self.fn, self.rows = fn, []
+
+    def __call__(self, x, *args, **kwargs):
+        self.rows.append(x.numel() // x.shape[-1])
+        return self.fn(x, *args, **kwargs)
+
+
+@pytest.mark.parametrize("mode", [None, "int8"])
+def test_each_bucket_and_the_decode_rows_run_their_own_route(choice_dir, mode):
+    """Forced per bucket: only the rows of the widened buckets (and, for bf16 weights, the widened
+    decode rows) reach the widened products, whatever the kernel would serve; a widened decode
+    takes the decode op by op (the one-call step multiplies through the kernel)."""
+    model = small_bf16_model(mode)
+    decode = "widened" if mode is None else "weight-only"
+    forced = f"prompts:1-16=widened,prompts:17-64=native,prompts:65+=widened,decode={decode}"
+    plan = accelerate(model, CpuOptions(choice=forced))
+    assert plan.description.endswith(f"routes prompts 1-16 widened, 17-64 native, 65+ widened, decode {decode} (forced)")
+    assert "weights widened" in plan.description
+    linear = model.h[0].mlp.dense_4h_to_h
+    spy = Spy(linear.wide.quantized if mode else linear.wide.linear)
+    setattr(linear.wide, "quantized" if mode else "linear", spy)
+    with torch.no_grad():
+        for shape in [(1, 8), (1, 40), (1, 100), (4, 1), (32, 1)]:
+            linear(torch.randn(*shape, linear.in_features).bfloat16())
+    assert spy.rows == ([8, 100, 4] if mode is None else [8, 100])
+    if mode is None:
+        assert plan.decode is None
+    elif "kernels" in plan.description:
+        assert plan.decode is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("route", ["prompts=widened,decode=widened", "prompts=native,decode=widened"])
+def test_a_widened_decode_is_transformers_greedy(tiny_checkpoint, choice_dir, route):
+    """bf16 weights, the decode rows on the widened fp32 products: greedy tokens are transformers'
+    in bf16 on the same weights until the reference's first near tie (where the two roundings of
+    the sums may flip the token)."""
+    generator = Generator.from_pretrained(tiny_checkpoint, dtype="bf16", cpu=CpuOptions(choice=route))
+    assert "decode rows)" in generator.backend.fast_path and generator.backend.cpu_plan.decode is None
+    reference = transformers.BloomForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16).eval()
+    compared = 0
+    for prompt in PROMPTS:
+        ids = generator.tokenizer.encode(prompt)
+        result = generator.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)[0]
+        tokens, _, margins = hf_greedy(reference, ids, NEW_TOKENS)
+        clear = next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(margins))
+        assert result.token_ids[:clear] == tokens[:clear], prompt
+        compared += clear
+    print(f"{route}: {compared} greedy tokens compared")
+    assert compared >= 2 * NEW_TOKENS
+
+
+# --- tensor parallelism: one choice for every rank ---------------------------------------------
+
+
+def test_every_rank_takes_rank_0s_choice(monkeypatch):
+    sent = {}
+
+    def broadcast(objects, group=None, group_src=None):  # a two-rank group's broadcast, from rank 0
+        assert group_src == 0 and group == "the model's group"
+        if "value" in sent:
+            objects[0] = sent["value"]
+        else:
+            sent["value"] = objects[0]
+
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", broadcast)
+    ranks = [DistributedParallel(rank=r, world_size=2, group="the model's group") for r in (0, 1)]
+    mine = {0: choice.Chosen({"prompts": "widened"}, "measured", {}), 1: choice.Chosen({"prompts": "native"}, "measured", {})}
+    decided = []
+
+    def decide(rank):
+        decided.append(rank)
+        return mine[rank]
+
+    got = [choice.agree(p, lambda r=p.rank: decide(r)) for p in ranks]
+    assert got == [mine[0], mine[0]] and decided == [0]  # rank 1 neither times nor keeps its own
+    sent.clear()
+
+    def cannot():
+        raise choice.ChoiceError("CPU choice prompts=integer cannot run here")
+
+    for p in ranks:  # rank 0's error is every rank's
+        with pytest.raises(choice.ChoiceError, match="prompts=integer cannot run here"):
+            choice.agree(p, cannot)
+    assert choice.agree(DistributedParallel(rank=0, world_size=1), lambda: mine[1]) == mine[1]  # no broadcast
+
+
+TWO_RANKS = textwrap.dedent("""
+    import os, sys
+    import torch, torch.distributed as dist
+    from bloom_hpu.runtime.cpu import choice
+    from bloom_hpu.tp import DistributedParallel
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+    os.environ[choice.DIR_ENV] = sys.argv[3]
+    os.getloadavg = lambda: (0.0, 0.0, 0.0)
+    # each rank would time a different winner
+    times = {"native": 1.0 + rank, "widened": 2.0 - rank}
+    runs = {name: (lambda t=t: t) for name, t in times.items()}
+    group = dist.new_group([0, 1])
+    chosen = choice.agree(DistributedParallel(rank=rank, world_size=2, group=group),
+                          lambda: choice.choose({"prompts": runs}, {"prompts": "native"}, {"rank": rank}, "measure"))
+    print("picked", chosen.picks["prompts"], chosen.how)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_route_alike(tmp_path):
+    store = tmp_path / "store"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, "-c", TWO_RANKS, str(r), str(store), str(tmp_path)], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=120) for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], [err[-2000:] for _, err in outs]
+    assert [out.strip() for out, _ in outs] == ["picked native measured"] * 2  # rank 0's pick on both
+    assert len(list(tmp_path.glob("bloom_cpu_choice_*.json"))) == 1  # only rank 0 timed and wrote
+
+
+@pytest.mark.slow
+def test_two_deepspeed_ranks_load_with_rank_0s_routes(make_ckpt, tmp_path):
+    """bloom.py on two ranks (gloo), bf16 so that the routes have candidates, measured: both ranks
+    print the same routes and one choice file is written (rank 0's)."""
+    folder = make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "BLOOM_CPU_CHOICE": "measure",
+           choice.DIR_ENV: str(tmp_path)}
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
+               "bloom.py", "--weights", str(folder), "--dtype", "bf16", "--all_ranks", "--max_length", "12", "Hi"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-4000:]
+    lines = [line for line in log.splitlines() if "CPU fast path" in line]
+    routes_seen = {line.rsplit("; routes ", 1)[-1] for line in lines}
+    assert len(lines) == 2 and len(routes_seen) == 1 and "routes prompts" in lines[0], lines
+    assert len(list(tmp_path.glob("bloom_cpu_choice_*.json"))) == 1
 
 
 # --- forcing and skipping ----------------------------------------------------------------------

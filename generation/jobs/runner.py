@@ -33,6 +33,7 @@ from ..request.options import OptionError
 from ..run.progress import Progress, log
 from ..request.parse import Request, RequestError, batch_length, parse_request, request_key
 from ..request.validate import check_request
+from ..search.speculation import SpeculationStats
 from .grouping import plan_batches
 from .files import check_distinct, disk_error, is_regular_or_new, lock_results, read_user_file
 from .parts import fold_parts, settled_lines
@@ -49,6 +50,7 @@ class JobSummary:
     completion_tokens: int
     seconds: float
     cached_tokens: int = 0  # prompt tokens the prefix cache served
+    speculation: SpeculationStats | None = None  # what speculative decoding did, over every batch (None: off)
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -213,6 +215,7 @@ def _run(generator, requests, bad_lines, done, requests_path, results_path, out,
             continue
         fitting.append(r)
     answered, tokens, cached = 0, 0, 0
+    speculated = SpeculationStats() if getattr(generator, "speculation", None) is not None else None
     bar = Progress(len(fitting), "requests", "requests", enabled=progress and write)
 
     def save(records: list[dict]) -> None:
@@ -228,7 +231,7 @@ def _run(generator, requests, bad_lines, done, requests_path, results_path, out,
 
     with bar:
         for batch in plan_batches(fitting, lengths, budget):
-            outcomes = answer_or_split(generator, batch)
+            outcomes = answer_or_split(generator, batch, speculated)
             for records, batch_tokens, failures in outcomes:
                 for r, message in failures:
                     report(r.line, message, json.dumps(r.raw, ensure_ascii=False))
@@ -240,7 +243,8 @@ def _run(generator, requests, bad_lines, done, requests_path, results_path, out,
                 answered += len(records)
                 tokens += batch_tokens
             bar.update(len(batch.requests), f"{tokens / bar.elapsed:.1f} tokens/s")
-    return JobSummary(len(requests), skipped, answered, failed, tokens, time.perf_counter() - start, cached)
+    return JobSummary(len(requests), skipped, answered, failed, tokens, time.perf_counter() - start, cached,
+                      speculated)
 
 
 def fsync(f) -> None:
@@ -260,11 +264,17 @@ def error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
-def answer_or_split(generator, batch: RequestBatch) -> list[tuple[list[dict], int, list]]:
+def answer_or_split(generator, batch: RequestBatch,
+                    speculated: SpeculationStats | None = None) -> list[tuple[list[dict], int, list]]:
     """Answer a batch; if it fails, answer each of its requests alone, so that one poisoned line
-    costs its own answer only. Returns (records, tokens, [(request, message)]) per attempt."""
+    costs its own answer only. Returns (records, tokens, [(request, message)]) per attempt.
+    ``speculated``: what each generate call's speculation did is added to it."""
     try:
+        before = generator.last_stats
         records, tokens = answer_batch(generator, batch)
+        # A batch that generated (echo alone does not) left its call's stats in last_stats.
+        if speculated is not None and generator.last_stats is not before and generator.last_stats.speculation:
+            speculated.add(generator.last_stats.speculation)
         return [(records, tokens, [])]
     except Exception as error:  # noqa: BLE001 - see the docstring: the job carries on
         if len(batch.requests) == 1:
@@ -272,5 +282,5 @@ def answer_or_split(generator, batch: RequestBatch) -> list[tuple[list[dict], in
     outcomes = []
     for r, lengths in zip(batch.requests, batch.prompt_lengths):
         alone = RequestBatch([r], [lengths], batch_length(max(lengths), r.max_tokens), batch.budget)
-        outcomes += answer_or_split(generator, alone)
+        outcomes += answer_or_split(generator, alone, speculated)
     return outcomes

@@ -264,6 +264,30 @@ class RowGrammar:
         self.ended = self.matcher.is_stopped() or self.matcher.is_error()
         return self.ended
 
+    def masks_ahead(self, guesses: list[int], out: torch.Tensor) -> list[bool]:
+        """Speculation's masks: ``out[j]`` (``out`` [len(guesses) + 1, words] int32) the row's
+        allowed tokens had it chosen ``guesses[:j]``; returns for each position j whether its
+        grammar had ended before it (the loop ends the row there, as it does after ``consume``).
+        The matcher is advanced over the guesses and rolled back: it is left as it was. Past a
+        guess the grammar refuses (or after its end) every token is allowed: that guess cannot
+        be accepted, so those positions are never kept."""
+        import llguidance.torch as llt
+
+        out[0] = self.prepare()[0]
+        ended = [self.ended]
+        taken = 0
+        for j, token in enumerate(guesses, start=1):
+            # try_consume_tokens takes nothing it refuses (consume_token would enter an error state).
+            if ended[-1] or self.matcher.try_consume_tokens([token]) != 1:
+                break
+            taken += 1
+            llt.fill_next_token_bitmask(self.matcher, out, j)
+            ended.append(self.matcher.is_stopped() or self.matcher.is_error())
+        if taken:
+            self.matcher.rollback(taken)  # exactly what was taken: rolling back more breaks the matcher
+        out[len(ended):] = -1
+        return ended + [False] * (len(guesses) + 1 - len(ended))
+
 
 class GrammarRows:
     """The grammars of a batch's ``rows`` rows for the offline loop: a ``RowGrammar`` per
@@ -310,6 +334,20 @@ class GrammarRows:
         ended with it."""
         return [row for row, (grammar, token) in enumerate(zip(self.rows, tokens))
                 if grammar is not None and not grammar.ended and grammar.consume(token)]
+
+    def masks_ahead(self, guesses: list[list[int]], counts: list[int]) -> tuple[torch.Tensor, list[list[bool]]]:
+        """Speculation's masks of every verified position: host [rows * S, words] int32 (row-major,
+        S = len(guesses[0]) + 1; each row's first ``counts[r]`` guesses followed, see
+        ``RowGrammar.masks_ahead``; every bit set for unconstrained rows) and, per row and
+        position, whether its grammar had ended before it."""
+        s = len(guesses[0]) + 1 if guesses else 1
+        masks = torch.full((len(self.rows) * s, self.host.shape[1]), -1, dtype=torch.int32)
+        ended = [[False] * s for _ in self.rows]
+        for row, grammar in enumerate(self.rows):
+            if grammar is not None:
+                ahead = grammar.masks_ahead(guesses[row][: counts[row]], masks[row * s : row * s + counts[row] + 1])
+                ended[row][: len(ahead)] = ahead
+        return masks, ended
 
 
 def _bias_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:

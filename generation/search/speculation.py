@@ -35,11 +35,13 @@ import torch
 
 from bloom_hpu.runtime.steps import StepRunner, step_input
 
+from ..request.grammar import GrammarRows, allow
 from ..run.batch import Batch
 from .choose import argmax_rows, draw
 from .guesses import Speculation, ngram_guesses
 from .processors import NEG_INF
 from .sampling import UniformKernel, uniform
+from .speculative_grammar import VerifiedGrammars
 from .state import LoopState
 from .token_loop import EOS, EOS_CHECK_EVERY, LENGTH, NO_HOOKS, RUNNING, STOP, LoopHooks, LoopOutput
 
@@ -69,6 +71,11 @@ class SpeculationStats:
     @property
     def acceptance(self) -> float:
         return self.accepted / self.offered if self.offered else 0.0
+
+    def add(self, other: "SpeculationStats") -> None:
+        """Another call's counts added to these (a job's batches)."""
+        for name in ("verifies", "decodes", "offered", "accepted", "row_verifies"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def describe(self) -> str:
         return (f"speculation: {self.tokens_per_verify:.2f} tokens/verify, acceptance {self.acceptance:.2f} "
@@ -164,14 +171,19 @@ def run_speculative_loop(
     keys: torch.Tensor | None = None,
     kernel: UniformKernel | None = None,
     hooks: LoopHooks = NO_HOOKS,
+    grammars: GrammarRows | None = None,
     guesser: Guesser | None = None,
     adaptive: bool = True,
 ) -> tuple[LoopOutput, SpeculationStats]:
     """``token_loop.run_token_loop`` with guesses: up to ``batch.new_limits[b]`` tokens of each row
-    b, chosen by ``processors`` then greedy (``keys`` None) or drawn with the rows' ``keys``.
+    b, chosen by ``processors``, the rows' ``grammars`` masks (structured output), then greedy
+    (``keys`` None) or drawn with the rows' ``keys``.
     Returns the loop's output (``counts``: each row's tokens) and what speculation did.
+    ``hooks``: as the plain loop's; ``on_step`` and ``tick`` get the plain loop's steps (step n:
+    every row's n-th token), a step as soon as every running row has its token, so several a pass.
     ``guesser``: where guesses come from (None: ``GUESSERS[speculation.kind]``); ``adaptive``: adaptive k."""
     guesser = guesser or GUESSERS[speculation.kind]
+    verified = VerifiedGrammars(grammars) if grammars is not None else None
     plan, b = batch.plan, batch.size
     device = batch.input_ids.device
     width = plan.cache_len  # L
@@ -196,21 +208,26 @@ def run_speculative_loop(
     guesses = torch.zeros(b, 0, dtype=torch.long, device=device)
     counts = torch.zeros(b, dtype=torch.long, device=device)
     passes = 0
+    emitted = 0  # steps the hooks were given: every row's first ``emitted`` tokens
     while True:
         s = logits.shape[1]
         j = torch.arange(s, device=device)
         steps = (generated[:, None] + j).reshape(-1)
         scores = scores_at(logits, processors, sequence, guesses, batch.lengths, used, generated)
+        if verified is not None:  # the grammar's mask at every position, after the processors as in the plain loop
+            masks, grammar_ended = verified.masks(guesses, counts)
+            scores = allow(scores, masks)
         token, accepted = choose_and_accept(scores, guesses, counts, steps, keys, kernel)  # [B, S], [B]
-        # What each running row keeps: its accepted guesses and the token after, cut after an EOS
-        # and at its budget.
+        # What each running row keeps: its accepted guesses and the token after, cut where its
+        # grammar ended, after an EOS and at its budget; the row ends with the first of them it keeps.
         running = finish == RUNNING
         kept = accepted + 1
+        if verified is not None:
+            first_end = first_where(grammar_ended & (j[None, :] < kept[:, None]))
+            kept = torch.minimum(kept, first_end + 1)
         if not ignore_eos:
-            eos = (token == eos_token_id) & (j[None, :] < kept[:, None])
-            first_eos = torch.where(eos.any(dim=1), eos.long().argmax(dim=1), s)
+            first_eos = first_where((token == eos_token_id) & (j[None, :] < kept[:, None]))
             kept = torch.minimum(kept, first_eos + 1)
-            ends_eos = first_eos < kept
         kept = torch.where(running, torch.minimum(kept, limits - generated), 0)
         keep = j[None, :] < kept[:, None]  # [B, S]
         out.scatter_(1, torch.where(keep, generated[:, None] + j, width), token)
@@ -218,16 +235,17 @@ def run_speculative_loop(
         last = torch.where(kept > 0, token.gather(1, (kept - 1).clamp(min=0)[:, None])[:, 0], last)
         generated += kept
         used += kept
+        if verified is not None:  # the grammar first, as in the plain loop: a forced end that is EOS ends with "stop"
+            finish.masked_fill_(running & (first_end < kept), STOP)
+            verified.take(token, kept)
         if not ignore_eos:
-            finish.masked_fill_(running & ends_eos & (kept > 0), EOS)
+            finish.masked_fill_((finish == RUNNING) & (first_eos < kept), EOS)
         finish.masked_fill_((finish == RUNNING) & (generated >= limits), LENGTH)
         if s > 1:
             totals += torch.stack([counts.sum(), accepted.sum(), (counts > 0).sum()])
         if adaptive:  # every pass, decodes too: they count the passes a row at 0 waits for its probe
             budget.update(counts, accepted)
         passes += 1
-        if hooks.tick is not None:
-            hooks.tick()
         if hooks.stop_check is not None and passes % EOS_CHECK_EVERY == 0:
             most = int(generated.max())
             finish.masked_fill_(hooks.stop_check(out[:, :width], most) & (finish == RUNNING), STOP)
@@ -236,8 +254,10 @@ def run_speculative_loop(
         guesses, counts = guesser(sequence[:, :width], used, shape_k)
         room = (limits - generated - 1).clamp(min=0)
         counts = torch.where(finish == RUNNING, torch.minimum(counts, torch.minimum(budget.k, room)), 0)
-        most_guesses, any_running, furthest, most_tokens = torch.stack(
-            [counts.max(), (finish == RUNNING).any().long(), used.max(), generated.max()]).tolist()
+        most_guesses, any_running, furthest, most_tokens, slowest = torch.stack(
+            [counts.max(), (finish == RUNNING).any().long(), used.max(), generated.max(),
+             torch.where(finish == RUNNING, generated, width).min()]).tolist()
+        emitted = give_steps(hooks, out, finish, generated, emitted, slowest if any_running else most_tokens)
         if not any_running:
             break
         # Window: the slot of the furthest row's last position fed, + 1 (plan.window's rounding).
@@ -254,3 +274,24 @@ def run_speculative_loop(
             stats.verifies += 1
     stats.offered, stats.accepted, stats.row_verifies = totals.tolist()
     return LoopOutput(out[:, :width], finish, most_tokens, counts=generated), stats
+
+
+def first_where(flags: torch.Tensor) -> torch.Tensor:
+    """[B, S] bool -> [B] long: each row's first True position, S where it has none."""
+    return torch.where(flags.any(dim=1), flags.long().argmax(dim=1), flags.shape[1])
+
+
+def give_steps(hooks: LoopHooks, out: torch.Tensor, finish: torch.Tensor, generated: torch.Tensor,
+               given: int, ready: int) -> int:
+    """The plain loop's hook calls for steps ``given .. ready - 1`` (every running row holds their
+    tokens): ``on_step(tokens [B], done [B])`` with each row's token of that step (pad past a
+    finished row's last one, whose step is its last done: False before it) and ``tick()``.
+    Returns the steps now given. ``out`` [B, L + 1]: each row's tokens from column 0."""
+    for n in range(given, ready):
+        if hooks.on_step is not None:
+            # A column view, its offset new every step: only where a hook watches (on a Gaudi a
+            # view at a new offset is a new lazy graph; streaming reads the host every step anyway).
+            hooks.on_step(out[:, n], (finish != RUNNING) & (generated <= n + 1))
+        if hooks.tick is not None:
+            hooks.tick()
+    return max(given, ready)

@@ -10,11 +10,11 @@
   bf16 weights packed in oneDNN's layout, the MLP's GELU inside its product;
 * PyTorch's public operations alone (other architectures, or ``path='plain'``);
 
-and within that, the route of prompts and of decode rows, timed on this CPU once (``choose_routes``:
-``routes.py`` names the candidates, ``choice.py`` times and caches them): bf16/fp16 products or
-fp32 ones on the widened weight (``WidenedProducts``) or the few-rows kernel for a prompt's many
-rows; weight-only or integer products (``int8_activations.py``) for a quantized model's prompts
-and decode rows apart.
+and within that, the route of prompts (per bucket of rows) and of decode rows, timed on this CPU
+once (``choose_routes``: ``routes.py`` names the candidates, ``choice.py`` times and caches them):
+bf16/fp16 products or fp32 ones on the widened weight (``WidenedProducts``) or the few-rows kernel
+for a prompt's many rows; weight-only or integer products (``int8_activations.py``) for a
+quantized model's prompts and decode rows apart.
 
 It swaps the model's layers for their CPU variants (``layers.py``) and returns a ``CpuPlan``: what
 was chosen and why (for the load line and the benchmark), and the one-call decode step, if any.
@@ -23,7 +23,7 @@ was chosen and why (for the load line and the benchmark), and the one-call decod
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -272,7 +272,7 @@ def quantized_kernel_rows(isa: str, dtype: torch.dtype, amx: bool, int4: bool, t
 # kernel reads the packed weight once, oneDNN's products block many rows better, so on the AVX-512
 # build oneDNN wins past 16 rows in bf16 and past 32 in fp32; on the AVX2 build past 32 in fp32,
 # while bf16 and fp16 have no fast product there and the kernel keeps every size (where the widened
-# fp32 products are on, they take the many rows: widen_many_rows) (bench/cpu_products_bench.py).
+# fp32 products are routed, they take the rows routed to them: routes.py) (bench/cpu_products_bench.py).
 INT4_KERNEL_BF16_ROWS = 16
 INT4_KERNEL_FLOAT_ROWS = 32
 INT4_KERNEL_ANY_ROWS = 1 << 30
@@ -306,41 +306,43 @@ class DequantizeScratch:
         return out
 
 
-def widen_many_rows(model: StaticBloom, linears: list, wide: WidenedProducts) -> str:
-    """The products of more than ``FEW_ROWS`` rows (a prompt) of every float linear, the head and
-    the quantized linears as fp32 products on the weight widened (``WidenedProducts``, one scratch
-    for all); the few rows of a decode keep their kernel. The head takes it where it has the
-    kernel's class (``CpuTiedHead``). Returns the line for the plan's description."""
-    for linear in linears:
-        linear.wide = wide
-    if isinstance(model.head, CpuTiedHead):  # the head's many rows: a scoring pass (a prefill's are few)
-        model.head.wide = wide
-    for module in quantized_products(model):
-        if module.int8_activations and module.integer_prompts:
-            continue  # integer products are never widened
-        if hasattr(module, "embeddings") and module.embeddings.qweight.dtype == torch.uint8 and module.kernel:
-            continue  # int4's head keeps its kernel for any rows (see ``accelerate``)
-        routes.route_prompts(module, "widened", wide, None)
-    return f"products of over {wide.min_rows} rows in fp32, weights widened"
-
-
-def apply_integer(quantized: list, picks: dict, kernels: Kernels | None) -> str | None:
-    """Integer products where ``picks`` chose them, the kernels' integer product for each (else
-    their public-op form). Returns the scope for the load line: '' (every product), ' for prompts',
-    ' for decode rows', or None (none)."""
+def apply_routes(model: StaticBloom, linears: list, quantized: list, chosen: routes.RowRoutes,
+                 wide: WidenedProducts, kernels: Kernels | None) -> str | None:
+    """The chosen routes on every float linear, the head and the quantized products (one
+    ``WidenedProducts`` scratch for all). The head's decode rows keep their product (the head is
+    not among the products timed; widened, a decode step would widen the whole vocabulary), and so
+    do int4's head's every rows (its kernel serves any). The user's ``--int8_activations on``
+    stays. Returns the integer products' scope for the load line: '' (every product), ' for
+    prompts', ' for decode rows', or None (none)."""
     block_kernel = kernels.block_q8_linear if kernels is not None else None
-    prompts, decode = picks.get("prompts") == "integer", picks.get("decode") == "integer"
+    for linear in linears:
+        routes.set_routes(linear, chosen, wide, None)
+    if isinstance(model.head, CpuTiedHead):
+        routes.set_routes(model.head, replace(chosen, decode="native"), wide, None)
+    shared = routes.RoutedWide(wide, chosen)
     for module in quantized:
         if module.int8_activations and not module.__dict__.get("auto_integer"):  # --int8_activations on
             module.block_kernel = block_kernel
+        elif hasattr(module, "embeddings") and module.embeddings.qweight.dtype == torch.uint8 and module.kernel:
+            unwidened = tuple("native" if p == "widened" else p for p in chosen.prompts)
+            routes.set_routes(module, replace(chosen, prompts=unwidened), wide, block_kernel)
         else:
-            routes.set_integer(module, prompts, decode, block_kernel)
+            routes.set_routes(module, chosen, shared, block_kernel)
     integer = [m for m in quantized if m.int8_activations]
     if not integer:
         return None
     prompts = all(m.integer_prompts for m in integer)
     decode = all(m.integer_decode for m in integer)
     return "" if prompts and decode else " for prompts" if prompts else " for decode rows"
+
+
+def widened_note(chosen: routes.RowRoutes) -> str:
+    """Where the products are widened, for the load line."""
+    where = [f"{key.partition(':')[2]} rows" for key, pick in zip(routes.PROMPT_KEYS, chosen.prompts)
+             if pick == "widened"]
+    if chosen.decode == "widened":
+        where.append("decode rows")
+    return f"products in fp32, weights widened ({', '.join(where)})"
 
 
 def integer_allowed(model: StaticBloom, quantized: list) -> bool:
@@ -352,12 +354,12 @@ def integer_allowed(model: StaticBloom, quantized: list) -> bool:
     return bool(quantized)
 
 
-def choose_routes(model: StaticBloom, options: CpuOptions, cap: capability.Capability, kernels: Kernels | None,
-                  linears: list, quantized: list, wide: WidenedProducts, compile_steps: bool,
-                  amx_tiles: bool) -> choice.Chosen:
-    """The route of prompts and of decode rows (``routes.py``): the candidates this model and these
-    options allow, timed on a sample of the first block's products unless the choice is cached,
-    static or forced (``choice.py``)."""
+def route_candidates(model: StaticBloom, options: CpuOptions, cap: capability.Capability,
+                     kernels: Kernels | None, linears: list, quantized: list,
+                     compile_steps: bool) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """The candidates of each key of the choice (``routes.PROMPT_KEYS``, 'decode') that this model
+    and these options allow, and the static pick of each (the rule of thumb: widened prompts of
+    more than 16 rows where bf16 products are emulated, weight-only quantized products)."""
     dtype = model.word_embeddings.weight.dtype
     user_integer = bool(quantized) and all(m.int8_activations and not m.__dict__.get("auto_integer") for m in quantized)
     may_widen = options.widen and options.path != "plain" and not compile_steps and \
@@ -366,36 +368,49 @@ def choose_routes(model: StaticBloom, options: CpuOptions, cap: capability.Capab
     block = model.h[0]
     first = [block.self_attention.query_key_value, block.self_attention.dense, block.mlp.dense_h_to_4h,
              block.mlp.dense_4h_to_h]
+    widened = ["widened"] if may_widen else []
     prompts, decode = [], []
     if user_integer or (options.int8_activations == "on" and quantized):
         prompts, decode = ["integer"], ["integer"]
     elif quantized:
-        prompts = ["native"] + (["widened"] if may_widen else []) + (["integer"] if may_integer else [])
+        prompts = ["native"] + widened + (["integer"] if may_integer else [])
         decode = ["weight-only"] + (["integer"] if may_integer else [])
     elif all(m in linears for m in first):
-        prompts = ["native"] + (["widened"] if may_widen else []) + \
+        prompts = ["native"] + widened + \
             (["kernel"] if kernels is not None and all(m.kernel is not None for m in first) else [])
-    elif may_widen and cap.emulates_bf16:  # products of another kind (LoRA rows): the rule, untimed
-        prompts = ["widened"]
-    static = {"prompts": "integer" if "integer" in decode and len(decode) == 1 else
-              "widened" if "widened" in prompts and cap.emulates_bf16 else "native",
-              "decode": "integer" if decode == ["integer"] else "weight-only"}
+        decode = ["native"] + widened
+    keys = {key: list(prompts) for key in routes.PROMPT_KEYS}
+    keys["decode"] = decode
+    rule = "integer" if decode == ["integer"] else "widened" if widened and cap.emulates_bf16 else "native"
+    static = {key: rule for key in routes.PROMPT_KEYS}
+    static[routes.PROMPT_KEYS[0]] = rule if rule == "integer" else "native"  # a few rows: the kernel's, as ever
+    static["decode"] = "integer" if decode == ["integer"] else "weight-only" if quantized else "native"
+    if not prompts and may_widen and cap.emulates_bf16:  # products of another kind (LoRA rows): the rule, untimed
+        keys = {key: [static[key]] for key in routes.PROMPT_KEYS}
+    return keys, static
+
+
+def choose_routes(model: StaticBloom, options: CpuOptions, cap: capability.Capability, kernels: Kernels | None,
+                  linears: list, quantized: list, wide: WidenedProducts, compile_steps: bool,
+                  amx_tiles: bool) -> choice.Chosen:
+    """The route of each prompt bucket and of decode rows (``routes.py``): the candidates this
+    model and these options allow, timed on a sample of the first block's products unless the
+    choice is cached, static or forced (``choice.py``); rank 0's choice on every rank."""
+    dtype = model.word_embeddings.weight.dtype
+    keys, static = route_candidates(model, options, cap, kernels, linears, quantized, compile_steps)
+    block = model.h[0]
+    first = [block.self_attention.query_key_value, block.self_attention.dense, block.mlp.dense_h_to_4h,
+             block.mlp.dense_4h_to_h]
     block_kernel = kernels.block_q8_linear if kernels is not None else None
-    proxies = [routes.sampled(m) for m in first] if len(prompts) > 1 or len(decode) > 1 else []
-    candidates = {"prompts": {}, "decode": {}}
-    for pick in prompts:
-        candidates["prompts"][pick] = routes.timer(
-            proxies, routes.prompt_shapes(), dtype,
-            lambda p, pick=pick: routes.route_prompts(p, pick, wide, block_kernel))
-    for pick in decode:
-        candidates["decode"][pick] = routes.timer(
-            proxies, routes.decode_shapes(), dtype, lambda p, pick=pick: routes.route_decode(p, pick, block_kernel))
+    proxies = [routes.sampled(m) for m in first] if any(len(names) > 1 for names in keys.values()) else []
+    candidates = routes.candidates(proxies, dtype, keys, wide, block_kernel)
     determined_by = {"dtype": str(dtype), "sample": routes.describe_sample(proxies),
                      "kernels": kernels.isa if kernels is not None else None, "amx_tiles": amx_tiles,
                      "options": [options.path, options.widen, options.amx, options.pack_weights,
                                  options.int8_activations]}
     try:
-        return choice.choose(candidates, static, determined_by, options.choice)
+        return choice.agree(model.parallel, lambda: choice.choose(candidates, static, determined_by, options.choice,
+                                                                  routes.TOGETHER))
     except choice.ChoiceError as error:
         raise CpuPathError(str(error)) from None
 
@@ -454,7 +469,8 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
             block.mlp.gelu = torch.nn.Identity()
     wide = WidenedProducts(kernels.int4_dequantize if kernels is not None else None)
     chosen = choose_routes(model, options, cap, kernels, linears, quantized, wide, compile_steps, amx_tiles)
-    integer_scope = apply_integer(quantized, chosen.picks, kernels)
+    row_routes = routes.RowRoutes.of(chosen.picks, decode="weight-only" if quantized else "native")
+    integer_scope = apply_routes(model, linears, quantized, row_routes, wide, kernels)
     if quantized:
         public = "" if kernels is not None else " in public ops"
         mode_name = f"{quantized_mode(model)} " if kernels is not None else ""
@@ -464,12 +480,10 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
             used.append(f"{quantized_mode(model)} few-rows products")
     integer = [m for m in quantized if m.int8_activations]
     integer_decode = bool(integer) and all(m.integer_decode for m in integer)
-    widened = chosen.picks.get("prompts") == "widened"
+    widened = row_routes.uses("widened")
     if widened:
-        used.append(widen_many_rows(model, linears, wide))
-    if chosen.picks.get("prompts") == "kernel":
-        for linear in linears:
-            linear.few_rows_limit = routes.KERNEL_ANY_ROWS
+        used.append(widened_note(row_routes))
+    if "kernel" in row_routes.prompts:
         used.append("the few-rows kernel for prompts too")
     if fused_gelu:
         used.append("oneDNN GELU in the prefill's MLP")
@@ -488,8 +502,9 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         if quantized:  # every weight quantized, each served by its kernel: the quantized one-call step
             all_kernel = all((m.block_kernel if m.int8_activations and m.integer_decode else m.kernel) is not None
                              for m in quantized)
-        else:
-            all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears)
+        else:  # and the decode rows not widened: the one call multiplies through the kernel
+            all_kernel = isinstance(model.head, CpuTiedHead) and all(m.kernel is not None for m in linears) and \
+                row_routes.decode == "native"
         if not compile_steps and model.parallel.world_size == 1 and all_kernel:
             plan.decode = OneCallDecode(model, kernels.decode_step,
                                         kernels.decode_step_quantized if quantized else None, integer_decode)

@@ -5,10 +5,14 @@ quantized linears): the model's own classes stay plain PyTorch.
   the weight) goes to our kernel; larger inputs (a prefill) to oneDNN, with the weight packed once
   in the layout its kernels read fastest where no kernel serves it, and with the MLP's GELU
   applied inside oneDNN's product where it can.
-* ``CpuTiedHead``: the LM head's product of a few rows through the kernel (of many, ``wide``'s, if set).
+* ``CpuTiedHead``: the LM head's product of a few rows through the kernel (widened where its routes say).
 * ``OneCallPromptAttention``: a prefill's attention in one C++ call (``csrc/prompt_attention.cpp``).
-* ``WidenedProducts``: on a CPU without native bf16 products, the products of many rows (a prompt)
-  over bf16, int8 and int4 weights as fp32 products on the weight widened to fp32.
+* ``WidenedProducts``: on a CPU without native bf16 products, products over bf16, int8 and int4
+  weights as fp32 products on the weight widened to fp32.
+
+Which product a call takes follows the module's ``routes`` (``routes.RowRoutes``: by the input's
+class and rows, as chosen by ``choice.py``); without them, the kernel for the rows it serves, else
+oneDNN's or ATen's product in the model's dtype.
 
 ``swap(module, cls, **attributes)`` turns a module into its CPU variant in place: same parameters,
 same name in the model, only the class and a few attributes change; ``unswap`` turns it back.
@@ -61,9 +65,9 @@ def unswap(module: nn.Module) -> None:
 
 
 class WidenedProducts:
-    """Products of more than ``min_rows`` rows as fp32 products, for a CPU whose bf16 products are
-    emulated (``Capability.emulates_bf16``: there PyTorch's bf16 product of a 128-token prompt takes
-    several times its fp32 one). The weight is widened into fp32 scratch memory, reused by every
+    """Products as fp32 products, for a CPU whose bf16 products are slow (``Capability.emulates_bf16``:
+    there PyTorch's bf16 product of a 128-token prompt takes several times its fp32 one); the
+    routes say for which rows (``routes.py``). The weight is widened into fp32 scratch memory, reused by every
     layer in turn, a panel of at most ``panel_elements`` at a time (each panel's product over before
     the next is made); x is widened once per product; the product is ``torch.mm`` in fp32 (MKL's or
     oneDNN's sgemm), rounded once to x's dtype at the end.
@@ -76,15 +80,10 @@ class WidenedProducts:
     Bias and the MLP's GELU are applied to the fp32 sums, as oneDNN's fused product does, before
     the one rounding."""
 
-    def __init__(self, int4_dequantize: Callable | None = None, min_rows: int = FEW_ROWS,
-                 panel_elements: int = WIDE_PANEL_ELEMENTS):
+    def __init__(self, int4_dequantize: Callable | None = None, panel_elements: int = WIDE_PANEL_ELEMENTS):
         self.int4_dequantize = int4_dequantize  # the kernels' (q, scales, out), else public ops
-        self.min_rows, self.panel_elements = min_rows, panel_elements
+        self.panel_elements = panel_elements
         self.buffer = torch.empty(0)  # the fp32 panel
-
-    def takes(self, x: torch.Tensor) -> bool:
-        """Whether a product with input ``x`` [..., K] is one of many rows, which this serves."""
-        return x.numel() > self.min_rows * x.shape[-1]
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                gelu: bool = False) -> torch.Tensor:
@@ -134,25 +133,32 @@ class WidenedProducts:
         return out.to(x.dtype).view(*x.shape[:-1], n)
 
 
+def route_of(module, x: torch.Tensor) -> str:
+    """The pick of ``module``'s routes for input ``x`` ('native' without routes)."""
+    return module.routes.pick(x) if module.routes is not None else "native"
+
+
 class CpuProducts:
-    """The product of ``Linear``, by input size: ``kernel`` for at most ``few_rows_limit``
-    elements, else ``wide`` (``WidenedProducts``) for the many rows it takes, else oneDNN's
-    ``packed`` weight, else ``F.linear``. With ``fused_gelu`` the result
-    is gelu_tanh(product), inside oneDNN's product for large inputs (the model's ``MLP.gelu`` is
-    then swapped for an identity)."""
+    """The product of ``Linear``, by its route (``route_of``): 'widened', ``wide``'s fp32 product;
+    'kernel', ``kernel``; 'native', ``kernel`` for at most ``few_rows_limit`` elements, else
+    oneDNN's ``packed`` weight, else ``F.linear``. With ``fused_gelu`` the result is
+    gelu_tanh(product), inside oneDNN's product for large inputs (the model's ``MLP.gelu`` is then
+    swapped for an identity)."""
 
     kernel: Callable | None = None
     few_rows_limit = 0
     packed: torch.Tensor | None = None
     fused_gelu = False
     wide: WidenedProducts | None = None
+    routes = None  # routes.RowRoutes, set by the runtime's choice
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.kernel is not None and x.numel() <= self.few_rows_limit:
+        route = route_of(self, x)
+        if route == "widened":
+            return self.wide.linear(x, self.weight, bias, self.fused_gelu)
+        if self.kernel is not None and (route == "kernel" or x.numel() <= self.few_rows_limit):
             out = self.kernel(x, self.weight, bias)
             return F.gelu(out, approximate="tanh") if self.fused_gelu else out
-        if self.wide is not None and self.wide.takes(x):
-            return self.wide.linear(x, self.weight, bias, self.fused_gelu)
         if self.packed is None and not self.fused_gelu:
             return F.linear(x, self.weight, bias)
         weight = self.packed if self.packed is not None else self.weight
@@ -194,16 +200,21 @@ class KernelGelu(nn.Module):
 
 
 class CpuTiedHead(TiedHead):
+    """The LM head: ``wide``'s product where its routes pick 'widened' (their decode rows never
+    do: its product is not among those timed), else the kernel for at most ``few_rows_limit``
+    elements, else ``F.linear``."""
+
     plain_class = TiedHead
     kernel: Callable | None = None
     few_rows_limit = 0
     wide: WidenedProducts | None = None
+    routes = None
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if route_of(self, x) == "widened":
+            return self.wide.linear(x, weight, None)
         if self.kernel is not None and x.numel() <= self.few_rows_limit:
             return self.kernel(x, weight, None)
-        if self.wide is not None and self.wide.takes(x):
-            return self.wide.linear(x, weight, None)
         return F.linear(x, weight)
 
 
