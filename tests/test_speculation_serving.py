@@ -380,3 +380,37 @@ def openai_client(port: int):
     import openai
 
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def test_lora_rows_and_prefix_hits_speculate_as_without(seed7_checkpoint, tmp_path):
+    """A served LoRA adapter's rows beside the base model's (each row's adapter applies at every
+    verified position), and prompts the prefix cache has seen: the same tokens as the engine without
+    speculation."""
+    from lora_adapters import make_adapter
+
+    from generation.serving.engine import Engine, EngineConfig
+    from generation.serving.params import SamplingParams
+
+    adapter = make_adapter(seed7_checkpoint, tmp_path / "adapter", seed=2, r=4, lora_alpha=8,
+                           target_modules=["query_key_value", "dense_4h_to_h"])
+    generator = Generator.from_pretrained(seed7_checkpoint, device="cpu", lora={"tuned": adapter},
+                                          prefix_cache="16MB")
+    requests = [(PROMPTS[0], 0), (PROMPTS[0], 1), (PROMPTS[1] + " " + PROMPTS[0], 1)]
+
+    def answers(speculate):
+        engine = Engine(generator, EngineConfig(max_batch=4, max_length=64, bucket_width=32,
+                                                speculation=parse_speculation(speculate)))
+        texts = []
+        for _ in range(2):  # the second time, the prompts' blocks come from the prefix cache
+            handles = [engine.submit(engine.tokenizer.encode(p), SamplingParams(max_tokens=20, adapter=a))
+                       for p, a in requests]
+            while engine.step() or engine.queue_length:
+                pass
+            texts.append([h.result(1)[0].token_ids for h in handles])
+        return texts, engine.stats
+
+    got, stats = answers("ngram:4")
+    want, _ = answers(None)
+    assert stats["guesses_accepted"] > 0 and generator.runner.prefix.stats.hits > 0
+    assert got == want
+    assert want[0][0] != want[0][1]  # the adapter changes the answer
