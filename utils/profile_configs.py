@@ -286,11 +286,11 @@ def confirm_command(spec, row: dict, threads: int | None) -> str | None:
 
     if row["scenario"] != "offline" or row["tp"] != 1 or row.get("speculate", "off") != "off":
         return None
-    folder = spec.tokenizer_dir
+    folder = Path(spec.tokenizer_dir) if spec.tokenizer_dir else None  # the checkpoint the spec came from
     if spec.name in SHAPES:
         config = spec.name
-    elif folder and any(Path(folder).glob("*.safetensors")) or folder and any(Path(folder).glob("*.bin")):
-        config = folder
+    elif folder is not None and (any(folder.glob("*.safetensors")) or any(folder.glob("*.bin"))):
+        config = str(folder)
     else:
         return None
     dtype = "fp32" if row["dtype"] == "fp32" else "bf16"
