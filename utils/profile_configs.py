@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor_parallel_sizes", type=int, nargs="*", default=[1], metavar="N",
                    help="ranks per configuration (default 1); more than 1 runs under the DeepSpeed launcher")
     p.add_argument("--dtypes", nargs="*", default=["bf16"], metavar="D",
-                   help=f"from {', '.join(DTYPES)} (int8/int4: weight-only, activations bf16; default bf16)")
+                   help=f"from {', '.join(DTYPES)} (int8/int4: quantized weights, activations bf16; default bf16)")
     p.add_argument("--max_batch_sizes", type=int, nargs="*", default=[1], metavar="B",
                    help="offline: the static batch; online: the server's --max_batch (default 1)")
     p.add_argument("--input_output_lengths", nargs="*", default=["60,20"], metavar="IN,OUT",

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 DTYPES = ("fp32", "bf16", "int8", "int4")
 QUANTIZED = ("int8", "int4")
-# The dtype of activations and KV cache: int8 and int4 are weight-only, over bf16.
+# The dtype of activations and KV cache: int8 and int4 are quantized weights, over bf16.
 ACTIVATION_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "int8": "bfloat16", "int4": "bfloat16"}
 SCENARIOS = {"offline": ("offline",), "online": ("online",), "both": ("offline", "online")}
 

@@ -155,8 +155,8 @@ def run_online(generator, config: dict, plan: dict, rank: Rank) -> dict | None:
 
 
 def dtype_of(name: str) -> tuple[torch.dtype, str | None]:
-    """(activation dtype, quantization) of a --dtypes entry: int8 and int4 are weight-only, over
-    activations (and cache) in bf16."""
+    """(activation dtype, quantization) of a --dtypes entry: int8 and int4 are quantized weights,
+    over activations (and cache) in bf16, with the library's default products (int8_activations auto)."""
     return getattr(torch, ACTIVATION_DTYPES[name]), name if name in QUANTIZED else None
 
 
