@@ -32,7 +32,10 @@ Weight formats (``--formats``), each against the peers' format of the same weigh
 
 A format whose ``int8_activations`` keyword this checkout does not take yet is skipped with a note.
 ``--ours_extra k=v,...`` passes more keywords to ours' ``from_pretrained`` (``cpu_path=avx2``
-becomes ``cpu=CpuOptions(path="avx2")``). Ours runs with ``bucket_width`` ``--bucket_width`` (16):
+becomes ``cpu=CpuOptions(path="avx2")``). Ours' routes are those measured on this machine (the
+library's default, ``CpuOptions(choice="measure")``, whatever ``$BLOOM_CPU_CHOICE`` says; the first
+run of a format times them, before its figures; ``--ours_extra cpu_choice=static`` asks for the rule
+of thumb), and the table says which were picked. Ours runs with ``bucket_width`` ``--bucket_width`` (16):
 a prompt is padded to a multiple of 16, not to ``max_length`` (0: the static shapes of the CLI's
 default, ``max_length`` = prompt + new tokens).
 
@@ -289,6 +292,34 @@ def convert_ct2(folder: Path, fmt: str) -> Path:
 # --------------------------------------------------------------------------- the engines (each in its own process)
 
 
+def ours_keywords(spec: dict, fmt: str) -> dict:
+    """Ours' ``from_pretrained`` keywords for ``fmt``, with ``cpu``: the ``CpuOptions`` keywords.
+    The routes are always measured on this machine (``choice="measure"``, the library's default,
+    whatever ``$BLOOM_CPU_CHOICE`` says, as the test suite sets it to 'static'), unless
+    ``--ours_extra cpu_choice=...`` asks otherwise; ``cpu_path=...`` picks the CPU path."""
+    kwargs = dict(spec["ours_extra"])
+    kwargs["cpu"] = {"choice": kwargs.pop("cpu_choice", "measure")}
+    if "cpu_path" in kwargs:
+        kwargs["cpu"]["path"] = kwargs.pop("cpu_path")
+    base = weight_format(fmt)
+    if base in ("fp32", "bf16"):
+        kwargs["dtype"] = base
+    else:
+        kwargs.setdefault("dtype", spec["quant_dtype"])
+        kwargs["quantize"] = base
+        kwargs["group_size"] = spec["group_size"] if base == "int4" else None
+    if fmt.endswith("i"):
+        kwargs["int8_activations"] = True
+    return kwargs
+
+
+def routes_of(describe: str | None) -> str | None:
+    """The routes ours picked, from its load line's end ('prompts native, decode weight-only (measured)')."""
+    if not describe or "; routes " not in describe:
+        return None
+    return describe.rsplit("; routes ", 1)[1]
+
+
 class Ours:
     name = "ours"
 
@@ -301,18 +332,8 @@ class Ours:
 
         self.build_options = build_options
         torch.set_num_threads(spec["threads"])
-        kwargs = dict(spec["ours_extra"])
-        if "cpu_path" in kwargs:
-            kwargs["cpu"] = CpuOptions(path=kwargs.pop("cpu_path"))
-        base = weight_format(fmt)
-        if base in ("fp32", "bf16"):
-            kwargs["dtype"] = base
-        else:
-            kwargs.setdefault("dtype", spec["quant_dtype"])
-            kwargs["quantize"] = base
-            kwargs["group_size"] = spec["group_size"] if base == "int4" else None
-        if fmt.endswith("i"):
-            kwargs["int8_activations"] = True
+        kwargs = ours_keywords(spec, fmt)
+        kwargs["cpu"] = CpuOptions(**kwargs.pop("cpu"))
         self.gen = Generator.from_pretrained(spec["folder"], **kwargs)
         self.text = {tuple(p["ids"]): p["text"] for group in spec["prompts"].values() for p in group}
         self.bucket = spec["bucket_width"]
@@ -602,6 +623,10 @@ def markdown(report: dict) -> str:
             out.append(f"| {r['label']} | {HEADER[metric]} | {fmt_num(vals.get('ours'))} | "
                        f"{fmt_num(vals.get('llama.cpp'))} | {fmt_num(vals.get('ctranslate2'))} | "
                        f"{fmt_num(ratio, 2)}{note if ratio is not None else ''} |")
+    picked = [f"{r['label']}: {routes_of(r['describe'].get('ours'))}" for r in rows if routes_of(r["describe"].get("ours"))]
+    if picked:
+        out += ["", "Ours' CPU routes, as its load line gave them (measured on this machine unless it says otherwise): "
+                + "; ".join(picked)]
     return "\n".join(out)
 
 

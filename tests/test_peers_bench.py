@@ -62,3 +62,32 @@ def test_ours_extra_parses_literals():
         "int8_activations": True, "cpu_path": "avx2", "group_size": 64}
     with pytest.raises(SystemExit):
         pb.parse_extra("int8_activations")
+
+
+def test_ours_runs_with_the_measured_routes_by_default(monkeypatch):
+    monkeypatch.setenv("BLOOM_CPU_CHOICE", "static")  # as the suite sets it: the bench must not inherit it
+    spec = dict(SPEC, ours_extra={}, quant_dtype="bf16")
+    assert pb.ours_keywords(spec, "int8") == {"cpu": {"choice": "measure"}, "dtype": "bf16", "quantize": "int8",
+                                              "group_size": None}
+    assert pb.ours_keywords(spec, "bf16")["cpu"] == {"choice": "measure"}
+    from bloom_hpu.runtime.cpu import CpuOptions, choice
+
+    assert choice.mode(CpuOptions(**pb.ours_keywords(spec, "fp32")["cpu"]).choice) == "measure"
+    spec["ours_extra"] = pb.parse_extra("cpu_choice=static,cpu_path=avx2")
+    assert pb.ours_keywords(spec, "int4i")["cpu"] == {"choice": "static", "path": "avx2"}
+
+
+def test_the_table_says_which_routes_ours_picked():
+    line = ("AVX512-BF16 kernels: few-rows products (CPU flags: AVX512-BF16); "
+            "routes prompts 1-16 native, 17-64 kernel, 65+ kernel, decode native (measured)")
+    assert pb.routes_of("tree: Generator.from_pretrained(dtype='bf16'); bucket_width 16; " + line) == \
+        "prompts 1-16 native, 17-64 kernel, 65+ kernel, decode native (measured)"
+    assert pb.routes_of("PyTorch operations (--cpu_path plain)") is None
+    results = {"ours": {"bf16": dict(samples(0.01, 0.05, 0.1, 1.0), describe=f"x; {line}")}}
+    report = {"spec": dict(SPEC, formats=["bf16"], threads=2, repeats=1, rounds=1, vocab=1, hidden=1, layers=1,
+                           heads=1),
+              "cpu": {"model": "a CPU", "cpus": 2, "isa": []}, "load_before": [0, 0, 0], "load_after": [0, 0, 0],
+              "shape": "tiny", "versions": {}}
+    report["rows"] = pb.build_rows(results, report["spec"])
+    assert "bf16 / BF16 / -: prompts 1-16 native, 17-64 kernel, 65+ kernel, decode native (measured)" in \
+        pb.markdown(report)
