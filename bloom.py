@@ -134,10 +134,14 @@ def add_search_flags(group) -> None:
     group.add_argument("--prefix_cache", default=None, metavar="SIZE",
                        help="keys and values of prompt prefixes seen before are copied, not computed: the pool's "
                             "size, e.g. 512MB, 2GB (default 1GB; 0: off; see docs/prefix-cache.md)")
-    group.add_argument("--speculate", metavar="ngram[:K]",
+    group.add_argument("--speculate", metavar="ngram[:K]|draft[:K]",
                        help="speculative decoding: each pass over the weights verifies up to K (1..8, default 4) "
-                            "guesses of every row, taken from its own prompt and output (prompt lookup); the same "
-                            "tokens, greedy or sampled (see docs/performance.md#speculative-decoding)")
+                            "guesses of every row, taken from its own prompt and output (ngram: prompt lookup) or "
+                            "from a draft model (draft, with --draft_model); the same tokens, greedy or sampled "
+                            "(see docs/performance.md#speculative-decoding)")
+    group.add_argument("--draft_model", metavar="DIR",
+                       help="with --speculate draft: a smaller BLOOM checkpoint with the same tokenizer (bloom-560m "
+                            "for bloom-7b1), loaded beside the model with the same --dtype, --device and --quantize")
     group.add_argument("--options", default="", help='generation options "k=v,k:int=3,flag,!flag" (see --help_options)')
     group.add_argument("--help_options", action="store_true", help="list every generation option and exit")
     group.add_argument("--warmup", action="store_true", help="run every step shape (each bucket) once before the "
@@ -259,9 +263,13 @@ def check_flags(args) -> None:
         if args.serve and speculation is not None and speculation.kind != "ngram":
             raise UsageError(f"--serve speculates by prompt lookup only for now: use --speculate ngram[:K], "
                              f"not {args.speculate}")
+        if speculation is not None and speculation.kind == "draft" and not args.draft_model:
+            raise UsageError("--speculate draft needs --draft_model DIR (a smaller BLOOM with the same tokenizer)")
         where = "--eval" if args.eval else "--mode vanilla" if args.mode == "vanilla" else None
         if where:  # --eval scores given text (nothing to guess); vanilla is transformers' own loop
             raise UsageError(f"--speculate runs with prompts, --stream, --requests, --chat and --serve, not with {where}")
+    if args.draft_model and not (args.speculate and args.speculate.strip().lower().startswith("draft")):
+        raise UsageError("--draft_model goes with --speculate draft[:K]")
     if args.quantize and args.mode == "vanilla":
         raise UsageError("--quantize runs in --mode optimized only (vanilla is transformers' own model)")
     if args.int8_activations == "on" and args.mode == "vanilla":
@@ -334,6 +342,7 @@ def make_generator(args, opts):
         quantize=args.quantize, group_size=args.group_size, int8_activations=args.int8_activations,
         prefix_cache=PREFIX_CACHE_DEFAULT if args.prefix_cache is None else args.prefix_cache,
         speculate=None if args.serve else args.speculate,  # the server's engine speculates itself (EngineConfig)
+        draft_model=args.draft_model,
     )
     if generator.adapter is not None:
         log(f"{generator.adapter.describe()}, merged")

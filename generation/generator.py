@@ -36,6 +36,7 @@ from .run.results import BatchStats, GenerationResult, Sequence, make_sequence
 from .search.beam import beam_search
 from .search.choose import GrammarSteps, chooser
 from .search.processors import LogitsProcessors
+from .search.draft import DraftModel, check_draft, check_draft_fits
 from .search.guesses import Speculation, SpeculationError, parse_speculation
 from .search.sampling import UniformKernel, checked_uniform_kernel, repeat_rows, row_keys, sampling_seeds
 from .search.stopping import StopChecker, stops_per_prompt
@@ -73,6 +74,7 @@ class Generator:
         self.lora: ServedAdapters | None = None  # adapters served unmerged, row by row
         self.speculation: Speculation | None = None  # guesses verified several a pass (search/speculation.py)
         self._speculated: SpeculationStats | None = None  # what the last call's speculation did
+        self.draft: DraftModel | None = None  # speculation's draft model (search/draft.py), when one is loaded
 
     @classmethod
     def from_pretrained(
@@ -94,6 +96,7 @@ class Generator:
         int8_activations: bool | str = "auto",
         prefix_cache: int | str | None = None,
         speculate: str | None = None,
+        draft_model: str | Path | None = None,
     ) -> "Generator":
         """``cpu``: the CPU fast path (``CpuOptions``: which kernels, one-call steps, packing);
         by default the fastest this CPU can run. ``peft_weights``: a PEFT LoRA adapter folder,
@@ -115,8 +118,17 @@ class Generator:
         None or 0: none): the keys and values of prompt prefixes seen before are copied instead
         of computed (``generation/run/prefix_pool.py``).
         ``speculate``: "ngram" or "ngram:K": greedy search and sampling verify up to K guesses of
-        each row (prompt lookup) in one pass, the same tokens (``generation/search/speculation.py``)."""
+        each row (prompt lookup) in one pass, the same tokens (``generation/search/speculation.py``);
+        "draft" or "draft:K" with ``draft_model``: the guesses of a smaller BLOOM with the same
+        tokenizer (a checkpoint folder), loaded beside the target with the same options
+        (``generation/search/draft.py``)."""
         speculation = parse_speculation(speculate)  # named before anything is loaded
+        drafting = speculation is not None and speculation.kind == "draft"
+        if drafting and draft_model is None:
+            raise SpeculationError(f"speculate={str(speculation)!r} needs a draft model: draft_model=DIR "
+                                   "(--draft_model DIR), a smaller BLOOM with the same tokenizer")
+        if draft_model is not None and not drafting:
+            raise SpeculationError("draft_model goes with speculate='draft[:K]' (--speculate draft[:K])")
         prefix_bytes = parse_size(prefix_cache)  # a bad size is named before anything is loaded
         if quantize is not None and quantize not in QUANTIZE_MODES:
             raise QuantizeError(f"unknown quantization {quantize!r}: choose {', '.join(QUANTIZE_MODES)}")
@@ -127,6 +139,8 @@ class Generator:
         folder = resolve_checkpoint(str(weights) if weights is not None else None, model)
         check_checkpoint(folder)  # a broken config.json is named before any tensor is read
         config = BloomConfig.from_json(folder / "config.json")
+        # The draft's config and tokenizer against the target's, before either is loaded.
+        draft_folder, draft_config = check_draft(draft_model, folder, config) if drafting else (None, None)
         stored = stored_quantization(config)
         if quantize is not None and stored is not None and (quantize, group_size) != stored:
             saved = stored[0] + (f" with groups of {stored[1]}" if stored[1] else "")
@@ -162,6 +176,13 @@ class Generator:
                 backend.cpu_plan.drop_one_call_decode("LoRA adapters are served")
         enable_prefix_cache(generator, prefix_bytes)
         generator.speculation = speculation
+        if drafting:  # loaded like the target, with its options (no adapters, no prefix cache)
+            check_draft_fits(draft_folder, draft_config, torch_dtype, backend.device, parallel)
+            draft = cls.from_pretrained(draft_folder, dtype=dtype, device=device, use_graphs=use_graphs,
+                                        compile_steps=compile_steps, parallel=parallel, cpu=cpu,
+                                        limit_hpu_graphs=limit_hpu_graphs, quantize=quantize, group_size=group_size,
+                                        int8_activations=int8_activations)
+            generator.draft = DraftModel(draft.runner, draft_folder)
         return generator
 
     @property
@@ -225,11 +246,14 @@ class Generator:
         if speculation is not None and opts.num_beams > 1:
             raise SpeculationError(f"speculative decoding ({speculation}) works with greedy search and sampling, "
                                    "not with beam search (num_beams > 1)")
+        if speculation is not None and speculation.kind == "draft" and self.draft is None:
+            raise SpeculationError(f"speculate={str(speculation)!r} needs the draft model loaded with the generator: "
+                                   "Generator.from_pretrained(..., speculate='draft', draft_model=DIR)")
         if grammar is None and grammar_each is None:
             grammar_each = options_grammar(opts, len(prompts))
         self.backend.check_static(opts.static_shapes)
         stops = stops_per_prompt(stop, len(prompts))
-        self.check_fits(prompts, opts)
+        self.check_fits(prompts, opts, speculation)
         start = time.perf_counter()
         batch = make_batch(self.tokenizer, prompts, opts, self.device, max_new_tokens_each)
         checker = StopChecker(self.tokenizer, stops) if any(stops) else None
@@ -252,15 +276,19 @@ class Generator:
                                      cached_tokens=sum(cached), speculation=self._speculated)
         return results
 
-    def check_fits(self, prompts: list[str], opts: GenerationOptions) -> None:
+    def check_fits(self, prompts: list[str], opts: GenerationOptions, speculation: Speculation | None = None) -> None:
         """Options against the vocabulary, and the call's memory against what is free, before
-        anything is allocated (a max_length of a billion is refused here, not by the allocator)."""
+        anything is allocated (a max_length of a billion is refused here, not by the allocator).
+        With a draft model, its cache of the call's shape counts too."""
         check_against_model(opts, self.model.config.vocab_size)
         if not prompts:
             return
         longest = max(len(ids) for ids in self.tokenizer.encode_batch(prompts))
-        check_memory(self.model.config, self.dtype, self.device, len(prompts) * rows_per_prompt(opts),
-                     opts.max_length, min(longest, opts.max_length), self.model.parallel)
+        rows, prompt_len = len(prompts) * rows_per_prompt(opts), min(longest, opts.max_length)
+        drafts = speculation is not None and speculation.kind == "draft" and self.draft is not None
+        extra = self.draft.call_bytes(rows, opts.max_length, prompt_len) if drafts else 0
+        check_memory(self.model.config, self.dtype, self.device, rows, opts.max_length, prompt_len,
+                     self.model.parallel, extra=extra)
 
     def grammar_rows(self, grammar_each: list[Grammar | None] | None, opts: GenerationOptions) -> GrammarRows | None:
         """The matchers of the call's rows (a prompt's copies share its grammar), or None."""
@@ -302,7 +330,8 @@ class Generator:
         if speculation is not None and opts.use_kv_cache:
             loop, self._speculated = run_speculative_loop(
                 self.runner, rows, processors, speculation, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id,
-                ignore_eos=opts.ignore_eos, keys=keys, kernel=self.noise_kernel, hooks=hooks, grammars=grammars)
+                ignore_eos=opts.ignore_eos, keys=keys, kernel=self.noise_kernel, hooks=hooks, grammars=grammars,
+                guesser=self.draft.guesser() if speculation.kind == "draft" else None)
         else:
             loop = run_token_loop(self.runner, rows, choose, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id,
                                   ignore_eos=opts.ignore_eos, use_kv_cache=opts.use_kv_cache, hooks=hooks)

@@ -326,7 +326,7 @@ def test_rejection_sampling_keeps_the_targets_distribution(monkeypatch, eos_gene
 # --- refusals ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", ["draft", "ngram:0", "ngram:9", "ngram:x", "ngram:2:3", 4])
+@pytest.mark.parametrize("bad", ["lookup", "ngram:0", "ngram:9", "ngram:x", "ngram:2:3", 4])
 def test_bad_values_are_refused(bad):
     with pytest.raises(SpeculationError):
         parse_speculation(bad)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("ngram",)
+KINDS = ("ngram", "draft")  # prompt lookup; a draft model's guesses (draft.py)
 # The verify pass's guess count is rounded up to one of these (one captured shape each); rows
 # with fewer guesses pad.
 K_SHAPES = (2, 4, 8)
@@ -30,7 +30,7 @@ class SpeculationError(ValueError):
 
 @dataclass(frozen=True)
 class Speculation:
-    kind: str  # "ngram"
+    kind: str  # "ngram" or "draft"
     k: int  # at most this many guesses a row per verify pass
 
     @property
@@ -43,7 +43,7 @@ class Speculation:
 
 
 def parse_speculation(value) -> Speculation | None:
-    """``None``/"" /"off" -> None; "ngram" or "ngram:K" (1 <= K <= 8) -> Speculation; a
+    """``None``/"" /"off" -> None; "ngram", "draft", "ngram:K" or "draft:K" (1 <= K <= 8) -> Speculation; a
     ``Speculation`` as it is. Anything else: ``SpeculationError``."""
     if value is None or isinstance(value, Speculation):
         return value
@@ -54,8 +54,8 @@ def parse_speculation(value) -> Speculation | None:
         return None
     kind, _, k = text.partition(":")
     if kind not in KINDS:
-        raise SpeculationError(f"unknown speculation {value!r}: use ngram[:K] (prompt lookup, at most K guesses "
-                               f"a pass, 1..{MAX_K})")
+        raise SpeculationError(f"unknown speculation {value!r}: use ngram[:K] (prompt lookup) or draft[:K] (a draft "
+                               f"model's guesses, with --draft_model), at most K guesses a pass, 1..{MAX_K}")
     if not k:
         return Speculation(kind, DEFAULT_K)
     if not k.isdigit() or not 1 <= int(k) <= MAX_K:

@@ -29,7 +29,7 @@ reads the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -51,6 +51,30 @@ PROBE_EVERY = 16  # passes a row offered nothing (k down to 0) before it is offe
 # (sequence [B, L], used [B], k) -> (guesses [B, k] long, counts [B] long)
 Guesser = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 GUESSERS: dict[str, Guesser] = {"ngram": ngram_guesses}  # by ``Speculation.kind`` (tests plant their own)
+
+
+class GuessSource(Protocol):
+    """A source of guesses with state of its own (``draft.py``'s draft model): ``begin`` when the
+    target prefills the prompts, then a call every pass; ``wanted`` [B]: the most guesses each row
+    may use now (0: none), the rest as ``Guesser``."""
+
+    def begin(self, batch: Batch) -> None: ...
+
+    def __call__(self, sequence: torch.Tensor, used: torch.Tensor, k: int,
+                 wanted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class Stateless:
+    """A ``Guesser`` (prompt lookup) as a ``GuessSource``: nothing to begin; ``wanted`` is the loop's cut."""
+
+    def __init__(self, guesser: Guesser):
+        self.guesser = guesser
+
+    def begin(self, batch: Batch) -> None:
+        pass
+
+    def __call__(self, sequence, used, k, wanted):
+        return self.guesser(sequence, used, k)
 
 
 @dataclass
@@ -172,7 +196,7 @@ def run_speculative_loop(
     kernel: UniformKernel | None = None,
     hooks: LoopHooks = NO_HOOKS,
     grammars: GrammarRows | None = None,
-    guesser: Guesser | None = None,
+    guesser: Guesser | GuessSource | None = None,
     adaptive: bool = True,
 ) -> tuple[LoopOutput, SpeculationStats]:
     """``token_loop.run_token_loop`` with guesses: up to ``batch.new_limits[b]`` tokens of each row
@@ -181,8 +205,10 @@ def run_speculative_loop(
     Returns the loop's output (``counts``: each row's tokens) and what speculation did.
     ``hooks``: as the plain loop's; ``on_step`` and ``tick`` get the plain loop's steps (step n:
     every row's n-th token), a step as soon as every running row has its token, so several a pass.
-    ``guesser``: where guesses come from (None: ``GUESSERS[speculation.kind]``); ``adaptive``: adaptive k."""
+    ``guesser``: where guesses come from, a ``Guesser`` or a ``GuessSource`` (None:
+    ``GUESSERS[speculation.kind]``); ``adaptive``: adaptive k."""
     guesser = guesser or GUESSERS[speculation.kind]
+    source = guesser if hasattr(guesser, "begin") else Stateless(guesser)
     verified = VerifiedGrammars(grammars) if grammars is not None else None
     plan, b = batch.plan, batch.size
     device = batch.input_ids.device
@@ -205,6 +231,7 @@ def run_speculative_loop(
     c = batch.copies
     logits = runner.prefill_shared(step_input(batch.input_ids[::c]), step_input(batch.lengths[::c]), cache, c,
                                    batch.prompt_ids[::c])[:, None]  # [B, 1, V]
+    source.begin(batch)
     guesses = torch.zeros(b, 0, dtype=torch.long, device=device)
     counts = torch.zeros(b, dtype=torch.long, device=device)
     passes = 0
@@ -251,9 +278,10 @@ def run_speculative_loop(
             finish.masked_fill_(hooks.stop_check(out[:, :width], most) & (finish == RUNNING), STOP)
         # The next pass: each running row's guesses, within its adaptive k and its budget (the
         # token after the guesses is always kept, so a row with r tokens left guesses r - 1).
-        guesses, counts = guesser(sequence[:, :width], used, shape_k)
         room = (limits - generated - 1).clamp(min=0)
-        counts = torch.where(finish == RUNNING, torch.minimum(counts, torch.minimum(budget.k, room)), 0)
+        wanted = torch.where(finish == RUNNING, torch.minimum(budget.k, room), 0)
+        guesses, counts = source(sequence[:, :width], used, shape_k, wanted)
+        counts = torch.minimum(counts, wanted)
         most_guesses, any_running, furthest, most_tokens, slowest = torch.stack(
             [counts.max(), (finish == RUNNING).any().long(), used.max(), generated.max(),
              torch.where(finish == RUNNING, generated, width).min()]).tolist()
