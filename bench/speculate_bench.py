@@ -16,8 +16,15 @@ Two figures:
   - ``ours+fail:K``           planted guesses that are always wrong: what adaptive k leaves of the cost
   - ``ours+oracle:K``         planted guesses that are always right (the plain run's own tokens):
                               the ceiling, acceptance 1
+  - ``ours+draftNL:K``        a draft model (``--speculate draft:K``) of the target's first N blocks
+                              (``--draft_layers``, default 4; ``utils/first_layers.py``), the same
+                              width: what a draft's k steps and catch-up cost, at the acceptance
+                              such a draft gets
+  - ``ours+draft=self:K``     the target as its own draft: acceptance 1, at the cost of a draft as
+                              big as the target (the ceiling of acceptance, not of speed)
   - ``transformers``          ``BloomForCausalLM.generate``, greedy
   - ``transformers+lookup:K`` the same with ``prompt_lookup_num_tokens=K`` (assisted generation)
+  - ``transformers+draftNL:K`` the same with ``assistant_model`` the N-block draft, K tokens a round
 
   Every variant's tokens are compared with ours' plain ones (``same``).
 
@@ -28,6 +35,7 @@ costs and what acceptance 1 would give.
 
     python bench/speculate_bench.py --config tiny --new_tokens 96
     python bench/speculate_bench.py --config bloom-560m --dtype bf16 --prompt_len 64 --new_tokens 32
+    python bench/speculate_bench.py --config bloom-560m --draft_layers 4 --new_tokens 64
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,6 +57,8 @@ from bench.generate_bench import checkpoint_folder, log, make_prompts  # noqa: E
 from bloom_hpu.runtime.steps import step_input  # noqa: E402
 from generation.generator import Generator, parse_dtype  # noqa: E402
 from generation.search import speculation  # noqa: E402
+from generation.search.draft import DraftModel  # noqa: E402
+from utils.first_layers import first_layers  # noqa: E402
 
 TINY_PROMPT = "And God said unto Moses"
 
@@ -100,6 +111,8 @@ def main() -> int:
                    "prompt_lookup_num_tokens)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="alternated calls of the verify-cost figure")
+    p.add_argument("--draft_layers", type=int, default=4, help="blocks of the target's that make the draft model "
+                   "(fewer where the target has no more; 0: no draft rows)")
     p.add_argument("--no_transformers", action="store_true")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 keeps a loaded machine's "
                    "figures steadier")
@@ -134,21 +147,25 @@ def main() -> int:
         transformers.logging.set_verbosity_error()
         hf = transformers.BloomForCausalLM.from_pretrained(folder, torch_dtype=dtype).eval()
 
-    def ours(guesser=None, spec=None):
+    def ours(guesser=None, spec=None, draft=None):
         def run():
             if guesser is not None:
                 speculation.GUESSERS["ngram"] = guesser
+            generator.draft = draft  # the draft this variant runs (each loaded once, beside the target)
             try:
                 out = generator.generate(prompt, speculate=spec, **options)[0].token_ids
             finally:
                 speculation.GUESSERS["ngram"] = speculation.ngram_guesses
+                generator.draft = None
             stats = generator.last_stats.speculation
             return out, stats
         return run
 
-    def theirs(lookup: int | None):
+    def theirs(lookup: int | None, assistant=None):
         def run():
             extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+            if assistant is not None:
+                extra = {"assistant_model": assistant}
             with torch.no_grad():
                 out = hf.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                                   max_length=max_length, do_sample=False, num_beams=1, pad_token_id=3, **extra)
@@ -161,9 +178,24 @@ def main() -> int:
         f"ours+fail:{args.k}": ours(planted(truth, right=False), kspec),
         f"ours+oracle:{args.k}": ours(planted(truth, right=True), kspec),
     }
+    layers = min(args.draft_layers, generator.model.config.n_layer - 1)
+    drafts = {}
+    if layers > 0:
+        made = Path(tempfile.mkdtemp(prefix="speculate_bench_draft_")) / f"first{layers}"
+        drafts[f"draft{layers}L"] = first_layers(folder, made, layers)
+        drafts["draft=self"] = folder
+        log(f"draft models: the target's first {layers} blocks ({made}), and the target itself")
+    for name, path in drafts.items():
+        runner = Generator.from_pretrained(path, dtype=args.dtype).runner
+        variants[f"ours+{name}:{args.k}"] = ours(spec=f"draft:{args.k}", draft=DraftModel(runner, path))
     if hf is not None:
         variants["transformers"] = theirs(None)
         variants[f"transformers+lookup:{args.k}"] = theirs(args.k)
+        if layers > 0:
+            assistant = transformers.BloomForCausalLM.from_pretrained(drafts[f"draft{layers}L"], torch_dtype=dtype).eval()
+            assistant.generation_config.num_assistant_tokens = args.k
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            variants[f"transformers+draft{layers}L:{args.k}"] = theirs(None, assistant)
 
     names = list(variants)
     times = {n: [] for n in names}
