@@ -147,9 +147,11 @@ def test_grammar_sampling_without_guesses_is_the_plain_sampler(monkeypatch, seed
             assert set(json.loads(r.text)) == {"name", "flag"}
 
 
-def test_a_budget_that_cuts_an_accepted_eos_ends_with_length(monkeypatch, eos_generator):
-    """Each row's budget one short of its EOS, every guess right: the pass that accepts the EOS
-    is cut before it by the budget, and the row ends with "length", as in the plain loop."""
+def test_a_budget_that_ends_just_before_eos_ends_with_length(monkeypatch, eos_generator):
+    """Each row's budget one short of its EOS, every guess right (the EOS among them): the row
+    ends at its budget with "length", as in the plain loop. (The loop offers no guess past a
+    row's budget; the end reasons are decided after the budget's cut all the same, so an offer
+    past it could not turn "length" into "eos".)"""
     ended = [r for r in eos_generator.generate(PROMPTS, max_length=36, ignore_eos=False)]
     budgets = [max(1, len(r.token_ids) - 1) if r.finish_reason == "eos" else 30 for r in ended]
     assert any(r.finish_reason == "eos" and len(r.token_ids) > 2 for r in ended)
