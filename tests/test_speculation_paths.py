@@ -254,6 +254,14 @@ def test_chat_replies_equal_those_without_speculation(tiny_checkpoint, monkeypat
     assert shown["plain"].count("<bot>:") >= 2  # /raw_prompt showed both replies
 
 
+def test_stream_prints_the_text_without_speculation(tiny_checkpoint, capsys):
+    shown = {}
+    for name, extra in (("plain", []), ("speculating", ["--speculate", "ngram:4"])):
+        assert bloom.main(["--weights", str(tiny_checkpoint), "--stream", "--max_length", "80", *extra, *REPEATING]) == 0
+        shown[name] = capsys.readouterr().out
+    assert shown["speculating"] == shown["plain"] and REPEATING[1] in shown["plain"]
+
+
 def test_beams_are_refused_in_one_line(tiny_checkpoint, capsys):
     assert bloom.main(["--weights", str(tiny_checkpoint), "--speculate", "ngram", "--options", "num_beams=2", "x"]) == 1
     err = capsys.readouterr().err
