@@ -339,6 +339,46 @@ def test_cli_runs_with_a_draft(capsys, seed7_checkpoint, first_two):
     assert "tokens/verify, acceptance" in out
 
 
+def test_first_layers_refuses_a_count_out_of_range(seed7_checkpoint, tmp_path, capsys):
+    from utils import first_layers as tool
+
+    assert tool.main([str(seed7_checkpoint), str(tmp_path / "out"), "--layers", "4"]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == f"error: layers must be from 1 to 3 (the blocks of {seed7_checkpoint}), got 4"
+    assert not (tmp_path / "out").exists()
+
+
+def test_requests_and_chat_with_a_draft(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """``--requests`` and ``--chat`` take the draft through the same generator: the results and
+    replies of the embedded default, its first two blocks as the draft, are those without
+    speculation (request lines with stop strings, log-probs, echo and a JSON schema)."""
+    import io
+    import json
+    import sys
+
+    import bloom
+    from test_speculation_paths import write_requests
+
+    draft = first_layers(tiny_checkpoint, tmp_path / "draft", 2)
+    requests = write_requests(tmp_path / "requests.jsonl")
+    records, shown = {}, {}
+    for name, extra in (("plain", []), ("draft", ["--speculate", "draft:3", "--draft_model", str(draft)])):
+        results = tmp_path / f"{name}.jsonl"
+        assert bloom.main(["--weights", str(tiny_checkpoint), "--requests", str(requests), "--results", str(results),
+                           *extra]) == 0
+        summary = capsys.readouterr().err.strip().splitlines()[-1]
+        assert ("tokens/verify, acceptance" in summary) == bool(extra)
+        records[name] = [json.loads(line) for line in results.read_text().splitlines()]
+        for record in records[name]:
+            del record["result"]["request_time"]
+        monkeypatch.setattr(sys, "stdin", io.StringIO("In the beginning God created the heaven\nAnd God said\n/raw_prompt\n"))
+        assert bloom.main(["--chat", "--weights", str(tiny_checkpoint), "--sample", "f", "--max_tokens", "30",
+                           "--max_length", "256", *extra]) == 0
+        shown[name] = capsys.readouterr().out
+    assert records["draft"] == records["plain"] and len(records["plain"]) == 4
+    assert shown["draft"] == shown["plain"] and shown["plain"].count("<bot>:") >= 2
+
+
 # --- the graph stand-in --------------------------------------------------------------------------------
 
 
