@@ -8,6 +8,14 @@ computing them again.
   BLOOM a position's keys and values depend on every earlier token and on nothing after it (ALiBi
   adds position only to the scores, never to the keys), so the same prefix has the same keys and
   values at the same slots, whatever follows.
+* **Partial blocks.** The leading part of a held block is valid for any prompt that agrees with
+  it that far (its keys and values depend only on the tokens before them). A ``partial`` lookup,
+  having matched whole blocks, takes the block under them that agrees longest with what follows.
+  A sequence stored with ``tail=True`` (what a conversation's turn leaves: its prompt and reply,
+  which the next turn repeats) also keeps its last n < ``block`` tokens, a tail, in a block of its
+  own; a longer tail of the same prefix replaces a shorter one it extends. So the next turn
+  computes only what it adds. Prompts of a request file or a server store whole blocks only, and
+  on a Gaudi (fixed copy shapes) lookups and stores keep to whole blocks.
 * **Namespace.** What else changes the keys and values of the same tokens: the LoRA adapter a row
   runs with. The weights' dtype and quantization are the generator's, fixed for the pool's life.
 * **Pool.** Keys and values of ``capacity`` blocks, allocated once, in the layout of the KV cache
@@ -66,6 +74,16 @@ class PrefixStats:
     per_call: list[int] = field(default_factory=list)  # cached tokens of each prompt of the last prefill
 
 
+def _agreeing(a, b) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class PrefixCache:
     def __init__(self, n_layer: int, heads: int, head_dim: int, capacity: int, dtype: torch.dtype,
                  device: torch.device | str, per_layer: bool = False, block: int = DEFAULT_BLOCK,
@@ -88,9 +106,11 @@ class PrefixCache:
             self.values = torch.empty(n_layer, flat, head_dim, dtype=dtype, device=device)
         self.per_layer = per_layer
         self._blocks: OrderedDict[bytes, int] = OrderedDict()  # digest -> block, least recently used first
-        # The tree of held blocks: a block's parent is the block before it in its prefix.
+        # The tree of held blocks: a block's parent is the block before it in its prefix (a first
+        # block's, the namespace's root key). Tails are blocks too, leaves of the tree.
         self._children: dict[bytes, set[bytes]] = {}  # digest -> its held children's digests
         self._parent: dict[bytes, bytes] = {}  # digest -> its parent's, while that is held
+        self._tokens: dict[bytes, tuple[int, ...]] = {}  # digest -> the tokens its block holds
         self._free = list(range(capacity - 1, -1, -1))
         self.stats = PrefixStats()
 
@@ -122,31 +142,57 @@ class PrefixCache:
             out.append(h.copy().digest())
         return out
 
-    def match(self, ids: list[int], namespace: str = "", limit: int | None = None, count: bool = True) -> list[int]:
-        """Pool blocks of the longest cached prefix of ``ids`` of at most ``limit`` tokens, in
-        order (touched as used). ``count``: one lookup of ``len(ids)`` tokens in the stats."""
-        found = []
-        for digest in self.digests(ids, namespace, limit):
-            block = self._blocks.get(digest)
-            if block is None:
-                break
-            found.append((digest, block))
+    def lookup(self, ids: list[int], namespace: str = "", limit: int | None = None, count: bool = True,
+               partial: bool = False, span: int | None = None) -> tuple[list[int], int]:
+        """Pool blocks of the longest held prefix of ``ids`` of at most ``limit`` tokens, in order
+        (touched as used), and how many tokens they hold: whole blocks, and with ``partial`` the
+        leading part of the block under them that agrees longest with what follows (its block
+        last). ``span``: the slots of the row the blocks go to (a partial block must fit in it).
+        ``count``: one lookup of ``len(ids)`` tokens in the stats."""
+        found, tokens = self._held(ids, namespace, limit, partial, span)
         self._touch([digest for digest, _ in found])
         if count:
             self.stats.lookups += 1
             self.stats.looked_up_tokens += len(ids)
             self.stats.hits += bool(found)
-            self.stats.cached_tokens += len(found) * self.block
-        return [block for _, block in found]
+            self.stats.cached_tokens += tokens
+        return [block for _, block in found], tokens
 
-    def peek(self, ids: list[int], namespace: str = "", limit: int | None = None) -> int:
-        """Tokens of ``ids`` the pool holds as a prefix (at most ``limit``), without touching or counting."""
-        count = 0
-        for digest in self.digests(ids, namespace, limit):
-            if digest not in self._blocks:
+    def match(self, ids: list[int], namespace: str = "", limit: int | None = None, count: bool = True) -> list[int]:
+        """``lookup``'s whole blocks."""
+        return self.lookup(ids, namespace, limit, count)[0]
+
+    def peek(self, ids: list[int], namespace: str = "", limit: int | None = None, partial: bool = False,
+             span: int | None = None) -> int:
+        """Tokens of ``ids`` the pool holds as a prefix (at most ``limit``), as ``lookup`` finds
+        them, without touching or counting."""
+        return self._held(ids, namespace, limit, partial, span)[1]
+
+    def _held(self, ids: list[int], namespace: str, limit: int | None, partial: bool,
+              span: int | None) -> tuple[list[tuple[bytes, int]], int]:
+        end = len(ids) if limit is None else min(limit, len(ids))
+        found = []
+        for digest in self.digests(ids, namespace, end):
+            block = self._blocks.get(digest)
+            if block is None:
                 break
-            count += 1
-        return count * self.block
+            found.append((digest, block))
+        start = len(found) * self.block
+        if not partial or end <= start or (span is not None and start + self.block > span):
+            return found, start
+        want = ids[start:end]
+        best, agreed = None, 0
+        for child in self._children.get(found[-1][0] if found else self._root(namespace), ()):
+            n = _agreeing(self._tokens[child], want)
+            if n > agreed:
+                best, agreed = child, n
+        if best is None:
+            return found, start
+        return found + [(best, self._blocks[best])], start + agreed
+
+    def _root(self, namespace: str) -> bytes:
+        """The key of the empty prefix (a tail of a sequence shorter than a block hangs under it)."""
+        return hashlib.blake2b(b"root:" + namespace.encode(), digest_size=16).digest()
 
     def _touch(self, chain: list[bytes]) -> None:
         """Mark the held prefix ``chain`` (digests of blocks 0..n-1) used: deepest first, so that the
@@ -165,14 +211,18 @@ class PrefixCache:
 
     def _evict(self, digest: bytes) -> int:
         """Drop ``digest`` from the index; its held children can no longer match: they go first."""
+        self.stats.evicted_blocks += 1
+        return self._forget(digest)
+
+    def _forget(self, digest: bytes) -> int:
         block = self._blocks.pop(digest)
+        del self._tokens[digest]
         parent = self._parent.pop(digest, None)
         if parent is not None:
             self._children[parent].discard(digest)
         for child in self._children.pop(digest, ()):
             del self._parent[child]
             self._blocks.move_to_end(child, last=False)
-        self.stats.evicted_blocks += 1
         return block
 
     # ------------------------------------------------------------------ copies (device)
@@ -192,19 +242,25 @@ class PrefixCache:
             flat.index_copy_(1, put, pool.index_select(1, take))
 
     def store(self, cache: KVCache, row: int, ids: list[int], upto: int, namespace: str = "",
-              pad_to: int = 0) -> int:
+              pad_to: int = 0, tail: bool = False) -> int:
         """Keep the whole blocks of ``ids[:upto]`` whose keys and values cache row ``row`` holds in
-        slots 0..upto-1 and the pool does not hold yet. Returns how many blocks were stored.
+        slots 0..upto-1 and the pool does not hold yet, and with ``tail`` its last partial block
+        (see Tails). Returns how many blocks were stored.
         ``pad_to``: the most blocks of a row the caller's shape holds (see Static shapes)."""
-        placements = self.plan_store(ids, upto, namespace)
+        room = -(-cache.length // self.block) * self.block
+        tail = tail and not self.fixed_copy_shapes  # (as lookups on a Gaudi: ``runtime/prefixed.py``)
+        placements = self.plan_store(ids, upto, namespace, tail_span=room if tail else 0)
         self.write(cache, [(row, i, block) for i, block in placements], pad_to)
         return len(placements)
 
-    def plan_store(self, ids: list[int], upto: int, namespace: str = "") -> list[tuple[int, int]]:
+    def plan_store(self, ids: list[int], upto: int, namespace: str = "",
+                   tail_span: int = 0) -> list[tuple[int, int]]:
         """The index's half of ``store``: the blocks of ``ids[:upto]`` the pool lacks get a place
         (evicting if need be), as (block position i, pool block) to be written by ``write``. What a
-        tensor-parallel server's rank 0 decides and sends to the ranks."""
+        tensor-parallel server's rank 0 decides and sends to the ranks. ``tail_span``: the slots of
+        the row written from, where its tail is kept too (0: whole blocks only)."""
         placements, protected, chain = [], set(), []
+        root = self._root(namespace)
         for i, digest in enumerate(self.digests(ids, namespace, upto)):
             known = self._blocks.get(digest)
             if known is None:
@@ -212,15 +268,48 @@ class PrefixCache:
                 if known is None:  # the pool is smaller than this prefix: keep what fits
                     break
                 self._blocks[digest] = known
+                self._tokens[digest] = tuple(ids[i * self.block:(i + 1) * self.block])
                 placements.append((i, known))
-            if chain:  # (again, where the parent was evicted and is stored anew)
-                self._parent[digest] = chain[-1]
-                self._children.setdefault(chain[-1], set()).add(digest)
+            self._link(digest, chain[-1] if chain else root)  # (again, where the parent was evicted and is stored anew)
             protected.add(known)
             chain.append(digest)
+        whole = len(chain) * self.block
+        if tail_span and len(chain) == upto // self.block and whole < upto and whole + self.block <= tail_span:
+            placed = self._plan_tail(tuple(ids[whole:upto]), chain[-1] if chain else root, protected)
+            if placed is not None:
+                digest, block, new = placed
+                chain.append(digest)
+                if new:
+                    placements.append((len(chain) - 1, block))
         self._touch(chain)  # the deepest block the least recent, the trunk the most
         self.stats.stored_blocks += len(placements)
         return placements
+
+    def _plan_tail(self, tokens: tuple[int, ...], prefix: bytes,
+                   protected: set[int]) -> tuple[bytes, int, bool] | None:
+        """A place for the tail ``tokens`` under ``prefix``: (its digest, its block, whether it must
+        be written), or None where the pool has no block to spare. A held block under ``prefix``
+        that starts with ``tokens`` serves; held tails that ``tokens`` extends are replaced."""
+        under = self._children.get(prefix, set())
+        for digest in under:
+            if self._tokens[digest][:len(tokens)] == tokens:
+                return digest, self._blocks[digest], False
+        for digest in [d for d in under if len(self._tokens[d]) < len(tokens)
+                       and tokens[:len(self._tokens[d])] == self._tokens[d]]:
+            self._free.append(self._forget(digest))
+        block = self._claim(protected)
+        if block is None:
+            return None
+        digest = hashlib.blake2b(prefix + b"tail" + b"".join(t.to_bytes(4, "little") for t in tokens),
+                                 digest_size=16).digest()
+        self._blocks[digest] = block
+        self._tokens[digest] = tokens
+        self._link(digest, prefix)
+        return digest, block, True
+
+    def _link(self, digest: bytes, parent: bytes) -> None:
+        self._parent[digest] = parent
+        self._children.setdefault(parent, set()).add(digest)
 
     def write(self, cache: KVCache, placements: list[tuple[int, int, int]], pad_to: int = 0) -> None:
         """The device's half of ``store``: cache row r's block position i into pool block j, for
@@ -245,7 +334,12 @@ class PrefixCache:
         heads = torch.arange(self.heads)[None, :, None]
         slots = torch.arange(self.block)[None, None, :]
         length = cache.length
-        put = ((rows[:, None, None] * self.heads + heads) * length + positions[:, None, None] * self.block + slots)
+        # A tail's block may reach past the row's last slot: those slots are clamped to it. Reading,
+        # they fill slots past the tail's tokens (never used); writing, they land at or after the
+        # first slot the prefill computes (``prefixed.py``), which it or the decode writes again
+        # before anything attends it.
+        offsets = (positions[:, None, None] * self.block + slots).clamp(max=length - 1)
+        put = (rows[:, None, None] * self.heads + heads) * length + offsets
         take = (blocks[:, None, None] * self.heads + heads) * self.block + slots
         device = cache.slots.device
         return host_to_device(take.reshape(-1), device), host_to_device(put.reshape(-1), device)

@@ -40,6 +40,10 @@ def hf_greedy(model, ids: list[int], new: int) -> tuple[list[int], list[float]]:
     return tokens, [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
 
 
+def common_length(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def check_against(reference, generator, prompts, new=10, **options):
     results = generator.generate(prompts, max_length=max(len(generator.tokenizer.encode(p)) for p in prompts) + new,
                                  ignore_eos=True, logprobs=True, **options)
@@ -59,10 +63,11 @@ def test_a_batch_sharing_a_prefix_computes_it_once_and_gives_transformers_result
     # The first batch: the shared prefix computed once (each prompt then copies it).
     assert all(r.cached_tokens >= block for r in first)
     assert generator.last_stats.cached_tokens == sum(r.cached_tokens for r in first)
-    # A later batch: every whole block short of each prompt's last token comes from the pool.
+    # A later batch: everything short of each prompt's last token comes from the pool (whole
+    # blocks, and the leading part of the block that the first batch's reply filled).
     again = check_against(reference, generator, PROMPTS, new=6)
     for prompt, r in zip(PROMPTS, again):
-        assert r.cached_tokens == (len(generator.tokenizer.encode(prompt)) - 1) // block * block
+        assert r.cached_tokens == len(generator.tokenizer.encode(prompt)) - 1
     assert min(r.cached_tokens for r in again) >= shared_blocks * block
 
 
@@ -71,14 +76,16 @@ def test_partial_block_matches_and_prompts_past_their_last_block(folder, referen
     block = generator.runner.prefix.block
     base = generator.tokenizer.encode(SHARED)
     check_against(reference, generator, [SHARED])
-    # Diverging inside the second block: only the first block can match.
+    # Diverging inside the second block: the first block, and the second as far as it agrees.
     text = generator.tokenizer.decode(base[: block + 5]) + " something else entirely, and more words here"
-    result = check_against(reference, generator, [text])[0]
-    assert result.cached_tokens == block
-    # Exactly a whole number of blocks long: the last token is still computed, so one block fewer.
+    ids = generator.tokenizer.encode(text)
+    agree = common_length(ids, base)
+    assert block < agree < 2 * block
+    assert check_against(reference, generator, [text])[0].cached_tokens == agree
+    # Exactly a whole number of blocks long: the last token is still computed.
     whole = generator.tokenizer.decode(base[: 2 * block])
     if len(generator.tokenizer.encode(whole)) == 2 * block:
-        assert check_against(reference, generator, [whole])[0].cached_tokens == block
+        assert check_against(reference, generator, [whole])[0].cached_tokens == 2 * block - 1
 
 
 def test_eviction_under_a_tiny_pool_keeps_results_exact(folder, reference):
@@ -138,12 +145,13 @@ def test_a_conversation_turn_finds_the_previous_turns_generated_tokens(tiny_chec
     turn = prompt_ids + first.token_ids
     follow = generator.tokenizer.decode(turn) + " And then?"
     ids = generator.tokenizer.encode(follow)
-    common = next((i for i, (a, b) in enumerate(zip(ids, turn)) if a != b), min(len(ids), len(turn)))
+    common = common_length(ids, turn)
     result = check_against(reference, generator, [follow])[0]
-    # Every whole block of the first turn that the second repeats came from the pool: those of
-    # its generated tokens too (the reply tokenizes back the same for at least a block here).
+    # Everything of the first turn that the second repeats came from the pool, its generated
+    # tokens too (the reply tokenizes back the same for at least a block here), but the last
+    # generated token (never fed back, so never in the cache).
     assert common >= len(prompt_ids) + 32
-    assert result.cached_tokens == min(common, len(turn) - 1, len(ids) - 1) // 32 * 32
+    assert result.cached_tokens == min(common, len(turn) - 1, len(ids) - 1)
 
 
 def test_prefix_cache_sizes_are_parsed_and_refused_clearly(folder):
@@ -229,6 +237,39 @@ def test_a_block_whose_parent_is_gone_is_evicted_first():
     assert pool.peek(b) == 4 and pool.peek(blocks(500)) == 4 and pool.peek(blocks(600)) == 4
     pool.plan_store(a, len(a))  # A again: the trunk back and, of A's leaf, what the pool keeps
     assert pool.peek(a) == 8
+
+
+def test_a_partial_lookup_takes_what_agrees_of_the_next_block_and_a_match_never_does():
+    pool = tiny_pool()
+    pool.plan_store(blocks(100, 200), 8)
+    prompt = blocks(100) + [200, 201, 999, 5]  # the second block agrees for two tokens
+    assert pool.peek(prompt) == 4 and pool.peek(prompt, partial=True) == 6
+    assert pool.peek(prompt, limit=5, partial=True) == 5
+    assert pool.peek(prompt, partial=True, span=7) == 4  # the second block would not fit in the row
+    assert pool.lookup(prompt, partial=True) == (pool.match(blocks(100, 200)), 6)
+    assert len(pool.match(prompt)) == 1  # what the server copies: whole blocks only
+    assert pool.peek([100, 101, 5], partial=True) == 2  # a first block too
+
+
+def test_a_tail_is_kept_and_a_longer_one_replaces_it():
+    pool = tiny_pool()
+    assert len(pool.plan_store(blocks(100) + [7, 8], 6, tail_span=8)) == 2  # a whole block and a tail
+    assert pool.peek(blocks(100) + [7, 8, 9], partial=True) == 6
+    assert len(pool.plan_store(blocks(100) + [7, 8, 9], 7, tail_span=8)) == 1  # the longer tail ...
+    assert pool.used_blocks == 2  # ... in place of the shorter one
+    assert pool.peek(blocks(100) + [7, 8, 9, 10], partial=True) == 7
+    assert pool.plan_store(blocks(100) + [7], 5, tail_span=8) == []  # held: the longer tail starts with it
+    assert len(pool.plan_store(blocks(300) + [1, 2], 6)) == 1  # no tail unless asked
+    pool = tiny_pool()
+    assert len(pool.plan_store(blocks(500) + [1], 5, tail_span=6)) == 1  # a tail's block must fit the row
+
+
+def test_a_tail_goes_before_the_blocks_it_continues():
+    pool = tiny_pool()
+    turn = blocks(100, 200) + [7]
+    pool.plan_store(turn, len(turn), tail_span=12)  # the pool full: two blocks and a tail
+    pool.plan_store(blocks(400), 4)
+    assert pool.peek(turn + [1], partial=True) == 8 and pool.peek(blocks(400)) == 4
 
 
 def test_a_request_file_job_with_the_cache_writes_the_records_of_one_without_it(folder, tmp_path):

@@ -6,9 +6,11 @@ For a batch of B prompts right-padded to P (``StepRunner.prefill_shared`` with t
    that the pool does not hold yet, are computed once first: each such prefix is prefilled alone
    in a one-row cache of length P and stored. (A few-shot job's first batch then computes its
    examples once, not once per row.)
-2. **Lookup.** Each prompt takes the longest run of its blocks the pool holds, short of its last
-   token (a prompt's first token needs the logits of its last token, so at least that one is
-   computed).
+2. **Lookup.** Each prompt takes the longest run of its blocks the pool holds, and the leading
+   part of a held block that continues them (``prefix_cache.py``, Partial blocks: the rest of a
+   conversation's previous turn),
+   short of its last token (a prompt's first token needs the logits of its last token, so at least
+   that one is computed).
 3. **Copy and extend.** If any prompt found blocks, they are copied into its cache row and every
    row's rest (right-padded to R, a power of two of at least ``MIN_REST``, below P) runs as one
    ``extend`` step of shape [B, R] attending to its copied slots. Otherwise, or when the longest
@@ -61,7 +63,7 @@ def prefill_with_prefixes(runner, input_ids: torch.Tensor, lengths: torch.Tensor
     pool = runner.prefix
     prompt_len = input_ids.shape[1]
     _compute_shared_prefixes(runner, prompt_ids, prompt_len, namespace)
-    limits = [cacheable(len(ids), pool.block) for ids in prompt_ids]
+    limits = [len(ids) - 1 for ids in prompt_ids]  # whole blocks and a tail, short of the last token
     starts = copy_held(runner, cache, prompt_ids, limits, prompt_len, namespace)
     if starts is None:
         for ids in prompt_ids:
@@ -83,16 +85,21 @@ def copy_held(runner, cache: KVCache, rows: list[list[int]], limits: list[int], 
     """Copy into row r of ``cache`` the blocks the pool holds of ``rows[r]`` (at most ``limits[r]``
     tokens), for rests padded below ``span``: the slots copied per row, or None (nothing copied)
     when the pool holds nothing of them or the longest rest would need a whole ``span`` anyway.
-    ``count``: the lookups go into the pool's stats."""
+    Partial blocks are taken where copies may take any shape (not on a Gaudi: there the graph
+    stand-in saw a repeated load compile new lazy graphs once partial hits turned a batch's
+    prefill into an extend), their block's last slots clamped to the row
+    (``PrefixCache._indices``). ``count``: the lookups go into the pool's stats."""
     pool = runner.prefix
-    found = [pool.peek(ids, namespace, limit) for ids, limit in zip(rows, limits)]
+    partial = not pool.fixed_copy_shapes
+    room = -(-cache.length // pool.block) * pool.block
+    found = [pool.peek(ids, namespace, limit, partial, room) for ids, limit in zip(rows, limits)]
     if not any(found) or rest_bucket(max(len(ids) - n for ids, n in zip(rows, found)), span) >= span:
         return None
-    blocks = [pool.match(ids, namespace, n, count=count) for ids, n in zip(rows, found)]
-    pool.copy_into(cache, [(row, i, j) for row, chain in enumerate(blocks) for i, j in enumerate(chain)],
+    held = [pool.lookup(ids, namespace, n, count, partial, room) for ids, n in zip(rows, found)]
+    pool.copy_into(cache, [(row, i, j) for row, (chain, _) in enumerate(held) for i, j in enumerate(chain)],
                    pad_to=len(rows) * (span // pool.block))
     runner.backend.mark_step()  # the copy is a lazy graph of its own, whatever follows it
-    return [len(chain) * pool.block for chain in blocks]
+    return [tokens for _, tokens in held]
 
 
 def _extend(runner, prompt_ids: list[list[int]], starts: list[int], rest: int, cache: KVCache) -> torch.Tensor:

@@ -62,9 +62,9 @@ def enable_prefix_cache(generator, nbytes: int | None, block: int = DEFAULT_BLOC
 
 
 def store_generated(generator, cache, prompt_ids: list[list[int]], sequences: list[list[int]]) -> None:
-    """After a token loop: keep the whole blocks of each row's prompt and generated tokens that its
-    cache row holds (every token but the last generated one was fed back), so that a conversation's
-    next turn, which repeats them, finds them."""
+    """After a token loop: keep each row's prompt and generated tokens that its cache row holds
+    (every token but the last generated one was fed back), whole blocks and the last partial one
+    (a tail), so that a conversation's next turn, which repeats them, computes only what it adds."""
     pool = generator.runner.prefix
     if pool is None:
         return
@@ -72,7 +72,7 @@ def store_generated(generator, cache, prompt_ids: list[list[int]], sequences: li
         if len(new) > 1:
             full = list(ids) + list(new)
             pool.store(cache, row, full, len(full) - 1, generator.runner.prefix_namespace,
-                       pad_to=cache.length // pool.block)
+                       pad_to=cache.length // pool.block, tail=True)
             generator.backend.mark_step()
 
 
