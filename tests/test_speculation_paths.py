@@ -241,6 +241,19 @@ def test_requests_results_equal_those_without_speculation(tiny_checkpoint, tmp_p
     assert any(c["finish_reason"] == "stop" for r in records["plain"] for c in r["result"]["choices"])
 
 
+def test_a_beam_request_is_refused_on_its_line(tiny_checkpoint, tmp_path, capsys):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"prompt": "And God said", "max_tokens": 8, "num_beams": 2}) + "\n"
+                        + json.dumps({"prompt": "And God said", "max_tokens": 8, "temperature": 0}) + "\n")
+    results = tmp_path / "results.jsonl"
+    assert bloom.main(["--weights", str(tiny_checkpoint), "--requests", str(requests), "--results", str(results),
+                       "--speculate", "ngram"]) == 1
+    errors = [json.loads(line) for line in (tmp_path / "results.jsonl.errors.jsonl").read_text().splitlines()]
+    assert [(e["line"], e["error"]) for e in errors] == [
+        (1, "speculative decoding (ngram:4) works with greedy search and sampling, not with beam search (num_beams > 1)")]
+    assert len(results.read_text().splitlines()) == 1 and "Traceback" not in capsys.readouterr().err
+
+
 def test_chat_replies_equal_those_without_speculation(tiny_checkpoint, monkeypatch, capsys):
     """``--chat --speculate``: the shell, fed lines on stdin, replies as without speculation."""
     lines = "In the beginning God created the heaven\nAnd God said\n/raw_prompt\n"

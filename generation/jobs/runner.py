@@ -33,6 +33,7 @@ from ..request.options import OptionError
 from ..run.progress import Progress, log
 from ..request.parse import Request, RequestError, batch_length, parse_request, request_key
 from ..request.validate import check_request
+from ..search.guesses import SpeculationError
 from ..search.speculation import SpeculationStats
 from .grouping import plan_batches
 from .files import check_distinct, disk_error, is_regular_or_new, lock_results, read_user_file
@@ -259,7 +260,7 @@ def fsync(f) -> None:
 def error_text(error: BaseException) -> str:
     """One line for an error record: the message, with the kind of error when it is not ours."""
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    if isinstance(error, (InputError, OptionError, RequestError)):
+    if isinstance(error, (InputError, OptionError, RequestError, SpeculationError)):
         return message
     return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
