@@ -225,7 +225,8 @@ class Generator:
         text excludes it and the finish reason is "stop". ``logprobs``: fill each sequence's
         ``token_logprobs`` (the model's log-probabilities, see ``generation/run/logprobs.py``).
         ``on_step(tokens [B], done [B])``: called with device tensors after each token of greedy
-        search or sampling (streaming, see ``generation/run/streaming.py``). ``progress``: steps done on
+        search or sampling (streaming, see ``generation/run/streaming.py``; speculating, the same
+        calls, several after a pass that accepted guesses). ``progress``: steps done on
         stderr (``generation/run/progress.py``) once the call has taken a few seconds. ``max_new_tokens_each``: a
         budget of new tokens per prompt, under ``max_new_tokens`` (one batch for requests that want
         different lengths: each row stops at its own; the batch runs to the largest). ``seed_each``: a
