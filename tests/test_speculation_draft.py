@@ -384,13 +384,13 @@ def test_requests_and_chat_with_a_draft(tiny_checkpoint, tmp_path, monkeypatch, 
 
 @pytest.mark.slow
 def test_no_new_graph_after_warm_up_with_a_draft_on_the_stand_in(graph_stand_in, make_ckpt, tmp_path):
-    """The draft's steps (prefill, its catch-up pass, decode) captured like the target's: the tokens
+    """The draft's steps (prefill, catch-up passes, decode) captured like the target's: the tokens
     are the eager CPU run's, and a second run (the rows swapped) captures no graph and compiles no
     lazy graph."""
     from test_graph_truth import Counts, on_card, reference, sequences
 
     checkpoint = make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7)
-    draft = first_layers(checkpoint, tmp_path / "draft", 1)
+    draft = perturbed(checkpoint, tmp_path / "draft")  # both catch-ups: after a rejection and after full acceptance
     eager = Generator.from_pretrained(checkpoint, device="cpu", speculate="draft:4", draft_model=draft)
     card = on_card(graph_stand_in, checkpoint, speculate="draft:4", draft_model=draft)
     prompts = PROMPTS[:3]
@@ -401,7 +401,7 @@ def test_no_new_graph_after_warm_up_with_a_draft_on_the_stand_in(graph_stand_in,
             assert got == reference(graph_stand_in, eager, rows, **options)
             if not search:
                 assert got == reference(graph_stand_in, eager, rows, speculate="off", **options)
-        assert card.last_stats.speculation.verifies > 0 and card.draft.runner.backend.signatures_of("verify")
+        assert card.last_stats.speculation.verifies > 0 and all(card.draft.runner.backend.signatures_of(step) for step in ("decode", "verify"))
         counts = Counts(graph_stand_in)
         again = sequences(card.generate(prompts[::-1], **options))
         assert counts.unchanged(), (search, counts.captures, graph_stand_in.captures)

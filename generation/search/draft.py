@@ -7,11 +7,12 @@ device, dtype and CPU options) and keeps its own static KV cache of the call's s
 * ``begin``: when the target prefills the prompts, the draft prefills them too;
 * each pass (``__call__``): the draft first *catches up* on the tokens the target chose that it
   did not feed (the token after the accepted guesses, a bonus token, or the tokens of passes it
-  sat out), in passes of ``CATCH_UP`` positions over its cache (its verify step); the logits at a
-  row's last token give its first guess, and ``n - 1`` decode steps the others (n: the most guesses
-  any row may use now). Its cache past what the row kept is simply written again later, as the
-  target's: a slot's keys and values depend only on the tokens up to it, so the proposals the
-  target accepted stay valid and the rest are overwritten before anything attends them.
+  sat out): where every row lacks only its last token, one decode step; else passes of
+  ``CATCH_UP`` positions over its cache (its verify step). The logits at a row's last token give
+  its first guess, and ``n - 1`` decode steps the others (n: the most guesses any row may use now).
+  Its cache past what the row kept is simply written again later, as the target's: a slot's keys
+  and values depend only on the tokens up to it, so the proposals the target accepted stay valid
+  and the rest are overwritten before anything attends them.
 
 The draft's guesses are its greedy choices (the argmax of its raw logits), a point-mass draft: the
 target's rejection rule (``speculation.choose_and_accept``) then keeps its distribution exactly, as
@@ -152,10 +153,15 @@ class DraftGuesser:
             return guesses, torch.zeros_like(used)
         # Every slot fed below: up to a row's last token (catch-up), then its guesses but the last.
         window = self.plan.window(max(0, furthest + most - 2 - self.plan.longest_prompt))
-        for _ in range(-(-(behind - CATCH_UP) // CATCH_UP)):  # passes it sat out: all but the last CATCH_UP tokens
-            self._feed(sequence, used, window, advance=True)
-        logits = self._feed(sequence, used, window, advance=False)  # [B, CATCH_UP, V]
-        token = argmax_rows(logits[torch.arange(rows, device=used.device), used - 1 - self.fed])  # at each row's last token
+        if behind == 1:  # every row's last token only (a guess was rejected): a decode step, the cheaper shape
+            last = (used - 1).clamp(max=width - 1)
+            token = argmax_rows(self.runner.decode(step_input(sequence.gather(1, last[:, None])), step_input(last),
+                                                   self.cache, window))
+        else:
+            for _ in range(-(-(behind - CATCH_UP) // CATCH_UP)):  # passes it sat out: all but the last CATCH_UP tokens
+                self._feed(sequence, used, window, advance=True)
+            logits = self._feed(sequence, used, window, advance=False)  # [B, CATCH_UP, V]
+            token = argmax_rows(logits[torch.arange(rows, device=used.device), used - 1 - self.fed])  # at each row's last
         chosen = [token]
         for j in range(1, most):  # guess j - 1 fed at slot used + j - 1
             positions = (used + j - 1).clamp(max=width - 1)
