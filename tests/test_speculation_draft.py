@@ -379,6 +379,37 @@ def test_requests_and_chat_with_a_draft(tiny_checkpoint, tmp_path, monkeypatch, 
     assert shown["draft"] == shown["plain"] and shown["plain"].count("<bot>:") >= 2
 
 
+@pytest.mark.slow
+def test_two_ranks_with_a_draft_give_one_process_tokens(tiny_checkpoint, tmp_path):
+    """``deepspeed --num_gpus 2 bloom.py --speculate draft:4 --draft_model DIR``: every rank runs its
+    slice of the draft (the default's first two blocks) and accepts alike; the tokens of one
+    process without speculation."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    draft = first_layers(tiny_checkpoint, tmp_path / "draft", 2)
+    prompts = ["And God said unto Moses", "In the beginning God created the heaven and the earth. And the earth"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
+               str(root / "bloom.py"), "--weights", str(tiny_checkpoint), "--device", "cpu", "--speculate", "draft:4",
+               "--draft_model", str(draft), "--max_length", "64", "--output_file", str(out), *prompts]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-6000:]
+    want = ids_of(Generator.from_pretrained(tiny_checkpoint).generate(prompts, max_length=64))
+    assert [[r["token_ids"]] for r in json.loads(out.read_text())] == want
+    assert "tokens/verify, acceptance" in log
+
+
 # --- the graph stand-in --------------------------------------------------------------------------------
 
 
