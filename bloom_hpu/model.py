@@ -168,6 +168,24 @@ class Attention(nn.Module):
         chunk_context = self._attend(cq, row_keys, row_values, chunk_bias)  # [S, C, H*D]
         return self.dense(torch.cat([context, chunk_context.reshape(-1, 1, chunk_context.shape[-1])]))
 
+    def verify_mixed(self, x, layer: int, cache: KVCache, row_slots, window: int, row_bias, chunk_rows, chunk_slots,
+                     chunk_bias):
+        """``mixed`` with S tokens for each of the b rows (a verify pass: the last token and the
+        guesses): x [b*S + G*C, 1, hidden], row b's tokens going to ``row_slots[b]`` [S] and attending
+        its first ``window`` slots with ``row_bias`` [b*H, S, W] (as ``extend``); the G segments as
+        in ``mixed``. The rows write first, as there."""
+        b, s = row_slots.shape
+        qkv = self.query_key_value(x)  # [b*S + G*C, 1, 3*H*D]
+        q, k, v = self._split_heads(qkv[: b * s].reshape(b, s, -1))  # [b, H, S, D]
+        cq, ck, cv = self._split_heads(qkv[b * s :].reshape(chunk_slots.shape[0], -1, qkv.shape[-1]))
+        cache.write_span(layer, cache.rows[:b], row_slots, k, v)
+        cache.write_span(layer, chunk_rows, chunk_slots, ck, cv)
+        context = self._attend(q, cache.keys[layer][:, :, :window], cache.values[layer][:, :, :window], row_bias)
+        row_keys, row_values = cache.row_window(layer, chunk_rows, window)
+        chunk_context = self._attend(cq, row_keys, row_values, chunk_bias)  # [G, C, H*D]
+        width = context.shape[-1]
+        return self.dense(torch.cat([context.reshape(-1, 1, width), chunk_context.reshape(-1, 1, width)]))
+
 
 class MLP(nn.Module):
     def __init__(self, config: BloomConfig, parallel: Parallel):
@@ -349,6 +367,30 @@ class StaticBloom(nn.Module):
         for i, block in enumerate(self.h):
             h = block(h, lambda x, i=i, block=block: block.self_attention.mixed(
                 x, i, cache, positions, window, masked_alibi, chunk_rows, chunk_slots, chunk_bias))
+        return self.lm_head(h[:, 0].index_select(0, keep))
+
+
+    def verify_mixed(self, ids: torch.Tensor, starts: torch.Tensor, chunk: torch.Tensor, chunk_rows: torch.Tensor,
+                     chunk_start: torch.Tensor, chunk_len: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
+        """A verify pass with prompt segments in it (the server speculating while prompts join):
+        ids [B, S] written from slots ``starts`` [B], each position attending its row's slots up to
+        its own (as ``extend_hidden``), and the segments [G, C] as in ``mixed``. Returns logits
+        [B*S + G, V]: every position of the rows (row-major), then each segment's last real token's."""
+        b, s, heads = ids.shape[0], ids.shape[1], self.local_heads
+        row_slots = (starts[:, None] + cache.slots[None, :s]).clamp(max=cache.length - 1)  # [B, S]
+        alibi = cache.alibi[:heads, :, :window]  # [H, 1, W]: the same for every row
+        hidden = cache.slots[None, None, :window] > row_slots[:, :, None]  # [B, S, W]: not yet seen
+        row_bias = alibi[None].masked_fill(hidden[:, None], torch.finfo(alibi.dtype).min).reshape(b * heads, s, window)
+        c = chunk.shape[1]
+        chunk_slots, _ = segment_layout(0, chunk_start, chunk_len, c, cache)
+        hidden = cache.slots[None, None, :window] > chunk_slots[:, :, None]  # [G, C, W]
+        chunk_bias = alibi[None].masked_fill(hidden[:, None], torch.finfo(alibi.dtype).min).reshape(-1, c, window)
+        segment_ends = b * s - 1 + chunk_len + c * torch.arange(chunk.shape[0], device=ids.device)
+        keep = torch.cat([torch.arange(b * s, device=ids.device), segment_ends])
+        h = self.embed(torch.cat([ids.reshape(-1), chunk.reshape(-1)])[:, None])  # [B*S + G*C, 1, hidden]
+        for i, block in enumerate(self.h):
+            h = block(h, lambda x, i=i, block=block: block.self_attention.verify_mixed(
+                x, i, cache, row_slots, window, row_bias, chunk_rows, chunk_slots, chunk_bias))
         return self.lm_head(h[:, 0].index_select(0, keep))
 
 

@@ -260,8 +260,8 @@ def test_sampled_first_tokens_keep_the_target_distribution():
 
 @pytest.mark.slow
 def test_speculating_engine_on_the_stand_in_equals_the_eager_engine_and_adds_no_graph(graph_stand_in, checkpoint, eager):
-    """The engine with speculation on the stand-in (HPU and CUDA personalities): its verify passes
-    replay graphs captured at warm-up (a second load captures nothing and, on the HPU, compiles no
+    """The engine with speculation on the stand-in (HPU and CUDA personalities): its verify passes,
+    with and without joining prompts' segments in them, replay graphs captured at warm-up (a second load captures nothing and, on the HPU, compiles no
     lazy graph), greedy rows give the eager engine's tokens without speculation, sampled rows the
     eager engine's with it."""
     from generation.serving.engine import Engine, EngineConfig
@@ -275,9 +275,16 @@ def test_speculating_engine_on_the_stand_in_equals_the_eager_engine_and_adds_no_
     def answers(generator, speculate, engine=None):
         if engine is None:
             engine = Engine(generator, EngineConfig(max_batch=4, max_length=64, bucket_width=32, max_prefill=2,
+                                                    prefill_chunk=16, burst_wait_ms=0,
                                                     speculation=parse_speculation(speculate)))
             engine.warm_up()
-        handles = [engine.submit(engine.tokenizer.encode(p), s) for p, s in zip(prompts, params)]
+        handles = [engine.submit(engine.tokenizer.encode(p), s) for p, s in zip(prompts[:2], params)]
+        verified = engine.stats["verify_passes"]
+        for _ in range(40):  # the others join once these verify guesses: in segments, inside verify passes
+            if engine.stats["verify_passes"] > verified:
+                break
+            engine.step()
+        handles += [engine.submit(engine.tokenizer.encode(p), s) for p, s in zip(prompts[2:], params[2:])]
         while engine.step() or engine.queue_length:
             pass
         return [h.result(1)[0].token_ids for h in handles], engine
@@ -290,6 +297,7 @@ def test_speculating_engine_on_the_stand_in_equals_the_eager_engine_and_adds_no_
     want = [s if p.sampling else t for t, s, p in zip(plain, sampled, params)]
     assert got == want
     assert engine.stats["verify_passes"] > 0 and engine.stats["guesses_accepted"] > 0
+    assert engine.stats["verify_mixed_steps"] > 0
     counts = Counts(graph_stand_in)
     again, _ = answers(card, "ngram:4", engine)
     assert again == want
@@ -414,3 +422,32 @@ def test_lora_rows_and_prefix_hits_speculate_as_without(seed7_checkpoint, tmp_pa
     assert stats["guesses_accepted"] > 0 and generator.runner.prefix.stats.hits > 0
     assert got == want
     assert want[0][0] != want[0][1]  # the adapter changes the answer
+
+
+def test_prompts_join_inside_verify_passes(seed7_checkpoint):
+    """Prompts that arrive while rows run join in segments carried by the verify pass itself
+    (``verify_mixed``): every row, the running and the joining, gives the tokens of the engine
+    without speculation, op by op (where a pass attends only its window) and on the CPU's path."""
+    from bloom_hpu.runtime.cpu import CpuOptions
+    from generation.serving.engine import Engine, EngineConfig
+    from generation.serving.params import SamplingParams
+
+    later = [PROMPTS[1] + " " + PROMPTS[0], PROMPTS[0] + " " + PROMPTS[2], PROMPTS[3]]
+
+    def answers(generator, speculate):
+        engine = Engine(generator, EngineConfig(max_batch=4, max_length=96, bucket_width=16, prefill_chunk=16,
+                                                speculation=parse_speculation(speculate)))
+        first = engine.submit(engine.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=40))
+        for _ in range(4):
+            engine.step()
+        handles = [first] + [engine.submit(engine.tokenizer.encode(p), SamplingParams(max_tokens=30, **options))
+                             for p, options in zip(later, ({}, {"repetition_penalty": 1.2}, {}))]
+        while engine.step() or engine.queue_length:
+            pass
+        return [h.result(1)[0].token_ids for h in handles], engine.stats
+
+    for cpu in (CpuOptions(path="plain"), CpuOptions()):
+        generator = Generator.from_pretrained(seed7_checkpoint, device="cpu", cpu=cpu)
+        got, stats = answers(generator, "ngram:4")
+        assert stats["verify_mixed_steps"] > 0 and stats["guesses_accepted"] > 0
+        assert got == answers(generator, None)[0]

@@ -192,7 +192,8 @@ class CudaBackend(Backend):
         return self.captured
 
     def run(self, name: str, step, *inputs: torch.Tensor):
-        if not self.use_graphs or name not in ("decode", "mixed", "verify"):  # the steps of every token (verify: speculation)
+        # The steps of every token (verify, verify_mixed: speculation's).
+        if not self.use_graphs or name not in ("decode", "mixed", "verify", "verify_mixed"):
             return super().run(name, step, *inputs)
         sig = signature(name, step, inputs)
         self.signatures.add(sig)

@@ -6,7 +6,8 @@ object always touches the same memory. ``StepRunner`` keeps one cache per (batch
 one step module per (kind, cache, window), so repeated calls reuse both and never re-capture.
 
 Steps: ``prefill`` (prompts -> logits of each row's last token), ``decode`` (one token per row),
-``mixed`` (a decode with segments of joining prompts in it: the server), ``extend`` (prompts
+``mixed`` (a decode with segments of joining prompts in it: the server), ``verify`` and
+``verify_mixed`` (speculation's verify pass, alone or with those segments), ``extend`` (prompts
 continued after a prefix copied from the prefix cache),
 and for scoring prompts (log-probs, evaluation) ``hidden`` (final hidden states at every position)
 and ``head`` (logits of a slice of them). Every one goes through the backend, which records its
@@ -104,6 +105,17 @@ class VerifyStep(DecodeStep):
     def forward(self, ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         with as_decode_rows():  # quantized products take the route of the decode steps this pass stands for
             return self.model.lm_head(self.model.extend_hidden(ids, starts, self.cache, self.window))
+
+
+class VerifyMixedStep(DecodeStep):
+    """A verify pass that carries prompt segments (``StaticBloom.verify_mixed``): the server
+    speculating while prompts join. Its shape is (rows, cache length, window, S, segments, segment
+    length); logits [B*S + G, V]."""
+
+    def forward(self, ids, starts, chunk, chunk_row, chunk_start, chunk_len) -> torch.Tensor:
+        with as_decode_rows():  # as VerifyStep
+            return self.model.verify_mixed(ids, starts, chunk, chunk_row, chunk_start, chunk_len, self.cache,
+                                           self.window)
 
 
 class ExtendStep(nn.Module):
@@ -221,6 +233,7 @@ class StepRunner:
                 "decode": lambda: DecodeStep(self.model, cache, window),
                 "mixed": lambda: MixedStep(self.model, cache, window),
                 "verify": lambda: VerifyStep(self.model, cache, window),
+                "verify_mixed": lambda: VerifyMixedStep(self.model, cache, window),
                 "extend": lambda: ExtendStep(self.model, cache, self.backend),
                 "extend_hidden": lambda: ExtendStep(self.model, cache, self.backend, hidden_only=True),
                 "head": lambda: HeadStep(self.model),
@@ -274,6 +287,13 @@ class StepRunner:
     def verify(self, ids: torch.Tensor, starts: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
         """Logits [B, S, V] of ids [B, S] written from slots ``starts`` [B], attending slots < ``window``."""
         return self.backend.run("verify", self._step("verify", cache, window), ids, starts)
+
+    @torch.no_grad()
+    def verify_mixed(self, ids: torch.Tensor, starts: torch.Tensor, chunk: torch.Tensor, chunk_row: torch.Tensor,
+                     chunk_start: torch.Tensor, chunk_len: torch.Tensor, cache: KVCache, window: int) -> torch.Tensor:
+        """A verify of ids [B, S] from ``starts`` [B] with G prompt segments [G, C] in it: logits [B*S + G, V]."""
+        return self.backend.run("verify_mixed", self._step("verify_mixed", cache, window), ids, starts, chunk,
+                                chunk_row, chunk_start, chunk_len)
 
     @torch.no_grad()
     def mixed(self, tokens: torch.Tensor, positions: torch.Tensor, chunk: torch.Tensor, chunk_row: torch.Tensor,

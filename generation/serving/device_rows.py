@@ -21,8 +21,10 @@ own shard, with the collectives inside the steps pairing up.
   several pieces of a long one) join in one step and the running rows never wait for a prefill.
 * ``verify`` (``--speculate``): the decode of rows that offer guesses, [b, K + 1] tokens each (the
   last token and K guesses, ``runtime/steps.VerifyStep``) in ``caches[b]``: logits at every
-  position. One shape per (batch bucket, window), K fixed by the server's ``verify_k``. A rejected
-  guess's keys and values stay in a slot the row writes again before anything attends it.
+  position. One shape per (batch bucket, window), K fixed by the server's ``verify_k``; with
+  prompt segments in it (``verify_mixed``, as ``mixed`` carries them), one per (batch bucket,
+  window, segment count). A rejected guess's keys and values stay in a slot the row writes again
+  before anything attends it.
 * **The prefix cache** (the runner's pool, when it has one: ``StepRunner.prefix``): a
   prefill copies what the pool holds of its prompts (``runtime/prefixed.py``); a joining prompt's
   held blocks are copied into its row before its first segment (``copy_prefix``), and a row's
@@ -124,6 +126,9 @@ class DeviceRows:
             outputs += sum(b + s for b in self.batch_sizes for s in self.segment_counts) * len(self.lengths)  # mixed
             if self.verify_k:
                 outputs += sum(self.batch_sizes) * (self.verify_k + 1) * len(self.lengths)  # verify: [b, K + 1, V]
+                if self.lora is None:  # verify_mixed: [b * (K + 1) + G, V]
+                    outputs += sum(b * (self.verify_k + 1) + g for b in self.batch_sizes
+                                   for g in self.segment_counts) * len(self.lengths)
             if backend.per_layer_cache:
                 outputs += sum(self.prefill_sizes) * len(self.lengths)
             graphs = outputs * model.config.vocab_size * 4
@@ -161,7 +166,10 @@ class DeviceRows:
                 for count in reversed(self.segment_counts):  # pad tokens into row 0: overwritten before use
                     self.mixed(b, [self.pad] * b, [0] * b, window, [(0, 0, [self.pad] * self.segment_length, 0)] * count)
                 if self.verify_k:
-                    self.verify(b, [[self.pad] * (self.verify_k + 1)] * b, [0] * b, window)
+                    rows = [[self.pad] * (self.verify_k + 1)] * b
+                    self.verify(b, rows, [0] * b, window)
+                    for count in reversed(self.segment_counts if self.lora is None else []):
+                        self.verify_mixed(b, rows, [0] * b, window, [(0, 0, [self.pad] * self.segment_length, 0)] * count)
         if self.pool is not None:
             self._warm_up_extends()
         if self.runner.backend.compiles_eager_ops:
@@ -170,7 +178,7 @@ class DeviceRows:
         return {"prefill": len(self.prefill_sizes) * len(self.lengths),
                 "decode": len(self.batch_sizes) * len(self.lengths),
                 "mixed": len(self.batch_sizes) * len(self.lengths) * len(self.segment_counts),
-                "verify": len(self.batch_sizes) * len(self.lengths) if self.verify_k else 0,
+                "verify": len(self.batch_sizes) * len(self.lengths) * (1 + len(self.segment_counts)) if self.verify_k else 0,
                 "seconds": time.perf_counter() - start}
 
     def prefill_size(self, prompts: int) -> int:
@@ -250,6 +258,22 @@ class DeviceRows:
         to its own, below ``window``. Returns logits [b, verify_k + 1, V]."""
         ids, starts = self.upload(ids, starts)
         return self.runner.verify(ids, starts, self.caches[bucket], window)
+
+    @torch.no_grad()
+    def verify_mixed(self, bucket: int, ids: list[list[int]], starts: list[int], window: int,
+                     segments: list[tuple[int, int, list[int], int]]) -> torch.Tensor:
+        """``verify`` with prompt ``segments`` in it, as ``mixed`` takes them (not with LoRA
+        adapters: their rows are indexed by token, and a verify row has several). Returns logits
+        [b * (verify_k + 1) + len(segments), V]: every position of the rows, then each segment's
+        last token's."""
+        count = next(n for n in self.segment_counts if n >= len(segments))
+        padded = segments + segments[-1:] * (count - len(segments))
+        c = self.segment_length
+        ids, starts, chunk, rows, chunk_starts, lengths = self.upload(
+            ids, starts, [piece + [self.pad] * (c - len(piece)) for _, _, piece, _ in padded],
+            [row for row, _, _, _ in padded], [start for _, start, _, _ in padded], [len(p) for _, _, p, _ in padded])
+        logits = self.runner.verify_mixed(ids, starts, chunk, rows, chunk_starts, lengths, self.caches[bucket], window)
+        return logits[: bucket * (self.verify_k + 1) + len(segments)]
 
     @torch.no_grad()
     def mixed(self, bucket: int, tokens: list[int], positions: list[int], window: int,

@@ -124,7 +124,7 @@ class Engine:
         # (decodes with a prompt chunk) and the prompts that joined that way.
         self.stats = {"peak_rows": 0, "row_moves": 0, "bucket_changes": 0, "prefills": 0, "prompts_prefilled": 0,
                       "mixed_steps": 0, "prompts_chunked": 0, "joined_after_a_hit": 0,
-                      "verify_passes": 0, "guesses_offered": 0, "guesses_accepted": 0}
+                      "verify_passes": 0, "verify_mixed_steps": 0, "guesses_offered": 0, "guesses_accepted": 0}
         # Called once a step, after its events are handed out (the app: wait, briefly, until its
         # event loop has sent them). On the CPU before the decode, so that the loop and the decode's
         # threads do not compete for the cores; on a card after the decode is launched, so that the
@@ -361,18 +361,22 @@ class Engine:
         if not segments:
             if not any(r is not None and r.running for r in rows):
                 return  # only copies waiting for their first row: nothing to decode
-            if self.speculation is not None and self._verify(bucket, rows, tokens, positions):
+            if self.speculation is not None and self._verify(bucket, rows, tokens, positions) is not None:
                 return
             out = self.device_rows.decode(bucket, tokens, positions, self.device_rows.length_bucket(max(positions) + 1))
             self.logits[:bucket].copy_(out)
             self.generator.backend.mark_step()
             return
         furthest = max(max(positions) + 1, max(start + len(ids) for _, _, start, ids in segments))
-        window = self.device_rows.length_bucket(furthest)
+        pieces = [(slot, start, ids, row.handle.params.adapter) for slot, row, start, ids in segments]
         try:
-            out = self.device_rows.mixed(bucket, tokens, positions, window,
-                                         [(slot, start, ids, row.handle.params.adapter)
-                                          for slot, row, start, ids in segments])
+            joined = None  # the segments' logits [G, V]
+            if self.speculation is not None and self.device_rows.lora is None:
+                joined = self._verify(bucket, rows, tokens, positions, pieces, furthest)
+            if joined is None:
+                out = self.device_rows.mixed(bucket, tokens, positions, self.device_rows.length_bucket(furthest), pieces)
+                self.logits[:bucket].copy_(out[:bucket])
+                joined = out[bucket:]
         except Exception as error:  # these requests fail alone; the running rows decode without them
             handles = list({id(row.handle): row.handle for _, row, _, _ in segments}.values())
             self.slots.unseat(handles)
@@ -382,31 +386,41 @@ class Engine:
             self._decode()
             return
         self.stats["mixed_steps"] += 1
-        self.logits[:bucket].copy_(out[:bucket])
         for s, (_, row, _, ids) in enumerate(segments):
             row.prompt_done += len(ids)
             if row.running:  # this segment ended its prompt: its logits are the first token's
                 self.stats["prompts_chunked"] += 1
-                self.admission.begin(row, out[bucket + s : bucket + s + 1])
+                self.admission.begin(row, joined[s : s + 1])
         self.generator.backend.mark_step()
 
-    def _verify(self, bucket: int, rows: list, tokens: list[int], positions: list[int]) -> bool:
-        """A verify pass in place of the decode when some running row offers guesses (``speculating.py``):
-        row i feeds its last token and its guesses from ``positions[i]``. False: none offered (the
-        rows' budgets count the wait), decode instead."""
+    def _verify(self, bucket: int, rows: list, tokens: list[int], positions: list[int], pieces: list = (),
+                furthest: int = 0) -> torch.Tensor | None:
+        """A verify pass in place of the decode (or of the mixed step carrying prompt segments
+        ``pieces``, whose slots reach ``furthest``) when some running row offers guesses
+        (``speculating.py``): row i feeds its last token and its guesses from ``positions[i]``.
+        Returns the segments' logits [G, V] (G = 0 without any), or None when no row offered a
+        guess (their budgets count the wait): decode instead."""
         guesses, counts = propose(rows, self.speculation, self.config.max_length)
         if not any(counts):
             adapt(rows, counts, counts)
-            return False
+            return None
         s = self.speculation.shape_k + 1
-        window = self.device_rows.length_bucket(min(self.config.max_length, max(positions) + s))
-        out = self.device_rows.verify(bucket, [[t] + g for t, g in zip(tokens, guesses)], positions, window)
-        self.verified_logits[:bucket].copy_(out)
+        window = self.device_rows.length_bucket(min(self.config.max_length, max(max(positions) + s, furthest)))
+        ids = [[t] + g for t, g in zip(tokens, guesses)]
+        if pieces:
+            out = self.device_rows.verify_mixed(bucket, ids, positions, window, pieces)  # [b*S + G, V]
+            self.stats["verify_mixed_steps"] += 1
+            self.verified_logits[:bucket].copy_(out[: bucket * s].view(bucket, s, -1))
+            joined = out[bucket * s :]
+        else:
+            out = self.device_rows.verify(bucket, ids, positions, window)  # [b, S, V]
+            self.verified_logits[:bucket].copy_(out)
+            joined = out[:0, 0]
         padded = guesses + [[0] * (s - 1)] * (self.config.max_batch - bucket)
         self._verified = (list(rows), host_to_device(torch.tensor(padded), self.device), counts)
         self.stats["verify_passes"] += 1
         self.generator.backend.mark_step()
-        return True
+        return joined
 
     def _answer_offline(self, handle: RequestHandle) -> None:
         from ..request.parse import batch_length

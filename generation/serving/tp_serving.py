@@ -38,8 +38,8 @@ from .device_rows import DeviceRows
 from .heap import freeze_long_lived
 
 # The DeviceRows calls that touch the model or its caches: every rank makes them.
-FOLLOWED = ("warm_up", "prefill", "decode", "mixed", "verify", "place", "move", "resize", "answer_offline",
-            "copy_prefix", "store_prefix", "close")
+FOLLOWED = ("warm_up", "prefill", "decode", "mixed", "verify", "verify_mixed", "place", "move", "resize",
+            "answer_offline", "copy_prefix", "store_prefix", "close")
 HEARTBEAT = "heartbeat"  # sent by an idle rank 0 so that no follower's wait reaches the timeout
 
 
