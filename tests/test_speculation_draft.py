@@ -307,6 +307,24 @@ def test_a_draft_too_big_is_refused_before_it_loads(monkeypatch, seed7_checkpoin
         Generator.from_pretrained(seed7_checkpoint, speculate="draft", draft_model=seed7_checkpoint)
 
 
+def test_a_calls_memory_check_counts_the_drafts_cache(monkeypatch, seed7_checkpoint):
+    """Free memory for the target's cache of a call and half as much again: enough without the
+    draft, not with the draft's own cache (the target itself as the draft: as big again)."""
+    import generation.request.validate as validate
+    from generation.request.memory import MemoryCheckError, estimate_bytes
+
+    generator = Generator.from_pretrained(seed7_checkpoint, speculate="draft", draft_model=seed7_checkpoint)
+    opts = generator.options(max_length=4096)
+    longest = max(len(generator.tokenizer.encode(p)) for p in PROMPTS)
+    alone = estimate_bytes(generator.model.config, generator.dtype, len(PROMPTS), 4096, longest)
+    monkeypatch.setattr(validate, "agreed_free_bytes", lambda device, parallel=None: alone * 3 // 2)
+    generator.check_fits(PROMPTS, opts, parse_speculation("ngram"))
+    with pytest.raises(MemoryCheckError):
+        generator.check_fits(PROMPTS, opts, parse_speculation("draft"))
+    with pytest.raises(MemoryCheckError):
+        generator.generate(PROMPTS, max_length=4096)  # the generator's own speculation: the draft
+
+
 def test_beams_and_a_generator_without_a_draft_are_refused(drafted, seed7_checkpoint):
     with pytest.raises(SpeculationError, match="not with beam search"):
         drafted.generate("Hi", max_length=16, num_beams=2)
