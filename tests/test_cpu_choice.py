@@ -285,6 +285,11 @@ def test_each_bucket_and_the_decode_rows_run_their_own_route(choice_dir, mode):
     assert spy.rows == ([8, 100, 4] if mode is None else [8, 100])
     if mode is None:
         assert plan.decode is None
+        if model.head.wide is not None:  # the head's decode rows are never widened (it is not timed)
+            with torch.no_grad():
+                model.head(torch.randn(4, 64).bfloat16(), model.word_embeddings.weight)
+                model.head(torch.randn(1, 100, 64).bfloat16(), model.word_embeddings.weight)
+            assert spy.rows == [8, 100, 4, 100]
     elif "kernels" in plan.description:
         assert plan.decode is not None
 
