@@ -451,3 +451,26 @@ def test_prompts_join_inside_verify_passes(seed7_checkpoint):
         got, stats = answers(generator, "ngram:4")
         assert stats["verify_mixed_steps"] > 0 and stats["guesses_accepted"] > 0
         assert got == answers(generator, None)[0]
+
+
+def test_a_row_whose_guesses_fail_stops_guessing_and_is_probed_later():
+    """Each row's budget (``speculating.adapt`` over ``speculation.AdaptiveK``): halved down to 0
+    while its guesses fail, offered K again as a probe 16 passes later, back to 0 when the probe
+    fails; a row that accepts everything keeps K; a free slot changes nothing."""
+    from types import SimpleNamespace
+
+    from generation.serving.speculating import Budget, adapt
+
+    failing, lucky = SimpleNamespace(guess_budget=Budget(4)), SimpleNamespace(guess_budget=Budget(4))
+    rows = [failing, None, lucky]
+    seen = []
+    for _ in range(3):
+        k = failing.guess_budget.k
+        adapt(rows, [k, 0, 4], [0, 0, 4])
+        seen.append(failing.guess_budget.k)
+    assert seen == [2, 1, 0] and lucky.guess_budget.k == 4
+    for _ in range(16):
+        adapt(rows, [0, 0, 4], [0, 0, 4])
+    assert failing.guess_budget.k == 4 and failing.guess_budget.probing  # the probe
+    adapt(rows, [4, 0, 4], [0, 0, 4])
+    assert failing.guess_budget.k == 0 and lucky.guess_budget.k == 4

@@ -89,7 +89,7 @@ class Row:
     prompt_done: int = 0
     copy_of: "Row | None" = None
     grammar: object = None  # structured.RowGrammar: its matcher, when its request has a grammar
-    guess_budget: object = None  # speculation.AdaptiveK of one row: its guesses a pass (--speculate)
+    guess_budget: object = None  # speculating.Budget: the guesses it may offer a pass (--speculate)
 
     @property
     def running(self) -> bool:

@@ -21,6 +21,8 @@ The rule is the offline loop's (``search/speculation.py``), row by row:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..search.choose import RowFlags, row_scores
@@ -41,9 +43,9 @@ def propose(rows: list, speculation: Speculation, max_length: int) -> tuple[list
     guesses, counts = [[0] * k for _ in rows], [0] * len(rows)
     live = [i for i, r in enumerate(rows) if r is not None and r.running and offers_guesses(r.handle.params)]
     for i in live:
-        if rows[i].guess_budget is None:  # a row's own budget: it moves with the row between slots
-            rows[i].guess_budget = AdaptiveK(1, speculation.k, "cpu")
-    live = [i for i in live if int(rows[i].guess_budget.k[0]) > 0]
+        if rows[i].guess_budget is None:  # a row's own budget (it moves with the row between slots)
+            rows[i].guess_budget = Budget(speculation.k)
+    live = [i for i in live if rows[i].guess_budget.k > 0]
     if not live:
         return guesses, counts
     histories = [rows[i].handle.prompt_ids + rows[i].ids for i in live]
@@ -57,18 +59,42 @@ def propose(rows: list, speculation: Speculation, max_length: int) -> tuple[list
         row = rows[i]
         last_slot = row.prompt_len + len(row.ids) - 1  # the slot its last token goes to
         room = min(row.limit - len(row.ids) - 1, max_length - 1 - last_slot)  # the token after is always kept
-        count = max(0, min(int(found_counts[n]), int(row.guess_budget.k[0]), room))
+        count = max(0, min(int(found_counts[n]), row.guess_budget.k, room))
         guesses[i][:count] = found[n, :count].tolist()
         counts[i] = count
     return guesses, counts
 
 
+@dataclass
+class Budget:
+    """A row's state in ``speculation.AdaptiveK``, kept on the row as host values."""
+
+    most: int
+    k: int = -1  # guesses it may offer now (-1: ``most``)
+    idle: int = 0
+    probing: bool = False
+
+    def __post_init__(self):
+        if self.k < 0:
+            self.k = self.most
+
+
 def adapt(rows: list, offered: list[int], accepted: list[int]) -> None:
     """After a pass (verify or plain decode, which counts a row's wait for its probe), each running
-    row's budget follows what it accepted (``AdaptiveK.update``)."""
-    for row, o, a in zip(rows, offered, accepted):
-        if row is not None and row.guess_budget is not None:
-            row.guess_budget.update(torch.tensor([o]), torch.tensor([a]))
+    row's budget follows what it accepted: ``AdaptiveK.update`` over the rows at once."""
+    budgets = [row.guess_budget if row is not None else None for row in rows]
+    have = [b for b in budgets if b is not None]
+    if not have:
+        return
+    stand_in = Budget(have[0].most)  # free slots: updated, thrown away
+    budgets = [b or stand_in for b in budgets]
+    adaptive = AdaptiveK(len(budgets), have[0].most, "cpu")
+    adaptive.k = torch.tensor([b.k for b in budgets])
+    adaptive.idle = torch.tensor([b.idle for b in budgets])
+    adaptive.probing = torch.tensor([b.probing for b in budgets])
+    adaptive.update(torch.tensor(offered), torch.tensor(accepted))
+    for b, k, idle, probing in zip(budgets, adaptive.k.tolist(), adaptive.idle.tolist(), adaptive.probing.tolist()):
+        b.k, b.idle, b.probing = k, idle, probing
 
 
 class PositionOptions:
