@@ -379,6 +379,7 @@ def test_two_ranks_speculate_as_one_process(seed7_checkpoint, tmp_path):
         finally:
             stop(proc)
     assert "num_local_procs=2" in (tmp_path / "two.log").read_text()
+    assert " verify) in " in (tmp_path / "one.log").read_text()  # the warm-up ran the verify shapes
     assert answers_of["two"][:3] == answers_of["plain"][:3] == answers_of["one"][:3]
     assert answers_of["two"][3] == answers_of["one"][3]
     assert accepted > 0

@@ -70,7 +70,9 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
     def report():
         engine.ready.wait()
         r = engine.warmup_report or {}
-        log(f"warm-up: {r.get('prefill', 0)} prefill, {r.get('decode', 0)} decode and {r.get('mixed', 0)} mixed shapes in "
+        verify = f" (and {r['verify']} verify)" if r.get("verify") else ""  # --speculate
+        log(f"warm-up: {r.get('prefill', 0)} prefill, {r.get('decode', 0)} decode and {r.get('mixed', 0)} mixed "
+            f"shapes{verify} in "
             f"{time.perf_counter() - start:.2f} s; serving {', '.join(map(repr, [name, *lora]))} "
             f"on http://{address}:{port}/v1 "
             f"(max_batch {config.max_batch}, max_length {config.max_length}, bucket_width {config.bucket_width})")

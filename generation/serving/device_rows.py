@@ -168,8 +168,9 @@ class DeviceRows:
                 if self.verify_k:
                     rows = [[self.pad] * (self.verify_k + 1)] * b
                     self.verify(b, rows, [0] * b, window)
+                    segment = (0, 0, [self.pad] * self.segment_length, 0)
                     for count in reversed(self.segment_counts if self.lora is None else []):
-                        self.verify_mixed(b, rows, [0] * b, window, [(0, 0, [self.pad] * self.segment_length, 0)] * count)
+                        self.verify_mixed(b, rows, [0] * b, window, [segment] * count)
         if self.pool is not None:
             self._warm_up_extends()
         if self.runner.backend.compiles_eager_ops:
@@ -178,7 +179,8 @@ class DeviceRows:
         return {"prefill": len(self.prefill_sizes) * len(self.lengths),
                 "decode": len(self.batch_sizes) * len(self.lengths),
                 "mixed": len(self.batch_sizes) * len(self.lengths) * len(self.segment_counts),
-                "verify": len(self.batch_sizes) * len(self.lengths) * (1 + len(self.segment_counts)) if self.verify_k else 0,
+                "verify": (len(self.batch_sizes) * len(self.lengths) * (1 + len(self.segment_counts))
+                           if self.verify_k else 0),
                 "seconds": time.perf_counter() - start}
 
     def prefill_size(self, prompts: int) -> int:

@@ -309,8 +309,9 @@ class Engine:
                                            host_to_device(torch.tensor(counts), self.device), flags,
                                            self.generator.noise_kernel, masks)  # [b, S], [b]
         self.opts.record_verified(b, used, tokens, accepted + 1, flags.repetition, flags.openai_penalties)
-        first = to_host(self.logits[:b], tokens[:, 0], top)
-        later = torch.cat([tokens, accepted[:, None]], dim=1).tolist()  # (with log-probs: a second read)
+        later = torch.cat([tokens, accepted[:, None]], dim=1).tolist()  # [b, S + 1]: the step's one read
+        # Position 0 as the plain step hands it out (with log-probs: a second read).
+        first = to_host(self.logits[:b], tokens[:, 0], top) if top is not None else [t[:1] for t in later]
         self.generator.backend.mark_step()
         taken = [later[i][-1] for i in range(b)]
         self.stats["guesses_offered"] += sum(counts)
@@ -374,7 +375,8 @@ class Engine:
             if self.speculation is not None and self.device_rows.lora is None:
                 joined = self._verify(bucket, rows, tokens, positions, pieces, furthest)
             if joined is None:
-                out = self.device_rows.mixed(bucket, tokens, positions, self.device_rows.length_bucket(furthest), pieces)
+                window = self.device_rows.length_bucket(furthest)
+                out = self.device_rows.mixed(bucket, tokens, positions, window, pieces)
                 self.logits[:bucket].copy_(out[:bucket])
                 joined = out[bucket:]
         except Exception as error:  # these requests fail alone; the running rows decode without them
