@@ -144,25 +144,26 @@ def run_job(args, folder: Path) -> None:
 
 
 def run_chat(args, folder: Path) -> None:
-    from generation.chat.turns import BOT, HUMAN, MarkerFormat, Turn
+    from generation.chat.turns import BOT, HUMAN, Conversation, MarkerFormat
 
-    fmt = MarkerFormat()
-    results = {}
+    results, computed = {}, {}
     for name, size in (("no cache", 0), ("prefix cache", args.prefix_cache)):
         generator = Generator.from_pretrained(folder, dtype=args.dtype, prefix_cache=size)
         generator.generate("warm up", max_length=args.max_length, max_new_tokens=2)  # kernels, shapes
-        turns, ttft, cpu = [], [], []
+        conversation, ttft, cpu = Conversation(MarkerFormat()), [], []
         for t, question in enumerate(passages(args.turns, 500)):
-            question = cut(generator.tokenizer, question, args.question)
-            turns.append(Turn(HUMAN, question))
-            prompt = fmt.render(turns, open_reply=True)
+            # As the chat shell: the prompt continues the ids of the last prompt and reply.
+            conversation.add(HUMAN, cut(generator.tokenizer, question, args.question))
+            prompt = conversation.prompt_ids(generator.tokenizer)
             start, start_cpu = time.perf_counter(), time.process_time()
-            generator.generate(prompt, max_length=args.max_length, max_new_tokens=1)
+            first = generator.generate([prompt], max_length=args.max_length, max_new_tokens=1)[0]
             ttft.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
-            reply = generator.generate(prompt, max_length=args.max_length, max_new_tokens=args.reply,
-                                       stop=fmt.stops)[0].text
-            turns.append(Turn(BOT, reply.strip() or "..."))
+            computed.setdefault(name, []).append(len(prompt) - first.cached_tokens)
+            reply = generator.generate([prompt], max_length=args.max_length, max_new_tokens=args.reply,
+                                       stop=conversation.stops)[0]
+            conversation.add(BOT, reply.text.strip() or "...")
+            conversation.held = prompt + reply.token_ids
         results[name] = ttft
         results[f"{name}, CPU"] = cpu
     # The CPU time of the process (all its threads): on a machine shared with other work, what a
@@ -174,6 +175,8 @@ def run_chat(args, folder: Path) -> None:
         print(f"| {t + 1} | " + " | ".join(f"{v[t] * 1000:.1f}" for v in results.values()) + " |")
     for name, v in results.items():
         print(f"{name}: last turn / first turn TTFT = {v[-1] / v[0]:.2f} (median {statistics.median(v) * 1000:.1f} ms)")
+    for name, counts in computed.items():
+        print(f"{name}: prompt tokens computed each turn {counts}")
 
 
 def serve_engine(generator, args):

@@ -28,7 +28,7 @@ from bloom_hpu.quantize import quantize as quantize_weights
 from bloom_hpu.tp import Parallel, SINGLE
 from bloom_hpu.runtime.steps import StepRunner
 
-from .run.batch import Batch, BloomTokenizer, make_batch  # noqa: F401 (BloomTokenizer: re-exported)
+from .run.batch import Batch, BloomTokenizer, InputError, encode_prompts, make_batch  # noqa: F401 (BloomTokenizer: re-exported)
 from .request.options import GenerationOptions, OptionError, build_options
 from .run.prefix_pool import cached_counts, enable_prefix_cache, parse_size, store_generated
 from .run.progress import Progress
@@ -213,7 +213,7 @@ class Generator:
             return options.updated(**kwargs) if kwargs else options.validate()
         return build_options(options or "", **kwargs)
 
-    def generate(self, prompts: str | list[str], options: GenerationOptions | str | None = None, *,
+    def generate(self, prompts: str | list[str | list[int]], options: GenerationOptions | str | None = None, *,
                  stop=None, logprobs: bool = False, on_step=None, max_new_tokens_each: list[int] | None = None,
                  seed_each: list[int | None] | None = None, progress: bool = False,
                  grammar_each: list[Grammar | None] | None = None, speculate: str | None = None, **kwargs):
@@ -221,6 +221,7 @@ class Generator:
 
         Keyword arguments are generation options (see ``generation.request.options.OPTIONS``), e.g.
         ``generate(["Hello"], max_length=32, ignore_eos=False)``. All prompts run as one batch.
+        A prompt is a string or a list of token ids (``generate([[52, 88, 392]])``).
         ``stop``: a string or list of strings (or one list per prompt) that ends a sequence; the
         text excludes it and the finish reason is "stop". ``logprobs``: fill each sequence's
         ``token_logprobs`` (the model's log-probabilities, see ``generation/run/logprobs.py``).
@@ -270,21 +271,26 @@ class Generator:
         cached = cached_counts(self, batch.size)
         results = [
             GenerationResult(prompt, ids, seqs, cached_tokens=n)
-            for prompt, ids, seqs, n in zip(prompts, batch.prompt_ids, sequences, cached)
+            for prompt, ids, seqs, n in zip(batch.prompts, batch.prompt_ids, sequences, cached)
         ]
         new_tokens = sum(len(s.token_ids) for r in results for s in r.sequences)
         self.last_stats = BatchStats(time.perf_counter() - start, new_tokens, self.backend.graph_count(),
                                      cached_tokens=sum(cached), speculation=self._speculated)
         return results
 
-    def check_fits(self, prompts: list[str], opts: GenerationOptions, speculation: Speculation | None = None) -> None:
+    def check_fits(self, prompts: list[str | list[int]], opts: GenerationOptions, speculation: Speculation | None = None) -> None:
         """Options against the vocabulary, and the call's memory against what is free, before
         anything is allocated (a max_length of a billion is refused here, not by the allocator).
         With a draft model, its cache of the call's shape counts too."""
         check_against_model(opts, self.model.config.vocab_size)
         if not prompts:
             return
-        longest = max(len(ids) for ids in self.tokenizer.encode_batch(prompts))
+        prompt_ids = encode_prompts(self.tokenizer, prompts)
+        vocab = self.model.config.vocab_size
+        for i, ids in enumerate(prompt_ids):
+            if max(ids) >= vocab:
+                raise InputError(f"prompts[{i}]: token id {max(ids)} is outside the model's vocabulary (0..{vocab - 1})")
+        longest = max(len(ids) for ids in prompt_ids)
         rows, prompt_len = len(prompts) * rows_per_prompt(opts), min(longest, opts.max_length)
         drafts = speculation is not None and speculation.kind == "draft" and self.draft is not None
         extra = self.draft.call_bytes(rows, opts.max_length, prompt_len) if drafts else 0

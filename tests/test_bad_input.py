@@ -204,3 +204,17 @@ def test_a_request_that_fails_while_answered_costs_only_its_own_line(gen, tmp_pa
     assert summary.answered == 2 and summary.errors == 1
     error = json.loads((tmp_path / "out.jsonl.errors.jsonl").read_text())
     assert error["line"] == 2 and "RuntimeError" in error["error"]
+
+
+def test_a_prompt_of_token_ids_is_the_text_it_encodes_and_bad_ids_are_named(gen):
+    ids = gen.tokenizer.encode("It was the best of times")
+    by_ids, by_text = gen.generate([ids, "It was the best of times"], max_new_tokens=6, ignore_eos=True)
+    assert by_ids.token_ids == by_text.token_ids and by_ids.prompt == "It was the best of times"
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a string or a non-empty list of token ids.*\[\[id"):
+        gen.generate(ids, max_new_tokens=2)  # a flat list of ids: which prompt was meant?
+    with pytest.raises(ValueError, match=r"prompts\[1\]: token id 2048 is outside the model's vocabulary \(0..2047\)"):
+        gen.generate([ids, [5, 2048]], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: token ids are at least 0"):
+        gen.generate([[5, -1]], max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a string or a non-empty list"):
+        gen.generate([[]], max_new_tokens=2)

@@ -401,3 +401,117 @@ def test_rank_0_broadcasts_each_line_and_heartbeats_while_nobody_types(monkeypat
     monkeypatch.setattr(torch.distributed, "broadcast", lambda t, src: t.copy_(next(replay)))
     rank1 = BroadcastLines(Parallel(1, 2))
     assert rank1.read(">>> ") == "héllo" and rank1.read(">>> ") is None
+
+
+def test_the_next_prompt_keeps_the_ids_the_model_read_and_wrote(tiny_checkpoint):
+    """A reply is not encoded again from its text: the next prompt starts with the ids of the last
+    prompt and of the reply as written (so the prefix cache's tail of the last turn matches it),
+    as far as the conversation's text agrees with them."""
+    from generation.run.batch import BloomTokenizer
+
+    tokenizer = BloomTokenizer(tiny_checkpoint)
+    conversation = Conversation(MarkerFormat())
+    conversation.add(HUMAN, "Hi")
+    first = conversation.prompt_ids(tokenizer)
+    assert first == tokenizer.encode("<human>: Hi\n<bot>:")
+    # The model wrote " Hello" one character a token, which encoding the text would not give back.
+    written = [tokenizer.encode(c)[0] for c in " Hello"]
+    assert tokenizer.encode(" Hello") != written
+    conversation.add(BOT, "Hello")
+    conversation.add(HUMAN, "And?")
+    conversation.held = first + written
+    ids = conversation.prompt_ids(tokenizer)
+    assert ids[: len(first) + len(written)] == first + written
+    assert tokenizer.decode(ids) == conversation.prompt()
+    # What it wrote past the reply's text (the start of a next turn marker) is kept as far as the
+    # text agrees: "\n<human>:" is what the format writes next.
+    conversation.held = first + written + tokenizer.encode("\n<human>:")
+    ids = conversation.prompt_ids(tokenizer)
+    assert ids[: len(conversation.held)] == conversation.held and tokenizer.decode(ids) == conversation.prompt()
+    # Turns dropped, or a reset: nothing held agrees, and the prompt is encoded afresh.
+    conversation.turns = conversation.turns[2:]
+    assert conversation.prompt_ids(tokenizer) == tokenizer.encode(conversation.prompt())
+    conversation.reset()
+    assert conversation.held == []
+
+
+def test_each_turn_continues_the_ids_the_model_wrote_and_finds_them_in_the_prefix_cache(make_ckpt):
+    """The shell in this process on random weights (whose replies need not encode back to the ids
+    written): every prompt sent starts with the previous prompt and the reply's ids as written (as
+    far as the conversation's text keeps them), each reply is transformers' greedy continuation of
+    the ids sent, and the prefix cache serves everything the previous turn computed."""
+    import io
+
+    from transformers import BloomForCausalLM
+
+    from bloom_hpu.runtime.cpu import CpuOptions
+    from generation.chat.shell import ChatShell
+    from generation.generator import Generator
+
+    folder = make_ckpt(**RANDOM)
+    generator = Generator.from_pretrained(folder, device="cpu", cpu=CpuOptions(path="plain"), prefix_cache="16MB")
+    calls = []
+    generate = generator.generate
+
+    def spy(prompts, *args, **kwargs):
+        results = generate(prompts, *args, **kwargs)
+        calls.append((prompts[0], results[0]))
+        return results
+
+    generator.generate = spy
+    options = chat_options(max_length=512, max_new_tokens=16, do_sample=False)
+    messages = ("Hello there", "Tell me more about it", "And then?", "Why so?")
+    shell = ChatShell(generator, Settings(options), Conversation(turn_format(generator.tokenizer)),
+                      Typed(*messages), out=io.StringIO())
+    assert shell.run() == 0
+    assert len(calls) == len(messages)
+    hf = BloomForCausalLM.from_pretrained(folder).eval()
+    tokenizer = generator.tokenizer
+    kept_reply_ids = 0
+    for turn, (sent, result) in enumerate(calls):
+        assert isinstance(sent, list)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([sent]), max_new_tokens=16, do_sample=False, pad_token_id=3, eos_token_id=2)
+        assert result.token_ids == out[0, len(sent):].tolist()[: len(result.token_ids)]
+        if turn == 0:
+            continue
+        before, wrote = calls[turn - 1][0], calls[turn - 1][1].token_ids
+        text = tokenizer.decode(sent)
+        kept = max(n for n in range(len(wrote) + 1) if text.startswith(tokenizer.decode(before + wrote[:n])))
+        assert sent[: len(before) + kept] == before + wrote[:kept]
+        kept_reply_ids += kept
+        # Stored after the last turn: its prompt and reply but the reply's last token (never fed back).
+        assert result.cached_tokens == min(len(before) + kept, len(before) + len(wrote) - 1, len(sent) - 1)
+    assert kept_reply_ids > 0
+
+
+def test_the_shell_feeds_back_the_ids_written_not_their_text_encoded_again(tiny_checkpoint):
+    """The first reply's ids made one token per character (the same text, ids the encoder would
+    not give): the next prompt carries those ids, not the text's encoding."""
+    import io
+
+    from bloom_hpu.runtime.cpu import CpuOptions
+    from generation.chat.shell import ChatShell
+    from generation.generator import Generator
+
+    generator = Generator.from_pretrained(tiny_checkpoint, device="cpu", cpu=CpuOptions(path="plain"))
+    tokenizer, generate, sent, written = generator.tokenizer, generator.generate, [], []
+
+    def spy(prompts, *args, **kwargs):
+        results = generate(prompts, *args, **kwargs)
+        sent.append(prompts[0])
+        if not written:  # the first reply, one token per character
+            sequence = results[0].sequences[0]
+            written.extend(tokenizer.encode(c)[0] for c in sequence.text)
+            assert tokenizer.decode(written) == sequence.text and written != tokenizer.encode(sequence.text)
+            sequence.token_ids = list(written)
+        return results
+
+    generator.generate = spy
+    options = chat_options(max_length=256, max_new_tokens=12, do_sample=False)
+    shell = ChatShell(generator, Settings(options), Conversation(turn_format(tokenizer)),
+                      Typed("Hello there", "And then?"), out=io.StringIO())
+    assert shell.run() == 0
+    kept = len(tokenizer.decode(written).rstrip())  # the conversation keeps the reply's text stripped
+    assert sent[1][: len(sent[0]) + kept] == sent[0] + written[:kept]
+    assert sent[1] != tokenizer.encode(tokenizer.decode(sent[1]))

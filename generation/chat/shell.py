@@ -87,6 +87,7 @@ class ChatShell:
         self.interruptible = interruptible  # False under a launcher: Ctrl-C ends the session
         self.name = name
         self.warned_truncation = False
+        self.written: list[int] = []  # the token ids of the last reply (``stream``)
         self.commands = {
             "help": self.do_help, "?": self.do_help, "reset": self.do_reset,
             "hyperparameters": self.do_hyperparameters, "raw_prompt": self.do_raw_prompt,
@@ -148,7 +149,7 @@ class ChatShell:
         tokenizer = self.generator.tokenizer
         try:
             dropped = self.conversation.fit(lambda s: len(tokenizer.encode(s)), opts.max_length - opts.max_new_tokens)
-            prompt = self.conversation.prompt()
+            prompt = self.conversation.prompt_ids(tokenizer)
         except ValueError as error:  # TurnTooLong, or a chat template that fails on these messages
             if not isinstance(error, TurnTooLong):
                 self.conversation.turns.pop()
@@ -163,11 +164,14 @@ class ChatShell:
             self.conversation.turns.pop()  # nothing was generated: the message is taken back
         else:
             self.conversation.add(BOT, reply.strip())
+            self.conversation.held = prompt + self.written
 
-    def stream(self, prompt: str, stops: list[str], strip: bool) -> str | None:
-        """Print the reply to ``prompt`` as it comes; returns its text (None after an error).
+    def stream(self, prompt: str | list[int], stops: list[str], strip: bool) -> str | None:
+        """Print the reply to ``prompt`` as it comes; returns its text (None after an error), and
+        keeps the token ids written in ``self.written`` (none where the reply was stopped).
         ``strip``: leave out the blanks a reply starts with (the space after ``<bot>:``)."""
         shown: list[str] = []
+        self.written = []
 
         def show(piece: str) -> None:
             if strip and not shown:
@@ -181,8 +185,10 @@ class ChatShell:
         stop_now = threading.Event()
         try:
             with ctrl_c_sets(stop_now, enabled=self.interruptible):
-                generate_streaming(self.generator, prompt, self.settings.options, show, stop=stops or None,
-                                   cancelled=stop_now)
+                result = generate_streaming(self.generator, prompt, self.settings.options, show,
+                                            stop=stops or None, cancelled=stop_now)
+            if result is not None:
+                self.written = result.token_ids
         except KeyboardInterrupt:  # a second Ctrl-C, or one under a launcher
             if not self.interruptible:
                 raise

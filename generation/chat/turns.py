@@ -12,6 +12,12 @@ Two turn formats:
 
 ``Conversation.fit`` drops the oldest turns (a human turn with its reply) until the prompt and the
 reply's ``max_tokens`` fit ``max_length``.
+
+The model reads the conversation as token ids, and the ids it read and wrote last turn stay what
+it reads next turn as far as the text allows (``prompt_ids``): a reply is not encoded again from
+its text, which need not give back the ids the model wrote. So the next turn's prompt starts with
+exactly the tokens the prefix cache stored of the last (``docs/prefix-cache.md``), and the model
+continues its own tokens, as it does within a reply.
 """
 
 from __future__ import annotations
@@ -120,6 +126,7 @@ class Conversation:
     def __init__(self, fmt):
         self.format = fmt
         self.turns: list[Turn] = []
+        self.held: list[int] = []  # the ids the model read and wrote last turn
 
     @property
     def stops(self) -> list[str]:
@@ -127,6 +134,18 @@ class Conversation:
 
     def reset(self) -> None:
         self.turns.clear()
+        self.held = []
+
+    def prompt_ids(self, tokenizer) -> list[int]:
+        """``prompt()`` as token ids: the longest start of ``held`` whose text the prompt starts
+        with, then the rest of the prompt encoded (all of it encoded where nothing is held, or
+        the oldest turns were dropped)."""
+        text = self.prompt()
+        for keep in range(len(self.held), 0, -1):
+            start = tokenizer.decode(self.held[:keep])
+            if text.startswith(start) and len(start) < len(text):
+                return self.held[:keep] + tokenizer.encode(text[len(start):])
+        return tokenizer.encode(text)
 
     def add(self, role: str, text: str) -> None:
         self.turns.append(Turn(role, text))

@@ -153,10 +153,16 @@ def check_call(prompts, options, on_step, max_new_tokens_each, seed_each=None) -
     elif isinstance(prompts, (list, tuple)):
         prompts = list(prompts)
     else:
-        raise TypeError(f"prompts must be a string or a list of strings, got {type(prompts).__name__}")
-    for i, p in enumerate(prompts, 1):
-        if not isinstance(p, str):
-            raise TypeError(f"prompts[{i - 1}] must be a string, got {type(p).__name__}")
+        raise TypeError(f"prompts must be a string or a list of prompts, got {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if isinstance(p, (list, tuple)) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            if min(p) < 0:
+                raise InputError(f"prompts[{i}]: token ids are at least 0, got {min(p)}")
+            prompts[i] = list(p)
+        elif not isinstance(p, str):
+            one = " (one prompt of token ids is [[id, ...]])" if isinstance(p, int) else ""
+            raise TypeError(f"prompts[{i}] must be a string or a non-empty list of token ids, "
+                            f"got {type(p).__name__}{one}")
     if options is not None and not isinstance(options, (str, GenerationOptions)):
         raise TypeError(f"options must be a GenerationOptions, an options string or None, got {type(options).__name__}")
     if on_step is not None and not callable(on_step):

@@ -110,8 +110,16 @@ class Batch:
         return len(self.prompts)
 
 
+def encode_prompts(tokenizer: BloomTokenizer, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Token ids of each prompt: a string encoded, a list of token ids as it is (a conversation
+    that continues the tokens the model wrote, ``chat/turns.py``)."""
+    texts = [p for p in prompts if isinstance(p, str)]
+    encoded = iter(tokenizer.encode_batch(texts) if texts else [])
+    return [next(encoded) if isinstance(p, str) else list(p) for p in prompts]
+
+
 def make_batch(
-    tokenizer: BloomTokenizer, prompts: list[str], options: GenerationOptions, device: torch.device,
+    tokenizer: BloomTokenizer, prompts: list[str | list[int]], options: GenerationOptions, device: torch.device,
     max_new_tokens_each: list[int] | None = None,
 ) -> Batch:
     """``max_new_tokens_each``: a budget per prompt, under ``options.max_new_tokens`` and
@@ -122,7 +130,8 @@ def make_batch(
             len(max_new_tokens_each) != len(prompts) or min(max_new_tokens_each) < 1):
         raise InputError(f"max_new_tokens_each needs one budget of at least 1 per prompt ({len(prompts)}), "
                          f"got {max_new_tokens_each}")
-    prompt_ids = tokenizer.encode_batch(list(prompts))
+    prompt_ids = encode_prompts(tokenizer, prompts)
+    prompts = [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
     for i, (text, ids) in enumerate(zip(prompts, prompt_ids)):
         if not ids:
             raise InputError(f"prompt {i + 1} is empty: nothing to continue from")
