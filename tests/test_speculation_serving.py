@@ -486,3 +486,18 @@ def test_a_row_whose_guesses_fail_stops_guessing_and_is_probed_later():
     assert failing.guess_budget.k == 4 and failing.guess_budget.probing  # the probe
     adapt(rows, [4, 0, 4], [0, 0, 4])
     assert failing.guess_budget.k == 0 and lucky.guess_budget.k == 4
+
+
+def test_log_probs_at_verified_positions_are_the_targets(speculating, plain):
+    """A row asking for log-probs speculates too: each token's log-prob and top alternatives come
+    from the verify pass's logits at its position, equal (within float noise) to the plain step's."""
+    request = dict(prompt=PROMPTS[0], max_tokens=30, temperature=0, logprobs=3)
+    accepted = metric(speculating, "bloom_speculation_guesses_accepted_total")
+    mine = speculating.client().completions.create(model=MODEL, **request).choices[0]
+    assert metric(speculating, "bloom_speculation_guesses_accepted_total") > accepted
+    theirs = plain.client().completions.create(model=MODEL, **request).choices[0]
+    assert mine.text == theirs.text and mine.logprobs.tokens == theirs.logprobs.tokens
+    assert mine.logprobs.token_logprobs == pytest.approx(theirs.logprobs.token_logprobs, abs=1e-4)
+    for top_mine, top_theirs in zip(mine.logprobs.top_logprobs, theirs.logprobs.top_logprobs, strict=True):
+        assert top_mine.keys() == top_theirs.keys()
+        assert list(top_mine.values()) == pytest.approx([top_theirs[k] for k in top_mine], abs=1e-4)

@@ -310,8 +310,9 @@ class Engine:
                                            self.generator.noise_kernel, masks)  # [b, S], [b]
         self.opts.record_verified(b, used, tokens, accepted + 1, flags.repetition, flags.openai_penalties)
         later = torch.cat([tokens, accepted[:, None]], dim=1).tolist()  # [b, S + 1]: the step's one read
-        # Position 0 as the plain step hands it out (with log-probs: a second read).
-        first = to_host(self.logits[:b], tokens[:, 0], top) if top is not None else [t[:1] for t in later]
+        s = tokens.shape[1]
+        if top is not None:  # every position's log-probs, the target's (a second read)
+            scored = to_host(self.verified_logits[:b].reshape(b * s, -1), tokens.reshape(-1), top)  # [b*S] rows
         self.generator.backend.mark_step()
         taken = [later[i][-1] for i in range(b)]
         self.stats["guesses_offered"] += sum(counts)
@@ -324,7 +325,8 @@ class Engine:
             at = [i for i in live if self.slots.rows[i] is rows[i] and j <= taken[i]]
             if not at:
                 break
-            self.output.hand_out(at, first if j == 0 else [[t[j]] for t in later], top if j == 0 else None)
+            host = scored[j::s] if top is not None else [[t[j]] for t in later]  # row i's position j, by slot
+            self.output.hand_out(at, host, top)
             handed += len(at)
         return handed
 

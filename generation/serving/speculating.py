@@ -6,8 +6,8 @@ The rule is the offline loop's (``search/speculation.py``), row by row:
 * **Guesses** (``propose``): prompt lookup over the row's prompt and output (``guesses.ngram_guesses``),
   on the host, where the engine already holds every row's tokens, so the step reads nothing back
   from the device for them. At most the row's adaptive k (``speculation.AdaptiveK``, one per row,
-  down to 0) and never past its budget or the cache. Rows with a grammar or asking for log-probs
-  offer none (their one token a pass is chosen as without speculation).
+  down to 0) and never past its budget or the cache. Rows with a grammar offer none (their one
+  token a pass is chosen as without speculation).
 * **Verify**: the engine's decode step becomes a verify pass of [b, K + 1] (each row's last token
   and its guesses, padded to ``guesses.K_SHAPES``'s K): logits at every position, [b, K + 1, V].
   A step that carries prompt segments stays a plain mixed step (its rows offer no guesses then).
@@ -31,9 +31,9 @@ from ..search.speculation import AdaptiveK, choose_and_accept
 
 
 def offers_guesses(params) -> bool:
-    """Whether a request's rows speculate: not with a grammar, not with log-probs (each needs its
-    own per-token work on the host that a verify pass would have to repeat per position)."""
-    return params.grammar is None and params.logprobs is None
+    """Whether a request's rows speculate: not with a grammar (its matcher would have to follow
+    every guess on the host and roll back the rejected ones)."""
+    return params.grammar is None
 
 
 def propose(rows: list, speculation: Speculation, max_length: int) -> tuple[list[list[int]], list[int]]:
