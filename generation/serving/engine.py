@@ -16,7 +16,10 @@ each request's sink (``handles.RequestHandle``). Each step (``step``):
 3. **Compact**: running rows keep the lowest slots and the smallest batch bucket (``slots.py``).
 4. **Decode**: one [b, 1] step in the bucket's cache, each row at its own position, with the next
    segments of joining prompts in it (``DeviceRows.mixed``), over a window that is the length bucket
-   of the furthest slot; its logits wait for the next step's choice.
+   of the furthest slot; its logits wait for the next step's choice. With ``--speculate``
+   (``EngineConfig.speculation``) it is a verify pass of each row's last token and its own guesses
+   whenever some row has guesses, and the choice then keeps several tokens a row
+   (``speculating.py``).
 
 * **Caches and steps** live in ``device_rows.py``: one KV cache per batch bucket, allocated once,
   and the steps, called with host values only (so a tensor-parallel server can send each call to
