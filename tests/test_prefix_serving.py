@@ -98,6 +98,32 @@ def test_concurrent_requests_sharing_a_system_prompt_equal_each_alone(server, cl
     assert generator.backend.signatures == warm
 
 
+def test_waiting_prompts_the_pool_holds_are_prefilled_apart_from_those_it_does_not(folders, references):
+    """Queued on an idle engine: a long prompt the pool has never seen, then prompts whose system
+    prompt it holds. Grouped together, the new prompt's rest would need the whole length and the
+    group would copy nothing; apart, every held prompt copies its blocks."""
+    from generation.serving.engine import Engine, EngineConfig
+    from generation.serving.params import SamplingParams
+
+    generator = Generator.from_pretrained(folders[0], device="cpu", prefix_cache="16MB")
+    engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH, max_prefill=4))
+    encode, params = generator.tokenizer.encode, SamplingParams(max_tokens=4)
+
+    def run(prompts):
+        handles = [engine.submit(encode(p), params) for p in prompts]
+        while engine.step():
+            pass
+        return handles
+
+    run([SYSTEM + QUESTIONS[0]])  # the system prompt into the pool
+    fresh = "A long prompt of its own that the pool has never seen, about rivers and hills, " * 2
+    prompts = [fresh] + [SYSTEM + q for q in QUESTIONS[1:4]]
+    handles = run(prompts)
+    assert handles[0].cached_tokens == 0 and all(h.cached_tokens > 0 for h in handles[1:])
+    for prompt, handle in zip(prompts, handles):
+        assert handle.result(1)[0].text == alone(references["base"], prompt, 4)
+
+
 def test_a_hit_never_crosses_adapters(server, client, references):
     prompt = SYSTEM + "Tell me about the moon."
     base = ask(client, "base", prompt, 8)

@@ -146,12 +146,18 @@ class Admission:
         prefill bucket, filler rows included; P the longest one's length bucket) computes at most
         PREFILL_WASTE times the tokens of their own length buckets."""
         free, most = len(self.slots.free()), self.device_rows.prefill_sizes[-1]
-        group, rows, real, longest = [], 0, 0, 0
+        group, rows, real, longest, held = [], 0, 0, 0, False
         for handle in self.waiting:
             if handle.offline is not None or handle.cancelled.is_set() or len(group) == most:
                 break
             if group and handle.params.adapter != group[0].params.adapter:  # a prefill runs one adapter
                 break
+            # Prompts the prefix cache holds apart from those it does not: a group with one miss
+            # among hits would copy nothing (its rests would need the whole length: prefixed.py).
+            hit = self.device_rows.holds_prefix(handle.prompt_ids, handle.params.adapter)
+            if group and hit != held:
+                break
+            held = hit
             length = self.device_rows.length_bucket(len(handle.prompt_ids))
             computed = self.device_rows.prefill_size(len(group) + 1) * max(longest, length)
             if rows + handle.params.rows > free or (group and computed > PREFILL_WASTE * (real + length)):

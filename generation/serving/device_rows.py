@@ -209,6 +209,11 @@ class DeviceRows:
 
     # --- the prefix cache -----------------------------------------------------------------------
 
+    def holds_prefix(self, ids: list[int], adapter: int = 0) -> bool:
+        """Whether the pool holds a whole block of prompt ``ids`` (host only: no copy, no count)."""
+        return self.pool is not None and self.pool.peek(ids, prefix_namespace(adapter),
+                                                        cacheable(len(ids), self.pool.block)) > 0
+
     @torch.no_grad()
     def copy_prefix(self, bucket: int, slot: int, ids: list[int], adapter: int = 0) -> int:
         """Copy the blocks the pool holds of prompt ``ids`` into row ``slot`` of ``caches[bucket]``
