@@ -75,6 +75,19 @@ def test_json_answers_validate(generator, schema, sample):
                 assert sequence.finish_reason == "length"
 
 
+@pytest.mark.parametrize("speculate", [None, "ngram:4"])
+def test_top_k_and_top_p_cut_among_the_tokens_the_grammar_allows(generator, speculate):
+    """Sampling with top_k / top_p and a grammar: the mask comes first, so the head of the
+    distribution is taken among the allowed tokens (taken first, it may hold none of them, and
+    the row had nothing left to choose)."""
+    for options in (dict(top_k=2), dict(top_p=0.05), dict(top_k=3, top_p=0.5, temperature=0.7)):
+        results = generator.generate(["The record:", "Data"], max_new_tokens=60, guided_json=BOUNDED[1], do_sample=True,
+                                     seed=3, num_return_sequences=3, speculate=speculate, **options)
+        for sequence in (s for r in results for s in r.sequences):
+            assert sequence.finish_reason == "stop", (options, sequence)
+            jsonschema.validate(json.loads(sequence.text), BOUNDED[1])
+
+
 @pytest.mark.parametrize("regex", REGEXES)
 @pytest.mark.parametrize("sample", [None, 5])
 def test_regex_answers_match(generator, regex, sample):

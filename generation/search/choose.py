@@ -55,13 +55,15 @@ def draw(scores: torch.Tensor, keys: torch.Tensor, step: torch.Tensor | int,
 
 def chooser(processors, keys: torch.Tensor | None = None, kernel: UniformKernel | None = None,
             grammars: "GrammarSteps | None" = None) -> TokenChooser:
-    """The loop's chooser: ``processors`` (``LogitsProcessors``) on the logits, then the rows'
-    grammar masks (``grammars``, where the call has constraints), then the greedy token, or with
-    ``keys`` [B] (``sampling.row_keys``) a draw at the loop's step."""
+    """The loop's chooser: ``processors`` (``LogitsProcessors``) on the logits, the rows' grammar
+    masks (``grammars``, where the call has constraints) among them before top-k and top-p, then
+    the greedy token, or with ``keys`` [B] (``sampling.row_keys``) a draw at the loop's step."""
 
     def scores(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
-        out = processors(logits, state)
-        return out if grammars is None else allow(out, grammars.masks())
+        if grammars is None:
+            return processors(logits, state)
+        masks = grammars.masks()
+        return processors(logits, state, constrain=lambda s: allow(s, masks))
 
     def greedy(logits: torch.Tensor, state: LoopState) -> torch.Tensor:
         return grammars.chose(argmax_rows(scores(logits, state))) if grammars else argmax_rows(scores(logits, state))

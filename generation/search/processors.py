@@ -131,6 +131,9 @@ def top_p(scores: torch.Tensor, p: float | torch.Tensor, min_keep: int,
     return scores.masked_fill(drop.scatter(-1, order, drop), NEG_INF)
 
 
+TRUNCATIONS = ("top_k", "top_p")  # the steps that cut the distribution to its head
+
+
 class LogitsProcessors:
     """The processors the options ask for, in transformers' order; callable like one processor."""
 
@@ -141,10 +144,16 @@ class LogitsProcessors:
     def names(self) -> list[str]:
         return [name for name, _ in self.steps]
 
-    def __call__(self, scores: torch.Tensor, state: LoopState) -> torch.Tensor:
-        for _, fn in self.steps:
+    def __call__(self, scores: torch.Tensor, state: LoopState,
+                 constrain: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """``constrain``: a grammar's mask (scores -> scores), applied after the penalties and the
+        temperature and before top-k / top-p, so those cut among the tokens the grammar allows
+        (cut first, they could leave a row nothing it allows)."""
+        for name, fn in self.steps:
+            if constrain is not None and name in TRUNCATIONS:
+                scores, constrain = constrain(scores), None
             scores = fn(scores, state)
-        return scores
+        return scores if constrain is None else constrain(scores)
 
     @classmethod
     def from_options(cls, opts: GenerationOptions, eos_token_id: int | None) -> "LogitsProcessors":

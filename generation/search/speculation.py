@@ -107,10 +107,12 @@ class SpeculationStats:
 
 
 def scores_at(logits: torch.Tensor, processors, sequence: torch.Tensor, guesses: torch.Tensor,
-              lengths: torch.Tensor, used: torch.Tensor, generated: torch.Tensor) -> torch.Tensor:
+              lengths: torch.Tensor, used: torch.Tensor, generated: torch.Tensor,
+              constrain=None) -> torch.Tensor:
     """The processed scores [B*S, V] of logits [B, S, V]: position j of row b as the plain loop
     would see it after choosing guesses[b, :j] (its history holds them, its step is generated + j).
-    sequence [B, L + 1] (column L takes writes past the cache), guesses [B, S - 1]."""
+    sequence [B, L + 1] (column L takes writes past the cache), guesses [B, S - 1]. ``constrain``:
+    the grammars' masks, applied among the processors as the plain loop applies them."""
     b, s, _ = logits.shape
     width = sequence.shape[1] - 1
     j = torch.arange(s, device=logits.device)
@@ -124,7 +126,7 @@ def scores_at(logits: torch.Tensor, processors, sequence: torch.Tensor, guesses:
         step=0,  # every processor reads row_steps where it is given
         row_steps=(generated[:, None] + j).reshape(-1),
     )
-    return processors(logits.reshape(b * s, -1).float(), state)
+    return processors(logits.reshape(b * s, -1).float(), state, constrain)
 
 
 def choose_and_accept(scores: torch.Tensor, guesses: torch.Tensor, counts: torch.Tensor, steps: torch.Tensor,
@@ -240,10 +242,11 @@ def run_speculative_loop(
         s = logits.shape[1]
         j = torch.arange(s, device=device)
         steps = (generated[:, None] + j).reshape(-1)
-        scores = scores_at(logits, processors, sequence, guesses, batch.lengths, used, generated)
-        if verified is not None:  # the grammar's mask at every position, after the processors as in the plain loop
+        constrain = None
+        if verified is not None:  # the grammar's mask at every position, where the plain loop applies it
             masks, grammar_ended = verified.masks(guesses, counts)
-            scores = allow(scores, masks)
+            constrain = lambda scores: allow(scores, masks)  # noqa: E731
+        scores = scores_at(logits, processors, sequence, guesses, batch.lengths, used, generated, constrain)
         token, accepted = choose_and_accept(scores, guesses, counts, steps, keys, kernel)  # [B, S], [B]
         # What each running row keeps: its accepted guesses and the token after, cut where its
         # grammar ended, after an EOS and at its budget; the row ends with the first of them it keeps.
