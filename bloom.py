@@ -454,8 +454,10 @@ def run_replicated_job(args, generator) -> int:
         if summary is not None:
             cached = (f", {summary.cached_tokens} prompt tokens from the replicas' prefix caches"
                       if generator.runner.prefix is not None else "")
+            speculated = f", {summary.speculation.describe()}" if summary.speculation is not None else ""
             log(f"{summary.answered} requests answered by {REPLICAS.count} replicas, {summary.skipped} already done, "
-                f"{summary.errors} failed, {summary.completion_tokens} tokens in {summary.seconds:.1f} s{cached}")
+                f"{summary.errors} failed, {summary.completion_tokens} tokens in {summary.seconds:.1f} s{cached}"
+                f"{speculated}")
         return 1 if summary is not None and summary.errors else 0
 
     result = data_parallel.evaluate_parallel(generator, read_passages(args.eval), REPLICAS, budget=args.budget,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -193,6 +194,23 @@ def test_replicas_give_one_process_results_file(job, tmp_path, ranks, data_paral
         assert_close_records(results, one)
     assert find_parts(results) == []
     assert done.stderr.count("26 requests answered") == 1  # one summary, from rank 0
+
+
+@pytest.mark.slow
+def test_two_replicas_speculating_give_one_process_results_and_its_speculation_summary(job, tmp_path):
+    """Each replica's speculation is counted: the summary adds up every replica's verify passes,
+    guesses and acceptances, which are one process's (each batch runs as it would there)."""
+    folder, requests, one = job
+    alone, results = tmp_path / "alone.jsonl", tmp_path / "out.jsonl"
+    single = run(bloom(folder, "--requests", requests, "--results", alone, "--budget", "128", "--speculate", "ngram:4"))
+    assert single.returncode == 0, single.stderr[-4000:]
+    done = run(bloom(folder, "--requests", requests, "--results", results, "--budget", "128", "--speculate", "ngram:4",
+                     "--data_parallel", "2", ranks=2, launcher="torchrun"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert without_timings(results) == without_timings(one)
+    summary = [line for line in done.stderr.splitlines() if "requests answered" in line]
+    want = re.search(r"speculation: .*\)", single.stderr).group(0)
+    assert len(summary) == 1 and want in summary[0], (summary, want)
 
 
 def assert_close_records(got: Path, want: Path) -> None:

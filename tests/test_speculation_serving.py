@@ -315,7 +315,47 @@ def test_speculating_engine_on_the_stand_in_equals_the_eager_engine_and_adds_no_
     assert counts.unchanged(), new_lazy_graphs(graph_stand_in, counts)
 
 
-def test_verify_passes_across_window_ends_op_by_op(seed7_checkpoint):
+@pytest.fixture
+def verify_any_batch(monkeypatch):
+    """Verify passes for batches of any size (the tests of what a pass computes with several rows);
+    on the CPU a batch past ``guesses.CPU_VERIFY_ROWS`` rows x positions steps aside."""
+    from generation.search import guesses
+
+    monkeypatch.setattr(guesses, "CPU_VERIFY_ROWS", 1 << 20)
+
+
+def test_a_large_batch_steps_aside_and_sampled_rows_never_guess(seed7_checkpoint):
+    """On the CPU four greedy rows at k = 4 (20 rows x positions, past the 16 the few-rows kernels
+    take in one pass over the weights) decode instead of verifying, one row alone verifies, and a
+    sampled row never guesses: the same tokens as the engine without speculation."""
+    from generation.generator import Generator
+    from generation.search.guesses import parse_speculation
+    from generation.serving.engine import Engine, EngineConfig
+    from generation.serving.params import SamplingParams
+
+    generator = Generator.from_pretrained(seed7_checkpoint)
+    prompts = [" ".join(["the cat sat on the mat"] * 3), "a b c a b c a b c", "one two one two one two", PROMPTS[0]]
+
+    def run(speculate, prompts, params):
+        engine = Engine(generator, EngineConfig(max_batch=4, max_length=96, bucket_width=32,
+                                                speculation=parse_speculation(speculate)))
+        handles = [engine.submit(generator.tokenizer.encode(p), params) for p in prompts]
+        while engine.step():
+            pass
+        return [[s.token_ids for s in h.result(1)] for h in handles], engine.stats
+
+    greedy = SamplingParams(max_tokens=12)
+    plain, _ = run(None, prompts, greedy)
+    together, stats = run("ngram:4", prompts, greedy)
+    assert together == plain and stats["verify_passes"] == 0 and stats["decodes_stepped_aside"] > 0
+    alone, stats = run("ngram:4", prompts[:1], greedy)
+    assert alone == plain[:1] and stats["verify_passes"] > 0
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=5)
+    alone, stats = run("ngram:4", prompts[:1], sampled)
+    assert alone == run(None, prompts[:1], sampled)[0] and stats["verify_passes"] == 0
+
+
+def test_verify_passes_across_window_ends_op_by_op(seed7_checkpoint, verify_any_batch):
     """The model op by op (``--cpu_path plain``, where a pass attends only its window: the CPU's
     one-call attention reads up to each position whatever the window), windows of 8 slots: verify
     passes whose guesses cross a window's end give the tokens of the engine without speculation."""
@@ -402,7 +442,7 @@ def openai_client(port: int):
     return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-def test_lora_rows_and_prefix_hits_speculate_as_without(seed7_checkpoint, tmp_path):
+def test_lora_rows_and_prefix_hits_speculate_as_without(seed7_checkpoint, verify_any_batch, tmp_path):
     """A served LoRA adapter's rows beside the base model's (each row's adapter applies at every
     verified position), and prompts the prefix cache has seen: the same tokens as the engine without
     speculation."""
@@ -436,7 +476,7 @@ def test_lora_rows_and_prefix_hits_speculate_as_without(seed7_checkpoint, tmp_pa
     assert want[0][0] != want[0][1]  # the adapter changes the answer
 
 
-def test_prompts_join_inside_verify_passes(seed7_checkpoint):
+def test_prompts_join_inside_verify_passes(seed7_checkpoint, verify_any_batch):
     """Prompts that arrive while rows run join in segments carried by the verify pass itself
     (``verify_mixed``): every row, the running and the joining, gives the tokens of the engine
     without speculation, op by op (where a pass attends only its window) and on the CPU's path."""

@@ -40,6 +40,7 @@ from ..request.parse import request_key
 from ..request.validate import check_request
 from ..run.batch import InputError
 from ..run.progress import Progress, log
+from ..search.speculation import SpeculationStats
 from . import evaluate as ev
 from .files import disk_error, is_regular_or_new, lock_results
 from .grouping import plan_batches
@@ -160,11 +161,13 @@ def _run(generator, requests, bad_lines, pending_lines, requests_path, results_p
             fitting.append(r)
         batches = plan_batches(fitting, lengths, budget)
         mine = [batches[i] for i in deal([batch_cost(b) for b in batches], replicas.count)[replicas.index]]
-        answered, tokens, cached, failures = _answer(generator, mine, results_path, replicas, progress, len(fitting))
+        speculated = SpeculationStats() if getattr(generator, "speculation", None) is not None else None
+        answered, tokens, cached, failures = _answer(generator, mine, results_path, replicas, progress, len(fitting),
+                                                     speculated)
 
         # Every rank waits here for the last replica; rank 0 gets every replica's counts and failures.
         gathered = [None] * replicas.count * replicas.ranks_per_replica
-        dist.all_gather_object(gathered, (answered, tokens, cached, failures) if replicas.leads else None,
+        dist.all_gather_object(gathered, (answered, tokens, cached, failures, speculated) if replicas.leads else None,
                                group=replicas.coordination)
         if not first:
             return None
@@ -177,23 +180,29 @@ def _run(generator, requests, bad_lines, pending_lines, requests_path, results_p
         fold_parts(results_path, out)
         rewrite_in_order(results_path, _positions(planned, order))
         check_failed = len(pending_lines) - len(fitting)
+        if speculated is not None:  # every replica's speculation, over the job
+            speculated = SpeculationStats()
+            for c in counts:
+                speculated.add(c[4])
         return JobSummary(len(requests), skipped, sum(c[0] for c in counts),
                           len(bad_lines) + check_failed + len(failed), sum(c[1] for c in counts),
-                          time.perf_counter() - start, sum(c[2] for c in counts))
+                          time.perf_counter() - start, sum(c[2] for c in counts), speculation=speculated)
     finally:
         if errors is not None:
             errors.close()
 
 
-def _answer(generator, batches, results_path, replicas, progress, total) -> tuple[int, int, int, list]:
-    """Answer this replica's batches; its leader appends the records to its part file."""
+def _answer(generator, batches, results_path, replicas, progress, total,
+            speculated: SpeculationStats | None) -> tuple[int, int, int, list]:
+    """Answer this replica's batches; its leader appends the records to its part file, and
+    ``speculated`` gathers what speculation did."""
     part = open(part_path(results_path, replicas.index), "ab") if replicas.leads else None
     watch = _PartCounter(results_path, replicas.count) if progress else None
     answered, tokens, cached, failures = 0, 0, 0, []
     try:
         with Progress(total, "requests", "requests", enabled=progress) as bar:
             for batch in batches:
-                for records, batch_tokens, failed in answer_or_split(generator, batch):
+                for records, batch_tokens, failed in answer_or_split(generator, batch, speculated):
                     failures += [(r.line, message, json.dumps(r.raw, ensure_ascii=False)) for r, message in failed]
                     if records and part is not None:
                         data = "".join(json.dumps(rec, ensure_ascii=False) + "\n" for rec in records).encode("utf-8")

@@ -48,7 +48,7 @@ from bloom_hpu.runtime.transfer import host_to_device
 
 from ..run.logprobs import TokenText
 from ..search.choose import RowFlags, choose_rows
-from ..search.guesses import Speculation
+from ..search.guesses import Speculation, worth_verifying
 from ..request.grammar import GrammarError, RowGrammar, for_tokenizer, mask_words
 from .admission import Admission
 from .device_rows import DeviceRows
@@ -127,7 +127,8 @@ class Engine:
         # (decodes with a prompt chunk) and the prompts that joined that way.
         self.stats = {"peak_rows": 0, "row_moves": 0, "bucket_changes": 0, "prefills": 0, "prompts_prefilled": 0,
                       "mixed_steps": 0, "prompts_chunked": 0, "joined_after_a_hit": 0,
-                      "verify_passes": 0, "verify_mixed_steps": 0, "guesses_offered": 0, "guesses_accepted": 0}
+                      "verify_passes": 0, "verify_mixed_steps": 0, "guesses_offered": 0, "guesses_accepted": 0,
+                      "decodes_stepped_aside": 0}
         # Called once a step, after its events are handed out (the app: wait, briefly, until its
         # event loop has sent them). On the CPU before the decode, so that the loop and the decode's
         # threads do not compete for the cores; on a card after the decode is launched, so that the
@@ -407,11 +408,14 @@ class Engine:
         (``speculating.py``): row i feeds its last token and its guesses from ``positions[i]``.
         Returns the segments' logits [G, V] (G = 0 without any), or None when no row offered a
         guess (their budgets count the wait): decode instead."""
+        s = self.speculation.shape_k + 1
+        if not worth_verifying(bucket, s, self.device):  # a batch this large decodes: it steps aside
+            self.stats["decodes_stepped_aside"] += 1
+            return None
         guesses, counts = propose(rows, self.speculation, self.config.max_length)
         if not any(counts):
             adapt(rows, counts, counts)
             return None
-        s = self.speculation.shape_k + 1
         window = self.device_rows.length_bucket(min(self.config.max_length, max(max(positions) + s, furthest)))
         ids = [[t] + g for t, g in zip(tokens, guesses)]
         if pieces:

@@ -31,9 +31,12 @@ from ..search.speculation import AdaptiveK, choose_and_accept
 
 
 def offers_guesses(params) -> bool:
-    """Whether a request's rows speculate: not with a grammar (its matcher would have to follow
-    every guess on the host and roll back the rejected ones)."""
-    return params.grammar is None
+    """Whether a request's rows speculate: greedy rows without a grammar. Not with a grammar (its
+    matcher would have to follow every guess on the host and roll back the rejected ones); not
+    when sampling: a batch large enough to step aside (``guesses.worth_verifying``) decodes
+    instead, and a sampled row's draws differ between the two, so its seeded text would depend on
+    the requests it shares the engine with. Greedy rows give the same tokens either way."""
+    return params.grammar is None and not params.sampling
 
 
 def propose(rows: list, speculation: Speculation, max_length: int) -> tuple[list[list[int]], list[int]]:
