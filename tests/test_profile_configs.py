@@ -164,7 +164,9 @@ def test_a_rerun_skips_what_is_done_and_applies_a_new_bound(sweep, tiny_spec, tm
     assert "0 to measure" in done.stderr and "drawing random" not in done.stderr
     rows = read_csv(out)
     measured = [r for r in rows if r["latency_ms"]]
-    assert {r["scenario"] for r in measured if r["status"] == "rejected"} == {"offline", "online"}
+    rejected = {r["scenario"] for r in measured if r["status"] == "rejected"}
+    timed = any(float(r["latency_ms"]) > 0.001 for r in measured if r["scenario"] == "offline")
+    assert "online" in rejected and ("offline" in rejected) == timed
     for r in measured:
         # (one noisy round of a tiny model can make an offline decode time 0: within any bound)
         assert (r["status"] == "rejected") == (float(r["latency_ms"]) > 0.001), r
