@@ -252,11 +252,15 @@ class PrefixCache:
         slots 0..upto-1 and the pool does not hold yet, and with ``tail`` its last partial block
         (see Tails). Returns how many blocks were stored.
         ``pad_to``: the most blocks of a row the caller's shape holds (see Static shapes)."""
-        room = -(-cache.length // self.block) * self.block
-        tail = tail and not self.fixed_copy_shapes  # (as lookups on a Gaudi: ``runtime/prefixed.py``)
-        placements = self.plan_store(ids, upto, namespace, tail_span=room if tail else 0)
+        placements = self.plan_store(ids, upto, namespace, tail_span=self.partial_span(cache) if tail else 0)
         self.write(cache, [(row, i, block) for i, block in placements], pad_to)
         return len(placements)
+
+    def partial_span(self, cache: KVCache) -> int:
+        """Slots of a ``cache`` row a partial block may take (its whole block, the slots past the
+        row clamped: ``_indices``), or 0 where copies keep fixed shapes: on a Gaudi lookups and
+        stores keep to whole blocks (see Partial blocks)."""
+        return 0 if self.fixed_copy_shapes else -(-cache.length // self.block) * self.block
 
     def plan_store(self, ids: list[int], upto: int, namespace: str = "",
                    tail_span: int = 0) -> list[tuple[int, int]]:

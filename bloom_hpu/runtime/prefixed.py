@@ -90,8 +90,8 @@ def copy_held(runner, cache: KVCache, rows: list[list[int]], limits: list[int], 
     prefill into an extend), their block's last slots clamped to the row
     (``PrefixCache._indices``). ``count``: the lookups go into the pool's stats."""
     pool = runner.prefix
-    partial = not pool.fixed_copy_shapes
-    room = -(-cache.length // pool.block) * pool.block
+    room = pool.partial_span(cache)
+    partial = room > 0
     found = [pool.peek(ids, namespace, limit, partial, room) for ids, limit in zip(rows, limits)]
     if not any(found) or rest_bucket(max(len(ids) - n for ids, n in zip(rows, found)), span) >= span:
         return None
