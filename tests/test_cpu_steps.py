@@ -118,6 +118,39 @@ def test_one_call_mixed_step_equals_the_op_by_op_one(isa, dtype, config):
 
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_one_call_verify_equals_the_op_by_op_one_and_the_decode_steps(isa, dtype, config):
+    """Speculation's verify pass (``StaticBloom.extend_hidden`` + head) as one call: 3 rows of 5
+    positions each, row 2's last ones clamped at the cache's end. The same logits and cache contents
+    as op by op; and position j's logits are, bit for bit, those of the one-call decode step that
+    would have read the same token at the same slot (an accepted guess is what the plain loop
+    would have computed, near ties included)."""
+    model, plan = accelerated(isa, dtype, **config)
+    assert plan.decode is not None
+    caches = [model.allocate_cache(3, 24) for _ in range(3)]  # one call, op by op, decode steps
+    torch.manual_seed(3)
+    prompt, lengths = torch.randint(4, 1000, (3, 12)), torch.tensor([12, 5, 21])
+    prompt = torch.cat([prompt, torch.randint(4, 1000, (3, 9))], 1)
+    for cache in caches:
+        op_by_op(plan, lambda: model.prefill(prompt, lengths, cache))
+    ids, starts = torch.randint(4, 1000, (3, 5)), lengths.clone()
+    ours = plan.decode.verify(ids, starts, caches[0], 24)
+    reference = op_by_op(plan, lambda: model.lm_head(model.extend_hidden(ids, starts, caches[1], 24)))
+    assert ours.shape == reference.shape == (3, 5, 1024) and ours.dtype == dtype
+    inside = [(0, j) for j in range(5)] + [(1, j) for j in range(5)] + [(2, 0), (2, 1), (2, 2)]  # unclamped
+    rows, positions = torch.tensor([r for r, _ in inside]), torch.tensor([j for _, j in inside])
+    torch.testing.assert_close(ours[rows, positions], reference[rows, positions], **TOLERANCE[dtype])
+    assert torch.equal(ours[rows, positions].argmax(-1), reference[rows, positions].argmax(-1))
+    for mine, theirs in ((caches[0].keys, caches[1].keys), (caches[0].values, caches[1].values)):
+        torch.testing.assert_close(mine[:, :2, :, :17], theirs[:, :2, :, :17], **TOLERANCE[dtype])
+    for j in range(3):  # rows 0 and 1 one decode step at a time (row 2 at slot 0: left out)
+        step_positions = torch.tensor([starts[0] + j, starts[1] + j, 0])
+        decoded = plan.decode(ids[:, j:j + 1], step_positions, caches[2], 24)
+        assert torch.equal(decoded[:2], ours[:2, j])
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("weights", ["float", "int8"])
 def test_one_call_steps_leave_out_the_rows_at_slot_0(isa, dtype, weights):

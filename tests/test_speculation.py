@@ -204,9 +204,13 @@ def test_quantized_verify_takes_the_decode_rows_route(monkeypatch, tiny_checkpoi
         finally:
             inside[0] = False
 
+    # The one-call verify (this CPU's kernels) is the decode step's own op: the same tokens.
+    assert ids_of(generator.generate(REPEATING, max_length=64, speculate="ngram:4")) == plain
     monkeypatch.setattr(quantize, "takes_integer", spied_takes_integer)
     monkeypatch.setattr(VerifyStep, "forward", spied_forward)
-    assert ids_of(generator.generate(REPEATING, max_length=64, speculate="ngram:4")) == plain
+    plan = generator.backend.cpu_plan
+    with plan.op_by_op():  # op by op, each product picks its route
+        assert ids_of(generator.generate(REPEATING, max_length=64, speculate="ngram:4")) == plain
     assert generator.last_stats.speculation.accepted > 0
     assert (True, True) in routes["prefill"]  # the prompts did take integer products
     assert routes["verify"] == {(True, False)}  # every verify product: several tokens a row, weight-only

@@ -113,6 +113,11 @@ class Backend:
             taken = plan.decode.computed_tokens(*inputs)
             if int(taken.sum()) <= plan.mixed_rows:  # the same call, with the segments' tokens
                 return plan.decode.mixed(*inputs, step.cache, step.window, taken)
+        if name == "verify" and plan is not None and plan.decode is not None and inputs[0].numel() <= plan.mixed_rows:
+            # Speculation's verify pass: its B * S tokens are a mixed step's tokens (each at its own
+            # slot, attending its row up to there), so the one call runs it too.
+            ids, starts = inputs
+            return plan.decode.verify(ids, starts, step.cache, step.window)
         if self.compile_steps and name == "decode":
             fn = step.__dict__.get("compiled")
             if fn is None:

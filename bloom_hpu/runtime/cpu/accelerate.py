@@ -166,6 +166,20 @@ class OneCallDecode:
         out[returned] = logits
         return out
 
+    def verify(self, ids, starts, cache, window: int) -> torch.Tensor:
+        """The model's ``verify`` (ids [B, S] from slots ``starts`` [B]) as the same one call: position
+        j of row b is one more token of the step, in cache row b at slot starts[b] + j (clamped to the
+        cache, as the model clamps it), attending its row's slots up to its own. Logits [B, S, V].
+        One pass over the weights for all B * S tokens, the plain decode's products and roundings:
+        a guess the target accepts gets the logits a decode step would have given it."""
+        b, s = ids.shape
+        slots = (starts[:, None] + cache.slots[None, :s]).clamp(max=cache.length - 1)
+        rows = cache.rows[:b].repeat_interleave(s)
+        every = torch.arange(b * s)
+        logits = self.op(self.weights, ids.reshape(-1), slots.reshape(-1), cache.keys, cache.values, cache.alibi,
+                         window, self.eps, self.residual_from_ln, rows, every)
+        return logits.view(b, s, -1)
+
     @staticmethod
     def computed_tokens(tokens, positions, chunk, chunk_rows, chunk_start, chunk_len) -> torch.Tensor:
         """``computed_tokens`` for ``mixed``'s inputs: the tokens it computes (its cost follows their count)."""
