@@ -53,9 +53,14 @@ struct Lanes;
 using Acc = __m512;
 inline Acc acc_zero() { return _mm512_setzero_ps(); }
 inline float acc_sum(Acc a) { return _mm512_reduce_add_ps(a); }
-// x rows per pass over a block: 16 sums in registers, of 32.
+// x rows per pass over a block: bf16 and fp32, 24 sums and 6 x rows in registers, of 32, so a verify
+// pass of speculation (5 or 6 tokens a row) is one pass over each block (two passes cost it about
+// 10% more time than one, on a weight streamed from memory); fp16, whose x parts take two registers
+// each, 16 sums and 4 rows.
 template <typename T>
-constexpr int kXRows = 4;
+constexpr int kXRows = 6;
+template <>
+constexpr int kXRows<at::Half> = 4;
 
 template <>
 struct Lanes<at::BFloat16> {  // VDPBF16PS: 32 products of bf16 pairs per instruction
