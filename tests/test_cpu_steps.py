@@ -152,6 +152,34 @@ def test_one_call_verify_equals_the_op_by_op_one_and_the_decode_steps(isa, dtype
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_one_call_verify_with_segments_equals_the_op_by_op_one(isa, dtype):
+    """The server's verify pass carrying prompt segments (``StaticBloom.verify_mixed``) as one call:
+    rows 0 and 1 verify 3 positions each while row 2's prompt joins in two pieces (the second
+    shorter, then repeated to pad the segment count). The same logits and cache contents."""
+    model, plan = accelerated(isa, dtype, **CONFIGS["heads4"])
+    one_call, reference_cache = model.allocate_cache(3, 32), model.allocate_cache(3, 32)
+    torch.manual_seed(4)
+    prompt, lengths = torch.randint(4, 1000, (3, 10)), torch.tensor([10, 6, 1])
+    for cache in (one_call, reference_cache):
+        op_by_op(plan, lambda: model.prefill(prompt, lengths, cache))
+    ids, starts = torch.randint(4, 1000, (3, 3)), torch.tensor([10, 6, 0])
+    chunk = torch.randint(4, 1000, (3, 6))
+    chunk[2] = chunk[1]  # a repeat: the same row, start and ids
+    rows, chunk_starts, real = torch.tensor([2, 2, 2]), torch.tensor([0, 6, 6]), torch.tensor([6, 4, 4])
+    ours = plan.decode.verify_mixed(ids, starts, chunk, rows, chunk_starts, real, one_call, 32)
+    reference = op_by_op(plan, lambda: model.verify_mixed(ids, starts, chunk, rows, chunk_starts, real,
+                                                          reference_cache, 32))
+    assert ours.shape == reference.shape == (9 + 3, 1024)
+    returned = list(range(6)) + [9, 10, 11]  # rows 0 and 1's positions, then each segment's last token
+    torch.testing.assert_close(ours[returned], reference[returned], **TOLERANCE[dtype])
+    assert torch.equal(ours[returned].argmax(-1), reference[returned].argmax(-1))
+    for mine, theirs in ((one_call.keys, reference_cache.keys), (one_call.values, reference_cache.values)):
+        torch.testing.assert_close(mine[:, :2, :, :13], theirs[:, :2, :, :13], **TOLERANCE[dtype])
+        torch.testing.assert_close(mine[:, 2, :, :10], theirs[:, 2, :, :10], **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("weights", ["float", "int8"])
 def test_one_call_steps_leave_out_the_rows_at_slot_0(isa, dtype, weights):
     """A server's batch holds free rows and rows whose prompt has not begun, at slot 0: the one-call

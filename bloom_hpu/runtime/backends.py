@@ -118,6 +118,10 @@ class Backend:
             # slot, attending its row up to there), so the one call runs it too.
             ids, starts = inputs
             return plan.decode.verify(ids, starts, step.cache, step.window)
+        if name == "verify_mixed" and plan is not None and plan.decode is not None:
+            taken = plan.decode.verified_tokens(*inputs)
+            if int(taken.sum()) <= plan.mixed_rows:
+                return plan.decode.verify_mixed(*inputs, step.cache, step.window, taken)
         if self.compile_steps and name == "decode":
             fn = step.__dict__.get("compiled")
             if fn is None:

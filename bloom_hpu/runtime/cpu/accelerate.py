@@ -180,6 +180,33 @@ class OneCallDecode:
                          window, self.eps, self.residual_from_ln, rows, every)
         return logits.view(b, s, -1)
 
+    def verify_mixed(self, ids, starts, chunk, chunk_rows, chunk_start, chunk_len, cache, window: int,
+                     taken: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's ``verify_mixed`` (a verify of ids [B, S] with prompt segments [G, C]) as the same
+        one call: the rows' B * S tokens as in ``verify``, then the segments' real tokens as in
+        ``mixed``, in that order (a segment's write comes after the rows'). Logits [B*S + G, V]."""
+        b, s = ids.shape
+        c = chunk.shape[1]
+        row_slots = (starts[:, None] + cache.slots[None, :s]).clamp(max=cache.length - 1)
+        chunk_slots, _ = segment_layout(0, chunk_start, chunk_len, c, cache)
+        if taken is None:
+            taken = self.verified_tokens(ids, starts, chunk, chunk_rows, chunk_start, chunk_len)
+        tokens = torch.cat([ids.reshape(-1), chunk.reshape(-1)])[taken]
+        slots = torch.cat([row_slots.reshape(-1), chunk_slots.reshape(-1)])[taken]
+        rows = torch.cat([cache.rows[:b].repeat_interleave(s), chunk_rows.repeat_interleave(c)])[taken]
+        place = taken.cumsum(0) - 1  # as in ``mixed``: a repeated segment's end maps to the one it repeats
+        segment_ends = b * s - 1 + chunk_len + c * torch.arange(chunk.shape[0])
+        keep = torch.cat([torch.arange(b * s), segment_ends])
+        return self.op(self.weights, tokens, slots, cache.keys, cache.values, cache.alibi, window, self.eps,
+                       self.residual_from_ln, rows, place[keep])
+
+    @staticmethod
+    def verified_tokens(ids, starts, chunk, chunk_rows, chunk_start, chunk_len) -> torch.Tensor:
+        """Which of ``verify_mixed``'s B*S + G*C tokens the one call computes: every row's, and the
+        segments' real tokens (not their pads, nor a segment that repeats the one before)."""
+        return torch.cat([torch.ones(ids.numel(), dtype=torch.bool), segment_tokens(chunk, chunk_rows, chunk_start,
+                                                                                    chunk_len).reshape(-1)])
+
     @staticmethod
     def computed_tokens(tokens, positions, chunk, chunk_rows, chunk_start, chunk_len) -> torch.Tensor:
         """``computed_tokens`` for ``mixed``'s inputs: the tokens it computes (its cost follows their count)."""
@@ -211,10 +238,16 @@ def computed_tokens(positions, chunk, chunk_rows, chunk_start, chunk_len) -> tor
     b, (s, c) = positions.shape[0], chunk.shape
     filler = ((chunk_rows[:, None] == torch.arange(b)[None, :]) & (chunk_start[:, None] == positions[None, :])).any(0)
     filler |= idle_rows(positions)
+    return torch.cat([~filler, segment_tokens(chunk, chunk_rows, chunk_start, chunk_len).reshape(-1)])
+
+
+def segment_tokens(chunk, chunk_rows, chunk_start, chunk_len) -> torch.Tensor:
+    """[S, C] bool: the real tokens of prompt segments [S, C]: not the pads past a segment's length,
+    nor the segments that repeat the one before to pad their count (``DeviceRows.mixed``)."""
+    s, c = chunk.shape
     repeated = torch.zeros(s, dtype=torch.bool)
     repeated[1:] = (chunk_rows[1:] == chunk_rows[:-1]) & (chunk_start[1:] == chunk_start[:-1])
-    real = (torch.arange(c)[None, :] < chunk_len[:, None]) & ~repeated[:, None]  # [S, C]
-    return torch.cat([~filler, real.reshape(-1)])
+    return (torch.arange(c)[None, :] < chunk_len[:, None]) & ~repeated[:, None]
 
 
 def decode_weights(model: StaticBloom) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
