@@ -37,7 +37,7 @@ from .search.beam import beam_search
 from .search.choose import GrammarSteps, chooser
 from .search.processors import LogitsProcessors
 from .search.draft import DraftModel, check_draft, check_draft_fits
-from .search.guesses import Speculation, SpeculationError, parse_speculation
+from .search.guesses import Speculation, SpeculationError, parse_speculation, worth_verifying
 from .search.sampling import UniformKernel, checked_uniform_kernel, repeat_rows, row_keys, sampling_seeds
 from .search.stopping import StopChecker, stops_per_prompt
 from .search.speculation import SpeculationStats, run_speculative_loop
@@ -334,6 +334,13 @@ class Generator:
         self._speculated = None
         # Speculation serves every greedy and sampled call (streaming hooks and grammars too) but
         # the recompute switch (use_kv_cache=false), which has no cache to verify guesses over.
+        # A greedy batch too large for a verify pass to pay (on the CPU: ``worth_verifying``) steps
+        # aside, its tokens the same either way; a sampled one does not, so that a seeded row's
+        # text never depends on how many rows share its batch.
+        if speculation is not None and opts.use_kv_cache and not opts.do_sample and \
+                not worth_verifying(rows.size, speculation.shape_k + 1, self.device):
+            self._speculated = SpeculationStats(stepped_aside=1)
+            speculation = None
         if speculation is not None and opts.use_kv_cache:
             loop, self._speculated = run_speculative_loop(
                 self.runner, rows, processors, speculation, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id,

@@ -23,6 +23,16 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ.setdefault("BLOOM_CPU_CHOICE", "static")
 
 
+@pytest.fixture
+def verify_any_batch(monkeypatch):
+    """Speculation verifies batches of any size here: on the CPU a greedy batch past
+    ``guesses.CPU_VERIFY_ROWS`` rows x positions would step aside, and the tests of the verify
+    pass need it to run (the step-aside has its own tests)."""
+    from generation.search import guesses
+
+    monkeypatch.setattr(guesses, "CPU_VERIFY_ROWS", 1 << 20)
+
+
 @pytest.fixture(scope="session")
 def make_ckpt(tmp_path_factory):
     """`make_ckpt(**kwargs) -> Path`: a random BLOOM checkpoint from `make_random_checkpoint(**kwargs)`.

@@ -18,6 +18,8 @@ from generation.generator import Generator
 from generation.search import speculation
 from generation.search.guesses import SpeculationError, ngram_guesses, parse_speculation
 
+pytestmark = pytest.mark.usefixtures("verify_any_batch")  # batches past the CPU's step-aside
+
 PROMPTS = [
     "It was the best of times",
     "a b c a b c a b c a b",
@@ -100,6 +102,27 @@ def test_greedy_with_guesses_equals_plain_and_transformers(monkeypatch, generato
     monkeypatch.undo()
     lookup, _ = spec_run(monkeypatch, generator, prompts, None, k, **options)  # prompt lookup itself
     assert lookup == plain
+
+
+def test_a_greedy_batch_too_large_to_verify_steps_aside(monkeypatch, generator):
+    """On the CPU a greedy batch of more than ``CPU_VERIFY_ROWS`` rows x positions decodes without
+    guesses (the same tokens), said in the stats; a smaller one speculates; a sampled one speculates
+    whatever its size (its rows' text must not depend on the batch)."""
+    from generation.search import guesses
+
+    monkeypatch.setattr(guesses, "CPU_VERIFY_ROWS", 16)  # the default, past the module's fixture
+    prompts = REPEATING * 2  # 4 rows x (4 guesses + 1) = 20 positions
+    plain = ids_of(generator.generate(prompts, max_length=48))
+    assert ids_of(generator.generate(prompts, max_length=48, speculate="ngram:4")) == plain
+    stats = generator.last_stats.speculation
+    assert stats.stepped_aside == 1 and stats.verifies == 0
+    assert "1 batch(es) too large, decoded without guesses" in stats.describe()
+    generator.generate(prompts[:3], max_length=48, speculate="ngram:4")  # 3 x 5 = 15 positions
+    stats = generator.last_stats.speculation
+    assert stats.stepped_aside == 0 and stats.verifies > 0
+    generator.generate(prompts, max_length=48, speculate="ngram:4", do_sample=True, seed=3)
+    stats = generator.last_stats.speculation
+    assert stats.stepped_aside == 0 and stats.verifies > 0
 
 
 @pytest.mark.parametrize("options", [

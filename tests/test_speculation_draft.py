@@ -27,6 +27,8 @@ from generation.search.draft import DraftGuesser, DraftModel
 from generation.search.guesses import SpeculationError, parse_speculation
 from utils.first_layers import first_layers
 
+pytestmark = pytest.mark.usefixtures("verify_any_batch")  # batches past the CPU's step-aside
+
 PROMPTS = [
     "It was the best of times",
     "a b c a b c a b c a b",

@@ -28,6 +28,8 @@ from generation.generator import Generator
 from generation.search import speculation
 from test_speculation import PROMPTS, REPEATING, hf_greedy, ids_of, oracle
 
+pytestmark = pytest.mark.usefixtures("verify_any_batch")  # batches past the CPU's step-aside
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

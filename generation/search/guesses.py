@@ -22,9 +22,10 @@ K_SHAPES = (2, 4, 8)
 MAX_K = K_SHAPES[-1]
 DEFAULT_K = 4
 NGRAM_SIZES = (3, 2, 1)  # the suffix lengths tried, longest first: a longer match predicts better
-# On a CPU the few-rows kernels read the weights once for up to 16 rows: a verify pass of more rows
-# x positions reads them again, and costs more than its guesses save (bloom-560m bf16, one thread,
-# 16 clients of the server: 0.47x the tokens/s of plain decode steps). Not measured on cards.
+# On a CPU a verify pass's cost grows with its rows x positions (the products turn compute-bound):
+# past about 16 it costs more than the ~2 tokens a row that prompt lookup's guesses save on text that
+# repeats (the crossover measured in docs/performance.md), so the server's passes and greedy
+# ``generate`` batches larger than that decode without guesses. Not measured on cards.
 CPU_VERIFY_ROWS = 16
 
 

@@ -86,6 +86,7 @@ class SpeculationStats:
     offered: int = 0  # guesses offered, over rows and passes
     accepted: int = 0  # of them accepted
     row_verifies: int = 0  # (row, pass) pairs that offered at least one guess
+    stepped_aside: int = 0  # calls too large to verify (``guesses.worth_verifying``), decoded without guesses
 
     @property
     def tokens_per_verify(self) -> float:
@@ -98,12 +99,13 @@ class SpeculationStats:
 
     def add(self, other: "SpeculationStats") -> None:
         """Another call's counts added to these (a job's batches)."""
-        for name in ("verifies", "decodes", "offered", "accepted", "row_verifies"):
+        for name in ("verifies", "decodes", "offered", "accepted", "row_verifies", "stepped_aside"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def describe(self) -> str:
+        aside = f"; {self.stepped_aside} batch(es) too large, decoded without guesses" if self.stepped_aside else ""
         return (f"speculation: {self.tokens_per_verify:.2f} tokens/verify, acceptance {self.acceptance:.2f} "
-                f"({self.verifies} verify + {self.decodes} decode passes)")
+                f"({self.verifies} verify + {self.decodes} decode passes{aside})")
 
 
 def scores_at(logits: torch.Tensor, processors, sequence: torch.Tensor, guesses: torch.Tensor,
