@@ -123,6 +123,43 @@ def test_fp32_products_match_the_exact_product(isa, rows, out_features, in_featu
 
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_either_weight_prefetch_gives_the_same_bits(isa, dtype):
+    """How the few-rows products prefetch weights (L1 along the rows, or L2 the next block) moves
+    no bit of their results, for rows narrower and wider than a prefetch's reach; a kind other than
+    the two is refused; the process's kind is the CPU's (``capability.weight_prefetch``)."""
+    needs_isa(isa)
+    kernels = load(isa)
+    chosen = capability.PREFETCH_KINDS[capability.weight_prefetch()]
+    torch.manual_seed(5)
+    try:
+        for rows, (n, k) in ((1, (260, 1024)), (5, (36, 4096)), (17, (12, 64))):
+            x, w, bias = (torch.randn(rows, k) / 8).to(dtype), torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+            assert kernels.set_prefetch(1) == 1
+            along_rows = kernels.few_rows_linear(x, w, bias)
+            assert kernels.set_prefetch(2) == 2
+            next_block = kernels.few_rows_linear(x, w, bias)
+            assert torch.equal(along_rows, next_block)
+        with pytest.raises(RuntimeError, match="kind 1 or 2"):
+            kernels.set_prefetch(3)
+    finally:
+        kernels.set_prefetch(chosen)
+
+
+def test_the_weight_prefetch_follows_the_vendor_unless_forced(monkeypatch):
+    monkeypatch.delenv(capability.PREFETCH_ENV, raising=False)
+    monkeypatch.setattr(capability, "cpu_vendor", lambda: "AuthenticAMD")
+    assert capability.weight_prefetch() == "l2"
+    monkeypatch.setattr(capability, "cpu_vendor", lambda: "GenuineIntel")
+    assert capability.weight_prefetch() == "l1"
+    monkeypatch.setenv(capability.PREFETCH_ENV, "L2")
+    assert capability.weight_prefetch() == "l2"
+    monkeypatch.setenv(capability.PREFETCH_ENV, "far")
+    with pytest.raises(ValueError, match="choose l1 or l2"):
+        capability.weight_prefetch()
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
 def test_the_sampling_noise_kernel_makes_the_bits_of_sampling_uniform(isa):
     """counter_uniform is sampling.uniform's noise, bit for bit: every width (ragged, one task,
     several), rows, steps as an int, one per batch and one per row, keys across [0, 2**31)."""

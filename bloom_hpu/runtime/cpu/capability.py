@@ -100,6 +100,36 @@ def cpu_flags() -> set[str] | None:
     return None
 
 
+def cpu_vendor() -> str | None:
+    """The first CPU's vendor_id in /proc/cpuinfo ('GenuineIntel', 'AuthenticAMD'), or None."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("vendor_id") and ":" in line:
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+# How the few-rows products prefetch the weight rows still to come (csrc/few_rows.h's PrefetchKind).
+PREFETCH_KINDS = {"l1": 1, "l2": 2}
+PREFETCH_ENV = "BLOOM_CPU_PREFETCH"
+
+
+def weight_prefetch() -> str:
+    """'l2' (into L2, the next block of weight rows) on AMD CPUs, where it streams a decode's
+    weights at up to twice the speed of 'l1' (into L1, further along the same rows), which is what
+    the Xeons were measured at the memory's speed with and keep. ``$BLOOM_CPU_PREFETCH`` (l1 or l2)
+    forces one."""
+    forced = os.environ.get(PREFETCH_ENV, "").strip().lower()
+    if forced:
+        if forced not in PREFETCH_KINDS:
+            raise ValueError(f"{PREFETCH_ENV}={forced!r}: choose l1 or l2")
+        return forced
+    return "l2" if cpu_vendor() == "AuthenticAMD" else "l1"
+
+
 @functools.lru_cache(maxsize=1)
 def detect() -> Capability:
     machine = platform.machine().lower()

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from ...int4 import dequantized_int4
 from ...int8_activations import block_product, quantize_blocks
 from .build import BuildError, Recipe, load_library
-from .capability import ISA_NAMES
+from .capability import ISA_NAMES, PREFETCH_KINDS, weight_prefetch
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("few_rows_linear.cpp", "decode_step.cpp", "prompt_attention.cpp",
@@ -86,6 +86,7 @@ class Kernels:
     block_q8_quantize: Callable  # (x [..., K]) -> (xq int8 [..., K], d fp32 [..., K / 32]): quantize_blocks
     block_q8_linear: Callable  # (x, q int8 [N, K] or uint8 [N, K / 2], scales, bias): block_product
     gelu_tanh: Callable  # (x) -> F.gelu(x, approximate="tanh"), the decode step's formula, threaded
+    set_prefetch: Callable  # (kind) -> the kind in force: how the few-rows products prefetch weights (1 L1, 2 L2)
 
 
 _built: dict[str, Kernels | KernelsUnavailable] = {}
@@ -136,10 +137,15 @@ def _build_and_probe(isa: str) -> Kernels:
     try:
         kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention, ops.extend_attention,
                           ops.int8_rows_linear, ops.int4_rows_linear, ops.int4_dequantize, ops.decode_step_quantized,
-                          ops.enable_amx, ops.counter_uniform, ops.block_q8_quantize, ops.block_q8_linear, ops.gelu_tanh)
+                          ops.enable_amx, ops.counter_uniform, ops.block_q8_quantize, ops.block_q8_linear, ops.gelu_tanh,
+                          ops.set_prefetch)
     except AttributeError as error:  # a library built from other sources
         raise KernelsUnavailable(f"were built without their operators ({error})") from None
     _register_fake(namespace)
+    try:
+        kernels.set_prefetch(PREFETCH_KINDS[weight_prefetch()])
+    except ValueError as error:  # a malformed $BLOOM_CPU_PREFETCH
+        raise KernelsUnavailable(str(error)) from None
     _probe(kernels)
     return kernels
 

@@ -25,6 +25,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -39,6 +40,20 @@ BLOOM_CPU_BEGIN
 constexpr int64_t kStepBytes = 64;
 constexpr int kRows = 4;                  // weight rows per block
 constexpr int64_t kPrefetchBytes = 8192;  // a few blocks ahead of the loads: far enough to hide the latency
+
+// How a block's first pass prefetches the weight rows still to come (dot_block's Prefetch):
+//   kNoPrefetch   nothing (a block in scratch, or a later pass over a block already in L1);
+//   kL1Ahead      into L1, kPrefetchBytes further along the same rows (for rows of 8 KB or more,
+//                 the block's next row: the hardware's stream prefetchers fetch the rest);
+//   kL2NextBlock  into L2, the next block's row at the same column: every row of the next block,
+//                 whatever K, one block ahead.
+// The process's kind (set_prefetch, read once per product): kL1Ahead kept the Xeons' decode at the
+// memory's speed; on a Zen 4 it streamed at about half of that, and kL2NextBlock at the memory's speed.
+enum PrefetchKind : int { kNoPrefetch = 0, kL1Ahead = 1, kL2NextBlock = 2 };
+inline std::atomic<int>& prefetch_kind() {
+  static std::atomic<int> kind{kL1Ahead};
+  return kind;
+}
 
 // A 64-byte step of a dot product, per element type and instruction set, in `parts` parts of
 // `step` elements (one register of weights each):
@@ -160,9 +175,9 @@ struct Lanes<at::Half> {  // F16C conversions, 8 per instruction
 
 #endif
 
-// sums[m * R + r] = dot(w row r, x row m) for R weight rows and MB input rows; with Prefetch, the
-// weight rows a few blocks ahead are prefetched as they are read.
-template <typename T, int R, int MB, bool Prefetch>
+// sums[m * R + r] = dot(w row r, x row m) for R weight rows and MB input rows; the weight rows
+// still to come prefetched as Prefetch (a PrefetchKind) says, as they are read.
+template <typename T, int R, int MB, int Prefetch>
 inline void dot_block(const T* w, const T* x, int64_t K, float* sums) {
   using L = Lanes<T>;
   static_assert(L::step * L::parts * int64_t(sizeof(T)) == kStepBytes, "a step reads 64 bytes of a weight row");
@@ -171,8 +186,11 @@ inline void dot_block(const T* w, const T* x, int64_t K, float* sums) {
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) acc[r][m] = acc_zero();
   for (int64_t k = 0; k < K; k += L::step * L::parts) {
-    if constexpr (Prefetch)
+    // Prefetches never fault: the last block's point past the weight's end.
+    if constexpr (Prefetch == kL1Ahead)
       for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + ahead), _MM_HINT_T0);
+    if constexpr (Prefetch == kL2NextBlock)
+      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T1);
     for (int part = 0; part < L::parts; ++part) {
       const int64_t kp = k + part * L::step;
       typename L::X xv[MB];
@@ -186,7 +204,7 @@ inline void dot_block(const T* w, const T* x, int64_t K, float* sums) {
 }
 
 // dot_block for mb (1..MB) input rows.
-template <typename T, int R, int MB, bool Prefetch>
+template <typename T, int R, int MB, int Prefetch>
 inline void dot_rows(int64_t mb, const T* w, const T* x, int64_t K, float* sums) {
   if constexpr (MB > 1) {
     if (mb < MB) return dot_rows<T, R, MB - 1, Prefetch>(mb, w, x, K, sums);
@@ -196,20 +214,22 @@ inline void dot_rows(int64_t mb, const T* w, const T* x, int64_t K, float* sums)
 
 // The passes over one block of R weight rows w [R, K] for the M input rows x [M, K]: as few as
 // kXRows allows, the rows shared evenly among them (5 rows of AVX-512: 3 + 2, not 4 + 1).
-// done(m, r, sum) takes the fp32 dot of input row m and weight row r. With PrefetchAhead the first
-// pass prefetches the weight rows a few blocks ahead (the later passes read the block from L1, where
-// prefetching again would only cost issue slots); without, nothing is prefetched (a block in scratch).
-template <typename T, int R, bool PrefetchAhead, typename Done>
-inline void block_passes(const T* w, const T* x, int64_t M, int64_t K, Done&& done) {
+// done(m, r, sum) takes the fp32 dot of input row m and weight row r. The first pass prefetches the
+// rows still to come as `prefetch` (a PrefetchKind) says; the later ones read the block from L1,
+// where prefetching again would only cost issue slots.
+template <typename T, int R, typename Done>
+inline void block_passes(const T* w, const T* x, int64_t M, int64_t K, int prefetch, Done&& done) {
   constexpr int xr = kXRows<T>;
   float sums[R * xr];
   const int64_t passes = (M + xr - 1) / xr;
   for (int64_t p = 0, m0 = 0; p < passes; ++p) {
     const int64_t mb = (M - m0 + passes - p - 1) / (passes - p);
-    if (PrefetchAhead && p == 0)
-      dot_rows<T, R, xr, true>(mb, w, x + m0 * K, K, sums);
+    if (p == 0 && prefetch == kL1Ahead)
+      dot_rows<T, R, xr, kL1Ahead>(mb, w, x + m0 * K, K, sums);
+    else if (p == 0 && prefetch == kL2NextBlock)
+      dot_rows<T, R, xr, kL2NextBlock>(mb, w, x + m0 * K, K, sums);
     else
-      dot_rows<T, R, xr, false>(mb, w, x + m0 * K, K, sums);
+      dot_rows<T, R, xr, kNoPrefetch>(mb, w, x + m0 * K, K, sums);
     for (int64_t m = 0; m < mb; ++m)
       for (int r = 0; r < R; ++r) done(m0 + m, r, sums[m * R + r]);
     m0 += mb;
@@ -218,8 +238,9 @@ inline void block_passes(const T* w, const T* x, int64_t M, int64_t K, Done&& do
 
 // Outputs n .. n+R-1 of every input row.
 template <typename T, int R>
-inline void output_rows(const T* w, const T* x, const T* bias, T* out, int64_t n, int64_t M, int64_t N, int64_t K) {
-  block_passes<T, R, true>(w, x, M, K, [&](int64_t m, int r, float sum) {
+inline void output_rows(const T* w, const T* x, const T* bias, T* out, int64_t n, int64_t M, int64_t N, int64_t K,
+                        int prefetch) {
+  block_passes<T, R>(w, x, M, K, prefetch, [&](int64_t m, int r, float sum) {
     const float value = sum + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
     out[m * N + n + r] = T(value);  // bf16, fp16: rounded to nearest even once, as F.linear
   });
@@ -229,12 +250,13 @@ inline void output_rows(const T* w, const T* x, const T* bias, T* out, int64_t n
 // a multiple of kStepBytes.
 template <typename T>
 void linear_rows(const T* x, int64_t M, const T* w, int64_t N, int64_t K, const T* bias, T* out) {
+  const int prefetch = prefetch_kind().load(std::memory_order_relaxed);
 #if defined(BLOOM_AMX)
   if constexpr (std::is_same_v<T, at::BFloat16>) {  // many rows: AMX tiles (amx_rows.h), where enabled
     const int64_t min_rows = amx_min_rows().load(std::memory_order_relaxed), tiled = N / kTileRows * kTileRows;
     if (min_rows > 0 && M >= min_rows && tiled > 0) {
       amx_linear(x, M, w, tiled, K, bias, out, N);
-      for (int64_t n = tiled; n < N; ++n) output_rows<T, 1>(w + n * K, x, bias, out, n, M, N, K);
+      for (int64_t n = tiled; n < N; ++n) output_rows<T, 1>(w + n * K, x, bias, out, n, M, N, K, prefetch);
       return;
     }
   }
@@ -243,9 +265,10 @@ void linear_rows(const T* x, int64_t M, const T* w, int64_t N, int64_t K, const 
   // At least ~64 KB of weights per task, so small layers are not split into tasks too short to pay.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kRows * K * int64_t(sizeof(T))));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) output_rows<T, kRows>(w + b * kRows * K, x, bias, out, b * kRows, M, N, K);
+    for (int64_t b = begin; b < end; ++b)
+      output_rows<T, kRows>(w + b * kRows * K, x, bias, out, b * kRows, M, N, K, prefetch);
   });
-  for (int64_t n = blocks * kRows; n < N; ++n) output_rows<T, 1>(w + n * K, x, bias, out, n, M, N, K);
+  for (int64_t n = blocks * kRows; n < N; ++n) output_rows<T, 1>(w + n * K, x, bias, out, n, M, N, K, prefetch);
 }
 
 BLOOM_CPU_END

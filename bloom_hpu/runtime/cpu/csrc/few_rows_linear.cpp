@@ -46,6 +46,14 @@ int64_t enable_amx(int64_t min_rows) {
 #endif
 }
 
+// How the few-rows products prefetch the weight rows still to come, for the process (few_rows.h's
+// PrefetchKind: 1 into L1 along the rows, 2 into L2 the next block); returns the kind in force.
+int64_t set_prefetch(int64_t kind) {
+  TORCH_CHECK(kind == bloom_cpu::kL1Ahead || kind == bloom_cpu::kL2NextBlock, "set_prefetch: kind 1 or 2");
+  bloom_cpu::prefetch_kind().store(int(kind));
+  return bloom_cpu::prefetch_kind().load();
+}
+
 }  // namespace
 
 // An operator, not a Python function, so torch.compile can keep it in a graph as an external kernel;
@@ -53,6 +61,7 @@ int64_t enable_amx(int64_t min_rows) {
 BLOOM_LIBRARY(BLOOM_OPS, m) {
   m.def("few_rows_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("enable_amx(int min_rows) -> int", &enable_amx);
+  m.def("set_prefetch(int kind) -> int", &set_prefetch);
 }
 
 BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {

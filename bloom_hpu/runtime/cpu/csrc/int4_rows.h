@@ -236,7 +236,7 @@ void int4_dequantized_products(const float* x, int64_t M, const uint8_t* q, cons
   const auto run = [&](int64_t n, auto rows_constant, float* block) {
     constexpr int rows = decltype(rows_constant)::value;
     for (int r = 0; r < rows; ++r) dequantize_row(q + (n + r) * (K / 2), scales + (n + r) * (K / G), K, G, block + r * K);
-    block_passes<float, rows, false>(block, x, M, K, [&](int64_t m, int r, float sum) {
+    block_passes<float, rows>(block, x, M, K, kNoPrefetch, [&](int64_t m, int r, float sum) {
       out[m * N + n + r] = T(sum + (bias ? static_cast<float>(bias[n + r]) : 0.0f));
     });
   };
