@@ -125,8 +125,8 @@ def test_fp32_products_match_the_exact_product(isa, rows, out_features, in_featu
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_either_weight_prefetch_gives_the_same_bits(isa, dtype):
-    """How the few-rows products prefetch weights (L1 along the rows, or L2 the next block) moves
-    no bit of their results, for rows narrower and wider than a prefetch's reach; a kind other than
+    """How the few-rows products (float, int8, int4, integer) prefetch weights (L1 along the rows,
+    or L2 the next block) moves no bit of their results, for rows narrower and wider than a prefetch's reach; a kind other than
     the two is refused; the process's kind is the CPU's (``capability.weight_prefetch``)."""
     needs_isa(isa)
     kernels = load(isa)
@@ -140,6 +140,19 @@ def test_either_weight_prefetch_gives_the_same_bits(isa, dtype):
             assert kernels.set_prefetch(2) == 2
             next_block = kernels.few_rows_linear(x, w, bias)
             assert torch.equal(along_rows, next_block)
+            # The quantized products of a few rows: weight-only int8 and int4, and integer.
+            q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+            q4, s4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), torch.rand(n, k // 32) / 50
+            s8 = torch.rand(n) / 50
+            products = (lambda: kernels.int8_rows_linear(x, q8, s8, bias),
+                        lambda: kernels.int4_rows_linear(x, q4, s4, bias),
+                        lambda: kernels.block_q8_linear(x, q8, s8, bias),
+                        lambda: kernels.block_q8_linear(x, q4, s4, bias))
+            for product in products:
+                kernels.set_prefetch(1)
+                along_rows = product()
+                kernels.set_prefetch(2)
+                assert torch.equal(along_rows, product())
         with pytest.raises(RuntimeError, match="kind 1 or 2"):
             kernels.set_prefetch(3)
     finally:

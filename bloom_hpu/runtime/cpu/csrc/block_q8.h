@@ -56,6 +56,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "prefetch.h"
 #include "vec16.h"
 
 BLOOM_CPU_BEGIN
@@ -566,6 +567,7 @@ struct FewBlock {
                   const Q8FewInput& in, int64_t m0, int64_t K, float* sums) {
 #if defined(BLOOM_ISA_AVX512)
     const int64_t blocks = K / kQ8Block;
+    const bool next_block = prefetch_next_block();
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -573,7 +575,7 @@ struct FewBlock {
       __m512i w[R];
       __m512 sv[R];  // int4: the two blocks' scales, 8 lanes each
       for (int r = 0; r < R; ++r) {
-        _mm_prefetch(reinterpret_cast<const char*>(q + r * row_bytes + b * (row_bytes / blocks) + kQ8FewPrefetch), _MM_HINT_T0);
+        prefetch_weights(q + r * row_bytes + b * (row_bytes / blocks), R * row_bytes, kQ8FewPrefetch, next_block);
         w[r] = few_weights<W>(q + r * row_bytes, b);
         if constexpr (W == Q8Weight::kInt4) {
           const float* s = scales + r * groups;
@@ -618,11 +620,12 @@ struct FewBlock {
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
+    const bool next_block = prefetch_next_block();
     for (int64_t b = 0; b < blocks; ++b) {
       __m256i w[R];
       for (int r = 0; r < R; ++r) {
         const uint8_t* p = q + r * row_bytes + b * (row_bytes / blocks);
-        _mm_prefetch(reinterpret_cast<const char*>(p + kQ8FewPrefetch), _MM_HINT_T0);
+        prefetch_weights(p, R * row_bytes, kQ8FewPrefetch, next_block);
         w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       }
       for (int m = 0; m < MB; ++m) {
@@ -657,6 +660,7 @@ struct FewBlock {
     for (int p = 0; p < P; ++p)
       for (int m = 0; m < MB; ++m) acc[p][m] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
+    const bool next_block = prefetch_next_block();
     int64_t g = 0, left = blocks_per_group;
     for (int64_t b = 0; b < blocks; ++b) {
       __m256i lo[P], hi[P];
@@ -666,8 +670,8 @@ struct FewBlock {
         const uint8_t* pa = q + a * row_bytes + b * 16;
         const uint8_t* pc = q + c * row_bytes + b * 16;
         if (b % 4 == 0) {  // one prefetch per 64-byte line of each row
-          _mm_prefetch(reinterpret_cast<const char*>(pa + kQ8FewPrefetch), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(pc + kQ8FewPrefetch), _MM_HINT_T0);
+          prefetch_weights(pa, R * row_bytes, kQ8FewPrefetch, next_block);
+          prefetch_weights(pc, R * row_bytes, kQ8FewPrefetch, next_block);
         }
         const __m256i bytes = _mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pa))),

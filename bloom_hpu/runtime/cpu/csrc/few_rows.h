@@ -25,11 +25,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
 #include "amx_rows.h"
+#include "prefetch.h"
 #include "vec16.h"
 
 BLOOM_CPU_BEGIN
@@ -41,19 +41,6 @@ constexpr int64_t kStepBytes = 64;
 constexpr int kRows = 4;                  // weight rows per block
 constexpr int64_t kPrefetchBytes = 8192;  // a few blocks ahead of the loads: far enough to hide the latency
 
-// How a block's first pass prefetches the weight rows still to come (dot_block's Prefetch):
-//   kNoPrefetch   nothing (a block in scratch, or a later pass over a block already in L1);
-//   kL1Ahead      into L1, kPrefetchBytes further along the same rows (for rows of 8 KB or more,
-//                 the block's next row: the hardware's stream prefetchers fetch the rest);
-//   kL2NextBlock  into L2, the next block's row at the same column: every row of the next block,
-//                 whatever K, one block ahead.
-// The process's kind (set_prefetch, read once per product): kL1Ahead kept the Xeons' decode at the
-// memory's speed; on a Zen 4 it streamed at about half of that, and kL2NextBlock at the memory's speed.
-enum PrefetchKind : int { kNoPrefetch = 0, kL1Ahead = 1, kL2NextBlock = 2 };
-inline std::atomic<int>& prefetch_kind() {
-  static std::atomic<int> kind{kL1Ahead};
-  return kind;
-}
 
 // A 64-byte step of a dot product, per element type and instruction set, in `parts` parts of
 // `step` elements (one register of weights each):
