@@ -504,7 +504,22 @@ struct Q8FewInput {
   std::vector<uint8_t> xabs;    // AVX2, int8 weights: |xq| [M, K]
   std::vector<float> d;         // AVX-512: [M, blocks / 2, 16]; AVX2: [M, blocks]
   std::vector<int32_t> starts;  // AVX-512: [M, blocks / 2, 16]; AVX2 int4: [M, blocks]
+  // AVX-512, int4 weights, blocks % 4 == 0 (FewQuad): per row and quad of blocks, xq as the quad's
+  // 64 packed bytes meet it: [low halves of the 4 blocks | high halves], 128 bytes; and d and the
+  // start of the sums per lane, lanes 4g..4g+3 for block g of the quad.
+  std::vector<int8_t> quad_x;         // [M, blocks / 4, 128]
+  std::vector<float> quad_d;          // [M, blocks / 4, 16]
+  std::vector<int32_t> quad_starts;   // [M, blocks / 4, 16]
 };
+
+// Int4 weights four blocks (64 bytes, one cache line) a step: AVX-512, K % 128 == 0.
+constexpr bool int4_quads(int64_t K) {
+#if defined(BLOOM_ISA_AVX512)
+  return K % (4 * kQ8Block) == 0;
+#else
+  return false;
+#endif
+}
 
 template <typename T, Q8Weight W>
 void quantize_few(const T* x, int64_t M, int64_t K, Q8FewInput& in) {
@@ -524,6 +539,12 @@ void quantize_few(const T* x, int64_t M, int64_t K, Q8FewInput& in) {
     in.starts.resize(size_t(M * blocks));
   }
 #endif
+  const bool quads = W == Q8Weight::kInt4 && int4_quads(K);
+  if (quads) {
+    in.quad_x.resize(size_t(M * K));
+    in.quad_d.resize(size_t(M * blocks * 4));
+    in.quad_starts.resize(size_t(M * blocks * 4));
+  }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b) {
       int32_t sum;
@@ -542,6 +563,16 @@ void quantize_few(const T* x, int64_t M, int64_t K, Q8FewInput& in) {
         in.starts[m * blocks + b] = -2 * sum;  // 8 * the sum, a quarter per lane of a row's 4
       }
 #endif
+      if (quads) {
+        const int64_t quad = b / 4, g = b % 4;
+        int8_t* qx = in.quad_x.data() + (m * (blocks / 4) + quad) * 128;
+        std::copy(xq, xq + 16, qx + 16 * g);             // the low nibbles' weights 0..15
+        std::copy(xq + 16, xq + 32, qx + 64 + 16 * g);   // the high nibbles' weights 16..31
+        for (int l = 0; l < 4; ++l) {
+          in.quad_d[(m * (blocks / 4) + quad) * 16 + 4 * g + l] = d;
+          in.quad_starts[(m * (blocks / 4) + quad) * 16 + 4 * g + l] = -2 * sum;  // 8 * the sum over 4 lanes
+        }
+      }
     }
 }
 
@@ -709,6 +740,67 @@ struct FewBlock {
 #endif
 };
 
+#if defined(BLOOM_ISA_AVX512)
+// Int4 weights, a quad of blocks (a row's 64 bytes) a step: one load gives the 4 blocks' low nibbles
+// (weights 0..15 of each) and high nibbles (16..31), each multiplied by xq laid out to match
+// (quad_x), lanes 4g..4g+3 summing block g; one conversion and one multiply by d times the block's
+// scale end the step. About half the instructions per byte of FewBlock's two blocks a step, which
+// leave a decode step bound by arithmetic rather than by the memory.
+template <int R, int MB>
+struct FewQuad {
+  static void run(const uint8_t* q, int64_t row_bytes, const float* scales, int64_t groups, int64_t G,
+                  const Q8FewInput& in, int64_t K, float* sums) {
+    const int64_t quads = K / (4 * kQ8Block);
+    const bool next_block = prefetch_next_block();
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    __m512 acc[R][MB];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < quads; ++j) {
+      __m512i lo[R], hi[R];
+      __m512 sv[R];
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* line = q + r * row_bytes + j * 64;
+        prefetch_weights(line, R * row_bytes, kQ8FewPrefetch, next_block);
+        const __m512i z = _mm512_loadu_si512(line);
+        lo[r] = _mm512_and_si512(z, nibble);
+        hi[r] = _mm512_and_si512(_mm512_srli_epi16(z, 4), nibble);
+        const float* s = scales + r * groups;
+        if ((4 * j * kQ8Block / G) % 16 == 0)  // the next block's scales too, a line (16 of them) at a time
+          prefetch_weights(s + 4 * j * kQ8Block / G, R * groups * int64_t(sizeof(float)), kQ8FewPrefetch, next_block);
+        const __m128 four = G == kQ8Block ? _mm_loadu_ps(s + 4 * j)
+                                          : _mm_setr_ps(s[(4 * j) * kQ8Block / G], s[(4 * j + 1) * kQ8Block / G],
+                                                        s[(4 * j + 2) * kQ8Block / G], s[(4 * j + 3) * kQ8Block / G]);
+        sv[r] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four));
+      }
+      for (int m = 0; m < MB; ++m) {
+        const int64_t at = m * quads + j;
+        const __m512i xlo = _mm512_loadu_si512(in.quad_x.data() + at * 128);
+        const __m512i xhi = _mm512_loadu_si512(in.quad_x.data() + at * 128 + 64);
+        const __m512i start = _mm512_loadu_si512(in.quad_starts.data() + at * 16);
+        const __m512 d = _mm512_loadu_ps(in.quad_d.data() + at * 16);
+        for (int r = 0; r < R; ++r) {
+          const __m512i sum_i = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo[r], xlo), hi[r], xhi);
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum_i), _mm512_mul_ps(d, sv[r]), acc[r][m]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MB; ++m) sums[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
+  }
+};
+
+template <int R, int MB>
+inline void few_quad(int64_t mb, const uint8_t* q, int64_t row_bytes, const float* scales, int64_t groups, int64_t G,
+                     const Q8FewInput& in, int64_t K, float* sums) {
+  if constexpr (MB > 1) {
+    if (mb < MB) return few_quad<R, MB - 1>(mb, q, row_bytes, scales, groups, G, in, K, sums);
+  }
+  FewQuad<R, MB>::run(q, row_bytes, scales, groups, G, in, K, sums);
+}
+#endif
+
 template <Q8Weight W, int R, int MB>
 inline void few_block(int64_t mb, const uint8_t* q, int64_t row_bytes, const float* scales, int64_t groups, int64_t G,
                       const Q8FewInput& in, int64_t K, float* sums) {
@@ -731,7 +823,12 @@ void block_q8_few(const T* x, int64_t M, const uint8_t* q, const float* scales, 
   auto outputs = [&](auto rows, int64_t n) {
     constexpr int R = decltype(rows)::value;
     float sums[R * kQ8FewRows];
-    few_block<W, R, kQ8FewRows>(M, q + n * row_bytes, row_bytes, scales + n * scale_stride, groups, G, in, K, sums);
+#if defined(BLOOM_ISA_AVX512)
+    if (W == Q8Weight::kInt4 && int4_quads(K))
+      few_quad<R, kQ8FewRows>(M, q + n * row_bytes, row_bytes, scales + n * scale_stride, groups, G, in, K, sums);
+    else
+#endif
+      few_block<W, R, kQ8FewRows>(M, q + n * row_bytes, row_bytes, scales + n * scale_stride, groups, G, in, K, sums);
     for (int64_t m = 0; m < M; ++m)
       for (int r = 0; r < R; ++r)
         out[m * N + n + r] = T(sums[m * R + r] + (bias ? static_cast<float>(bias[n + r]) : 0.0f));
