@@ -30,7 +30,7 @@ import pytest
 import torch
 import transformers
 
-from bloom_hpu.runtime.cpu import CpuOptions, CpuPathError, accelerate, choice, routes
+from bloom_hpu.runtime.cpu import CpuOptions, CpuPathError, accelerate, capability, choice, routes
 from bloom_hpu.runtime.cpu.routes import PROMPT_KEYS, RowRoutes
 from bloom_hpu.tp import DistributedParallel
 from dequantized import write_dequantized
@@ -610,3 +610,35 @@ def test_each_route_runs_where_it_is_set(make_ckpt, choice_dir):
         torch.testing.assert_close(one_call[route], op_by_op, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(one_call["prompts=native,decode=integer"], one_call["prompts=native,decode=weight-only"],
                               atol=1e-4)
+
+
+# --- the weight prefetch ------------------------------------------------------------------------
+
+
+def test_the_weight_prefetch_is_timed_once_then_read(choice_dir, monkeypatch):
+    """Both prefetch kinds are timed on a weight streamed from memory (the faster kept, and set in
+    the kernels), then read from the cache; static takes the vendor's rule, timing nothing;
+    ``$BLOOM_CPU_PREFETCH`` forces one."""
+    from bloom_hpu.runtime.cpu import prefetch
+    from bloom_hpu.runtime.cpu.kernels import load
+    from bloom_hpu.tp import Parallel
+
+    if capability.detect().kernel_isa is None:
+        pytest.skip("no kernels on this CPU")
+    kernels = load(capability.detect().kernel_isa)
+    monkeypatch.delenv(capability.PREFETCH_ENV, raising=False)
+    monkeypatch.setattr(prefetch, "STREAM_ROWS", 4096)  # 8 MB: the choice's machinery, not a figure
+    measured = prefetch.choose_prefetch(kernels, "measure", Parallel())
+    assert measured in ("weight prefetch l1 (measured)", "weight prefetch l2 (measured)")
+    files = list(choice_dir.iterdir())
+    assert len(files) == 1 and '"prefetch"' in files[0].read_text()
+    assert prefetch.choose_prefetch(kernels, "measure", Parallel()) == measured.replace("measured", "cached")
+    monkeypatch.setattr(capability, "cpu_vendor", lambda: "AuthenticAMD")
+    assert prefetch.choose_prefetch(kernels, "static", Parallel()) == "weight prefetch l2 (by vendor)"
+    monkeypatch.setattr(capability, "cpu_vendor", lambda: "GenuineIntel")
+    assert prefetch.choose_prefetch(kernels, "prompts=native", Parallel()) == "weight prefetch l1 (by vendor)"
+    monkeypatch.setenv(capability.PREFETCH_ENV, "l2")
+    assert prefetch.choose_prefetch(kernels, "measure", Parallel()) == "weight prefetch l2 (forced)"
+    assert len(list(choice_dir.iterdir())) == 1  # nothing more timed
+    monkeypatch.delenv(capability.PREFETCH_ENV)
+    prefetch.choose_prefetch(kernels, "static", Parallel())  # the process's default again

@@ -35,6 +35,7 @@ from ...quantize import (INT8_KERNEL_FLOAT_ROWS, INT8_KERNEL_MANY_ROWS, INT8_KER
                         use_int8_activations)
 from . import capability, choice, routes
 from .kernels import Kernels, KernelsUnavailable, load
+from .prefetch import choose_prefetch
 from .layers import (AMX_MIN_ROWS, AMX_TILE_ROWS, CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, KernelGelu,
                      OneCallPromptAttention, WidenedProducts, kernel_suits, swap, unswap)
 
@@ -478,6 +479,8 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     if options.int8_activations == "on" and quantized and not all(m.int8_activations for m in quantized):
         use_int8_activations(model)  # the option given to the runtime alone: as from_pretrained sets it
     used = []
+    if kernels is not None:
+        used.append(choose_prefetch(kernels, options.choice, model.parallel))
     amx_tiles = kernels is not None and dtype == torch.bfloat16 and cap.amx and use_amx_tiles(kernels, options.amx)
     # The kernel's row limit: higher where its bf16 products run on AMX tiles; lower where AMX
     # gives oneDNN's bf16 products of many rows the edge over the kernel's AVX-512 loop.
