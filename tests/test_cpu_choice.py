@@ -385,7 +385,7 @@ def test_two_gloo_ranks_route_alike(tmp_path):
 @pytest.mark.slow
 def test_two_deepspeed_ranks_load_with_rank_0s_routes(make_ckpt, tmp_path):
     """bloom.py on two ranks (gloo), bf16 so that the routes have candidates, measured: both ranks
-    print the same routes and one choice file is written (rank 0's)."""
+    print the same routes and weight prefetch, and one choice file of each is written (rank 0's)."""
     folder = make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -400,7 +400,10 @@ def test_two_deepspeed_ranks_load_with_rank_0s_routes(make_ckpt, tmp_path):
     lines = [line for line in log.splitlines() if "CPU fast path" in line]
     routes_seen = {line.rsplit("; routes ", 1)[-1] for line in lines}
     assert len(lines) == 2 and len(routes_seen) == 1 and "routes prompts" in lines[0], lines
-    assert len(list(tmp_path.glob("bloom_cpu_choice_*.json"))) == 1
+    prefetch_seen = {line.split("weight prefetch ", 1)[1].split(" ", 1)[0] for line in lines}
+    assert len(prefetch_seen) == 1 and "weight prefetch l" in lines[0], lines
+    files = [json.loads(path.read_text()) for path in tmp_path.glob("bloom_cpu_choice_*.json")]
+    assert sorted("prefetch" in f["picks"] for f in files) == [False, True]  # the routes' file, the prefetch's
 
 
 # --- forcing and skipping ----------------------------------------------------------------------
