@@ -88,28 +88,28 @@ def onednn_capped_below_amx() -> bool:
     return onednn_cap() in ONEDNN_ISAS_WITHOUT_AMX
 
 
-def cpu_flags() -> set[str] | None:
-    """The flags of the first CPU in /proc/cpuinfo (Linux), or None where there is none."""
+def cpuinfo_field(name: str) -> str | None:
+    """The value of the first CPU's ``name`` line in /proc/cpuinfo (Linux), or None where there is
+    no such file or line."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith("flags") and ":" in line:
-            return set(line.split(":", 1)[1].split())
+        if line.startswith(name) and ":" in line:
+            return line.split(":", 1)[1].strip()
     return None
+
+
+def cpu_flags() -> set[str] | None:
+    """The flags of the first CPU in /proc/cpuinfo (Linux), or None where there is none."""
+    flags = cpuinfo_field("flags")
+    return None if flags is None else set(flags.split())
 
 
 def cpu_vendor() -> str | None:
-    """The first CPU's vendor_id in /proc/cpuinfo ('GenuineIntel', 'AuthenticAMD'), or None."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("vendor_id") and ":" in line:
-            return line.split(":", 1)[1].strip()
-    return None
+    """The first CPU's vendor_id ('GenuineIntel', 'AuthenticAMD'), or None."""
+    return cpuinfo_field("vendor_id")
 
 
 # How the few-rows products prefetch the weight rows still to come (csrc/few_rows.h's PrefetchKind).

@@ -247,13 +247,7 @@ def load_average() -> float | None:
 
 
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and ":" in line:
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+    return capability.cpuinfo_field("model name") or "unknown CPU"
 
 
 def cache_path(determined_by: dict) -> Path:
