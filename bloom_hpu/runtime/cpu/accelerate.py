@@ -174,11 +174,9 @@ class OneCallDecode:
         One pass over the weights for all B * S tokens, the plain decode's products and roundings:
         a guess the target accepts gets the logits a decode step would have given it."""
         b, s = ids.shape
-        slots = (starts[:, None] + cache.slots[None, :s]).clamp(max=cache.length - 1)
-        rows = cache.rows[:b].repeat_interleave(s)
-        every = torch.arange(b * s)
-        logits = self.op(self.weights, ids.reshape(-1), slots.reshape(-1), cache.keys, cache.values, cache.alibi,
-                         window, self.eps, self.residual_from_ln, rows, every)
+        tokens, slots, rows = verify_positions(ids, starts, cache)
+        logits = self.op(self.weights, tokens, slots, cache.keys, cache.values, cache.alibi, window, self.eps,
+                         self.residual_from_ln, rows, torch.arange(b * s))
         return logits.view(b, s, -1)
 
     def verify_mixed(self, ids, starts, chunk, chunk_rows, chunk_start, chunk_len, cache, window: int,
@@ -186,18 +184,17 @@ class OneCallDecode:
         """The model's ``verify_mixed`` (a verify of ids [B, S] with prompt segments [G, C]) as the same
         one call: the rows' B * S tokens as in ``verify``, then the segments' real tokens as in
         ``mixed``, in that order (a segment's write comes after the rows'). Logits [B*S + G, V]."""
-        b, s = ids.shape
-        c = chunk.shape[1]
-        row_slots = (starts[:, None] + cache.slots[None, :s]).clamp(max=cache.length - 1)
+        n, c = ids.numel(), chunk.shape[1]
+        row_tokens, row_slots, row_rows = verify_positions(ids, starts, cache)
         chunk_slots, _ = segment_layout(0, chunk_start, chunk_len, c, cache)
         if taken is None:
             taken = self.verified_tokens(ids, starts, chunk, chunk_rows, chunk_start, chunk_len)
-        tokens = torch.cat([ids.reshape(-1), chunk.reshape(-1)])[taken]
-        slots = torch.cat([row_slots.reshape(-1), chunk_slots.reshape(-1)])[taken]
-        rows = torch.cat([cache.rows[:b].repeat_interleave(s), chunk_rows.repeat_interleave(c)])[taken]
+        tokens = torch.cat([row_tokens, chunk.reshape(-1)])[taken]
+        slots = torch.cat([row_slots, chunk_slots.reshape(-1)])[taken]
+        rows = torch.cat([row_rows, chunk_rows.repeat_interleave(c)])[taken]
         place = taken.cumsum(0) - 1  # as in ``mixed``: a repeated segment's end maps to the one it repeats
-        segment_ends = b * s - 1 + chunk_len + c * torch.arange(chunk.shape[0])
-        keep = torch.cat([torch.arange(b * s), segment_ends])
+        segment_ends = n - 1 + chunk_len + c * torch.arange(chunk.shape[0])
+        keep = torch.cat([torch.arange(n), segment_ends])
         return self.op(self.weights, tokens, slots, cache.keys, cache.values, cache.alibi, window, self.eps,
                        self.residual_from_ln, rows, place[keep])
 
@@ -240,6 +237,14 @@ def computed_tokens(positions, chunk, chunk_rows, chunk_start, chunk_len) -> tor
     filler = ((chunk_rows[:, None] == torch.arange(b)[None, :]) & (chunk_start[:, None] == positions[None, :])).any(0)
     filler |= idle_rows(positions)
     return torch.cat([~filler, segment_tokens(chunk, chunk_rows, chunk_start, chunk_len).reshape(-1)])
+
+
+def verify_positions(ids, starts, cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verify pass's ids [B, S] as one-call tokens: (ids, slots, cache rows), each [B*S], row-major;
+    position j of row b at slot starts[b] + j, clamped to the cache as the model clamps it."""
+    b, s = ids.shape
+    slots = (starts[:, None] + cache.slots[None, :s]).clamp(max=cache.length - 1)
+    return ids.reshape(-1), slots.reshape(-1), cache.rows[:b].repeat_interleave(s)
 
 
 def segment_tokens(chunk, chunk_rows, chunk_start, chunk_len) -> torch.Tensor:
