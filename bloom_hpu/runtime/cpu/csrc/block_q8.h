@@ -525,9 +525,18 @@ template <typename T, Q8Weight W>
 void quantize_few(const T* x, int64_t M, int64_t K, Q8FewInput& in) {
   const int64_t blocks = K / kQ8Block;
   in.xq.resize(size_t(M * K));
+  // Int4 a quad of blocks a step (FewQuad) reads its own layout only, not the pairs' d and starts.
+  const bool quads = W == Q8Weight::kInt4 && int4_quads(K);
+  if (quads) {
+    in.quad_x.resize(size_t(M * K));
+    in.quad_d.resize(size_t(M * blocks * 4));
+    in.quad_starts.resize(size_t(M * blocks * 4));
+  }
 #if defined(BLOOM_ISA_AVX512)
-  in.d.resize(size_t(M * blocks * 8));
-  in.starts.resize(size_t(M * blocks * 8));
+  if (!quads) {
+    in.d.resize(size_t(M * blocks * 8));
+    in.starts.resize(size_t(M * blocks * 8));
+  }
   // int8 weights are read as w + 128 (unsigned): 128 * the block's sum of xq comes off, 16 per
   // lane of its 8; int4 nibbles v = q + 8: 8 * the sum, 1 per lane.
   const int32_t share = W == Q8Weight::kInt8 ? 16 : 1;
@@ -539,19 +548,13 @@ void quantize_few(const T* x, int64_t M, int64_t K, Q8FewInput& in) {
     in.starts.resize(size_t(M * blocks));
   }
 #endif
-  const bool quads = W == Q8Weight::kInt4 && int4_quads(K);
-  if (quads) {
-    in.quad_x.resize(size_t(M * K));
-    in.quad_d.resize(size_t(M * blocks * 4));
-    in.quad_starts.resize(size_t(M * blocks * 4));
-  }
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < blocks; ++b) {
       int32_t sum;
       int8_t* xq = in.xq.data() + m * K + b * kQ8Block;
       const float d = quantize_block(x + m * K + b * kQ8Block, xq, &sum);
 #if defined(BLOOM_ISA_AVX512)
-      for (int l = 0; l < 8; ++l) {
+      for (int l = 0; l < 8 && !quads; ++l) {
         in.d[(m * blocks + b) * 8 + l] = d;
         in.starts[(m * blocks + b) * 8 + l] = -share * sum;
       }

@@ -168,16 +168,13 @@ template <typename T, int R, int MB, int Prefetch>
 inline void dot_block(const T* w, const T* x, int64_t K, float* sums) {
   using L = Lanes<T>;
   static_assert(L::step * L::parts * int64_t(sizeof(T)) == kStepBytes, "a step reads 64 bytes of a weight row");
-  constexpr int64_t ahead = kPrefetchBytes / sizeof(T);
   Acc acc[R][MB];
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) acc[r][m] = acc_zero();
   for (int64_t k = 0; k < K; k += L::step * L::parts) {
-    // Prefetches never fault: the last block's point past the weight's end.
-    if constexpr (Prefetch == kL1Ahead)
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k + ahead), _MM_HINT_T0);
-    if constexpr (Prefetch == kL2NextBlock)
-      for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T1);
+    if constexpr (Prefetch != kNoPrefetch)
+      for (int r = 0; r < R; ++r)
+        prefetch_weights(w + r * K + k, R * K * int64_t(sizeof(T)), kPrefetchBytes, Prefetch == kL2NextBlock);
     for (int part = 0; part < L::parts; ++part) {
       const int64_t kp = k + part * L::step;
       typename L::X xv[MB];
