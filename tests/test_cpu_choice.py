@@ -618,7 +618,8 @@ def test_each_route_runs_where_it_is_set(make_ckpt, choice_dir):
 # --- the weight prefetch ------------------------------------------------------------------------
 
 
-def test_the_weight_prefetch_is_timed_once_then_read(choice_dir, monkeypatch):
+@pytest.mark.parametrize("isa", KERNEL_ISAS)
+def test_the_weight_prefetch_is_timed_once_then_read(choice_dir, monkeypatch, isa):
     """Both prefetch kinds are timed on a weight streamed from memory (the faster kept, and set in
     the kernels), then read from the cache; static takes the vendor's rule, timing nothing;
     ``$BLOOM_CPU_PREFETCH`` forces one."""
@@ -626,9 +627,7 @@ def test_the_weight_prefetch_is_timed_once_then_read(choice_dir, monkeypatch):
     from bloom_hpu.runtime.cpu.kernels import load
     from bloom_hpu.tp import Parallel
 
-    if capability.detect().kernel_isa is None:
-        pytest.skip("no kernels on this CPU")
-    kernels = load(capability.detect().kernel_isa)
+    kernels = load(isa)
     monkeypatch.delenv(capability.PREFETCH_ENV, raising=False)
     monkeypatch.setattr(prefetch, "STREAM_ROWS", 4096)  # 8 MB: the choice's machinery, not a figure
     measured = prefetch.choose_prefetch(kernels, "measure", Parallel())
