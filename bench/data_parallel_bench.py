@@ -4,19 +4,24 @@
 Modes (``--mode``, default all of them, in one run):
 
 1. ``split``: one process answers every planned batch of a request file of lines of mixed length
-   (64 by default, written here) and times each one; the bench then deals those batches to D
-   replicas the way ``generation/jobs/data_parallel.py`` does (``deal``: the costliest first, to
-   the least loaded replica, by the batch's rows x static length) and the plain way
-   (``deal_in_turn``: batch i to replica i mod D), and prints each split's makespan (the slowest
-   replica's measured seconds) against the ideal (total / D). Only the assignment is computed, so
-   the figure says how even each split is, not how fast two processes run side by side.
+   (64 by default, written here) and times each one; the bench then splits those batches over D
+   replicas three ways: the queue ``generation/jobs/data_parallel.py`` runs (``WorkQueue``: the
+   costliest first, each to the replica free first, by the measured times), its fallback without
+   a store (``deal``: the costliest first, to the replica with the least rows x static length so
+   far) and the plain way (``deal_in_turn``: batch i to replica i mod D), and prints each split's
+   makespan (the slowest replica's measured seconds) against the ideal (total / D). Only the
+   assignment is computed, so the figure says how even each split is, not how fast two processes
+   run side by side.
 2. ``requests``: ``bloom.py --requests`` as one 1-thread process, then under ``torchrun
    --nproc_per_node D --data_parallel D`` (1 thread per rank), alternating ``--rounds`` times;
    lines/s of each (median), their ratio, and whether the results files are the same but for
    timings.
-3. ``nodes``: the same job as D "nodes" on loopback, one ``torchrun --nnodes D --node_rank k``
+3. ``ceiling``: D independent one-process jobs (1 thread each) on the whole file at once against
+   one alone: what the machine itself allows D processes (they share its memory bandwidth,
+   caches and clocks), the bound for ``requests``.
+4. ``nodes``: the same job as D "nodes" on loopback, one ``torchrun --nnodes D --node_rank k``
    launcher per node, one rank each, against one process.
-4. ``serve``: ``--clients`` clients (16) each send ``--per_client`` greedy completions of
+5. ``serve``: ``--clients`` clients (16) each send ``--per_client`` greedy completions of
    ``--max_tokens`` tokens, every prompt a shared system prompt and a question of its own, to one
    server, then to D replicas behind the front door (``--serve --data_parallel D``; ``--tp T``
    ranks each, against one replica of T ranks): tokens/s of each and their ratio, the prefix
@@ -82,11 +87,24 @@ def measure_split(weights: str, requests: Path, budget: int, replicas: int) -> N
         seconds.append(time.perf_counter() - start)
     ideal = sum(seconds) / replicas
     print(f"split: {len(batches)} batches, {sum(seconds):.2f} s in one process; ideal per replica {ideal:.2f} s")
-    for name, shares in (("deal (costliest first)", deal([batch_cost(b) for b in batches], replicas)),
+    costs = [batch_cost(b) for b in batches]
+    for name, shares in (("queue (costliest first)", queue_shares(seconds, costs, replicas)),
+                         ("deal (costliest first)", deal(costs, replicas)),
                          ("in turn (i mod D)", deal_in_turn(len(batches), replicas))):
         loads = [sum(seconds[i] for i in share) for share in shares]
         print(f"  {name:24s} replicas {', '.join(f'{x:.2f}' for x in loads)} s; "
               f"makespan {max(loads):.2f} s = {max(loads) / ideal:.3f} x ideal")
+
+
+def queue_shares(seconds: list[float], costs: list[float], replicas: int) -> list[list[int]]:
+    """What ``WorkQueue`` gives each replica when batch i takes seconds[i]: the batches in order of
+    cost, each to the replica that is free first (ties: the lowest replica)."""
+    free_at, shares = [0.0] * replicas, [[] for _ in range(replicas)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        g = min(range(replicas), key=lambda g: (free_at[g], g))
+        shares[g].append(i)
+        free_at[g] += seconds[i]
+    return shares
 
 
 def free_port() -> int:
@@ -138,6 +156,21 @@ def without_timings(path: Path) -> list[str]:
     for r in records:
         r["result"].pop("request_time")
     return [json.dumps(r) for r in records]
+
+
+def machine_ceiling(args, requests: Path, tmp: Path) -> None:
+    """What the machine allows D processes at once: D independent one-process jobs (1 thread each)
+    on the whole file at the same time, against one alone. Nothing is shared but the machine (its
+    memory bandwidth, caches, clocks), so their lines/s over one's is the most D replicas can reach."""
+    alone, together = [], []
+    for _ in range(args.rounds):
+        alone.append(run_job(args.weights, requests, tmp / "alone.jsonl", args.budget, 1))
+        with ThreadPoolExecutor(args.replicas) as pool:
+            together.append(max(pool.map(lambda g: run_job(args.weights, requests, tmp / f"copy{g}.jsonl",
+                                                           args.budget, 1), range(args.replicas))))
+    one, many = statistics.median(alone), statistics.median(together)
+    print(f"ceiling, {args.lines} lines: one process alone {one:.2f} s; {args.replicas} independent processes at "
+          f"once, each the whole file, {many:.2f} s: the machine allows {args.replicas * one / many:.2f}x")
 
 
 def compare_jobs(args, requests: Path, tmp: Path, nodes: bool) -> None:
@@ -266,7 +299,7 @@ def compare_servers(args, tmp: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--weights", default=str(ROOT / "checkpoints" / "bloom-tiny"))
-    p.add_argument("--mode", choices=["split", "requests", "nodes", "serve", "all"], default="all")
+    p.add_argument("--mode", choices=["split", "ceiling", "requests", "nodes", "serve", "all"], default="all")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--lines", type=int, default=64, help="request file modes: lines of the file")
     p.add_argument("--budget", type=int, default=1024)
@@ -278,7 +311,7 @@ def main() -> None:
     p.add_argument("--max_batch", type=int, default=8)
     p.add_argument("--max_length", type=int, default=256)
     args = p.parse_args()
-    modes = ["split", "requests", "nodes", "serve"] if args.mode == "all" else [args.mode]
+    modes = ["split", "ceiling", "requests", "nodes", "serve"] if args.mode == "all" else [args.mode]
     print("load:", os.popen("uptime").read().strip())
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -286,6 +319,8 @@ def main() -> None:
         write_requests(requests, args.lines)
         if "split" in modes:
             measure_split(args.weights, requests, args.budget, args.replicas)
+        if "ceiling" in modes:
+            machine_ceiling(args, requests, tmp)
         for mode in ("requests", "nodes"):
             if mode in modes:
                 compare_jobs(args, requests, tmp, nodes=mode == "nodes")

@@ -382,6 +382,47 @@ def test_a_shared_count_adds_what_every_replica_scored():
     del server
 
 
+def test_replicas_take_work_from_one_queue_as_they_come_free():
+    """The work queue: every item runs exactly once, the costliest first; a slow replica takes fewer
+    items than a fast one (a fixed deal would give each the same cost); the follower of a replica
+    of two ranks runs exactly its leader's items, in its order."""
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from bloom_hpu.data_parallel import Replicas
+    from generation.jobs.data_parallel import WorkQueue, deal, launch_store
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the launcher's, here
+    where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    items, costs = list(range(12)), [float(i * 5 % 12) for i in range(12)]  # item 7 costs most, then 2
+    ran: dict[int, list[int]] = {}
+
+    def rank(world_rank: int, seconds_per_item: float) -> None:
+        replicas = Replicas(world_rank // 2, 2, world_rank, None, 2)
+        ran[world_rank] = []
+        for item in WorkQueue(items, costs, replicas, launch_store(where), "job"):
+            ran[world_rank].append(item)
+            time.sleep(seconds_per_item)
+
+    slow = {0: 0.12, 1: 0.12, 2: 0.01, 3: 0.01}  # replica 0 (ranks 0, 1) is slow, replica 1 (2, 3) fast
+    threads = [threading.Thread(target=rank, args=(r, slow[r]), daemon=True) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert ran[1] == ran[0] and ran[3] == ran[2]  # followers run their leader's items
+    assert sorted(ran[0] + ran[2]) == items  # every item once
+    assert {ran[0][0], ran[2][0]} == {7, 2}  # the two costliest first
+    assert len(ran[0]) < len(ran[2]) - 3, ran  # the fast replica took more
+    fixed = deal(costs, 2)
+    assert max(map(len, fixed)) - min(map(len, fixed)) <= 1  # where a deal would split them evenly
+    replicas = Replicas(1, 2, 1, None, 1)
+    assert list(WorkQueue(items, costs, replicas)) == [items[i] for i in fixed[1]]  # no store: the deal
+    del server
+
+
 @pytest.mark.slow
 def test_the_eval_bar_counts_every_replicas_passages(job, tmp_path):
     """On a terminal (a pseudo-terminal here) rank 0's live bar ends at every passage of the job,

@@ -5,9 +5,11 @@ Request files (``run_requests_parallel``):
 
 - every rank reads the same input, and rank 0 alone reads the results file (after folding what a
   killed run left in part files, ``parts.py``) and sends every rank the lines still to answer;
-- every rank plans the same batches as one process would (``plan_batches``) and the batches are
-  dealt to the replicas (``deal``), so each batch is exactly one process's batch: the same rows
-  padded together, the same answers;
+- every rank plans the same batches as one process would (``plan_batches``), so each batch is
+  exactly one process's batch: the same rows padded together, the same answers; the replicas take
+  them from one queue, costliest first, each the next one as soon as it is free (``WorkQueue``):
+  batches of mixed length take times no cost model predicts well, and a queue balances by the
+  times themselves (a fixed deal, ``deal``, is the fallback where the launch has no store);
 - each replica's rank 0 appends its records to its own part file, a batch at a time, flushed and
   fsynced (a kill loses at most the batches in flight); rank 0 shows one bar for the whole job,
   counting the lines in every part;
@@ -16,7 +18,7 @@ Request files (``run_requests_parallel``):
   A job killed at any moment and run again, with any D, answers only what no part and no results
   line holds.
 
-Evaluation (``evaluate_parallel``): the passages' chunks are dealt the same way, every replica
+Evaluation (``evaluate_parallel``): the replicas take the passages' chunks from a queue the same way, each
 scores its chunks, rank 0 gathers the per-passage numbers and sums them in one process's order.
 Its bar counts the passages of every replica: each replica's leader adds what it scored to one
 counter in the launch's key-value store (``SharedCount``).
@@ -25,6 +27,7 @@ counter in the launch's key-value store (``SharedCount``).
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import time
@@ -35,6 +38,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from bloom_hpu.data_parallel import Replicas
+from bloom_hpu.runtime.launch import collective_timeout
 from bloom_hpu.tp import ParallelError
 from ..request.parse import request_key
 from ..request.validate import check_request
@@ -77,6 +81,68 @@ def batch_cost(batch) -> float:
     a step's time grows with."""
     rows = sum(len(r.prompts) * r.rows_per_prompt for r in batch.requests)
     return float(rows * batch.length)
+
+
+def launch_store(environ=None):
+    """A client of the key-value store the launcher's rendezvous serves at MASTER_ADDR:MASTER_PORT
+    (torchrun's and deepspeed's TCPStore), or None where the launch has none or it cannot be reached."""
+    environ = os.environ if environ is None else environ
+    try:
+        store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=30))
+    except (KeyError, ValueError, RuntimeError):
+        return None
+    store.set_timeout(datetime.timedelta(seconds=collective_timeout()))  # a follower waits on its leader's post
+    return store
+
+
+class WorkQueue:
+    """This replica's work items (a request file's batches, an evaluation's chunks), taken one at a
+    time from a queue every replica shares: the items in ``deal``'s order (costliest first) and one
+    counter, ``key``, in the launch's store. A replica's leader takes the next index when it is free
+    (``store.add``) and, where the replica has several ranks, posts it under its replica and turn
+    for its followers (``store.get`` waits for it), so the ranks of a replica run the same items in
+    lockstep. Without a store (``store=None``) the replica runs its share of a fixed ``deal``."""
+
+    def __init__(self, items: list, costs: list[float], replicas: Replicas, store=None, key: str | None = None):
+        self.items, self.costs, self.replicas = items, costs, replicas
+        self.order = sorted(range(len(items)), key=lambda i: (-costs[i], i))
+        self.store, self.key = store, key
+
+    @classmethod
+    def shared(cls, items: list, costs: list[float], replicas: Replicas, environ=None) -> "WorkQueue":
+        """The queue of a launch: every rank must call it (an all-gather over ``coordination``);
+        where any rank cannot reach the launch's store, every replica falls back to the deal."""
+        if replicas.count == 1:
+            return cls(items, costs, replicas)
+        store = launch_store(environ)
+        said = [None] * replicas.count * replicas.ranks_per_replica
+        dist.all_gather_object(said, (store is not None, f"bloom-work-{uuid.uuid4().hex}"),
+                               group=replicas.coordination)
+        if not all(reached for reached, _ in said):
+            return cls(items, costs, replicas)
+        return cls(items, costs, replicas, store, said[0][1])  # rank 0's key: a count no earlier job touched
+
+    def fixed_share(self) -> list:
+        """This replica's items of the fixed ``deal`` (what it runs where there is no store)."""
+        return [self.items[i] for i in deal(self.costs, self.replicas.count)[self.replicas.index]]
+
+    def __iter__(self):
+        replicas = self.replicas
+        if self.store is None:
+            yield from self.fixed_share()
+            return
+        for turn in itertools.count():
+            posted = f"{self.key}/replica{replicas.index}/turn{turn}"
+            if replicas.leads:
+                taken = self.store.add(self.key, 1) - 1
+                if replicas.ranks_per_replica > 1:
+                    self.store.set(posted, str(taken))
+            else:
+                taken = int(self.store.get(posted))
+            if taken >= len(self.order):
+                return
+            yield self.items[self.order[taken]]
 
 
 # --- request files ------------------------------------------------------------------------------
@@ -160,7 +226,7 @@ def _run(generator, requests, bad_lines, pending_lines, requests_path, results_p
             planned.append(r)
             fitting.append(r)
         batches = plan_batches(fitting, lengths, budget)
-        mine = [batches[i] for i in deal([batch_cost(b) for b in batches], replicas.count)[replicas.index]]
+        mine = WorkQueue.shared(batches, [batch_cost(b) for b in batches], replicas)
         speculated = SpeculationStats() if getattr(generator, "speculation", None) is not None else None
         answered, tokens, cached, failures = _answer(generator, mine, results_path, replicas, progress, len(fitting),
                                                      speculated)
@@ -287,13 +353,8 @@ class SharedCount:
     @classmethod
     def connect(cls, key: str, environ=None) -> "SharedCount | None":
         """None when the launch has no such store (no MASTER_ADDR/MASTER_PORT) or it cannot be reached."""
-        environ = os.environ if environ is None else environ
-        try:
-            store = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), is_master=False,
-                                  timeout=datetime.timedelta(seconds=30))
-        except (KeyError, ValueError, RuntimeError):
-            return None
-        return cls(store, key)
+        store = launch_store(environ)
+        return None if store is None else cls(store, key)
 
     def add(self, n: int) -> int:
         return self.store.add(self.key, n)
@@ -310,14 +371,14 @@ def evaluate_parallel(generator, texts: list[str], replicas: Replicas, budget: i
                             f"use at most {len(texts)}")
     rows, targets = ev.encode_passages(generator, texts)
     chunks = ev.plan_chunks(rows, budget)
-    share = deal([len(c) * ev.static_length(max(len(rows[i]) for i in c)) for c in chunks], replicas.count)
+    mine = WorkQueue.shared(chunks, [len(c) * ev.static_length(max(len(rows[i]) for i in c)) for c in chunks],
+                            replicas)
     scored = {}
-    mine = [chunks[i] for i in share[replicas.index]]
     first = replicas.world_rank == 0
     key = [f"bloom-eval-done-{uuid.uuid4().hex}"]  # rank 0's, on every rank: a count no earlier job touched
     dist.broadcast_object_list(key, src=0, group=replicas.coordination)
     done = SharedCount.connect(key[0]) if replicas.leads else None
-    total = len(rows) if done is not None or not first else sum(map(len, mine))  # without a store: its own
+    total = len(rows) if done is not None or not first else sum(map(len, mine.fixed_share()))  # no store: its own
     with Progress(total, "eval", "passages", enabled=progress and first) as bar:
         for chunk in mine:
             scored.update(ev.score_chunk(generator, rows, targets, chunk))
