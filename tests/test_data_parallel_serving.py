@@ -87,6 +87,20 @@ def test_metrics_get_a_replica_label_and_a_total():
     assert 'bloom_queue_length{replica="total"} 2.0' in out
 
 
+def test_a_replica_listens_on_loopback_on_the_front_doors_node_else_toward_the_master():
+    from generation.serving.dp_serving import node_of, replica_address, url
+    from generation.serving.listen import ListenError
+
+    assert replica_address(True, {}) == "127.0.0.1"
+    assert replica_address(False, {"MASTER_ADDR": "127.0.0.1"}) == "127.0.0.1"  # a master on this machine
+    for environ in ({}, {"MASTER_ADDR": "no-such-host.invalid"}):
+        with pytest.raises(ListenError, match="MASTER_ADDR"):
+            replica_address(False, environ)
+    assert node_of({"GROUP_RANK": "1"}) != node_of({"GROUP_RANK": "0"})  # two launchers on one machine: two nodes
+    assert node_of({"CROSS_RANK": "0"}) == node_of({"GROUP_RANK": "0"})  # deepspeed's name for it
+    assert url("fd00::2", 80) == "http://[fd00::2]:80" and url("10.0.0.2", 80) == "http://10.0.0.2:80"
+
+
 # -- real launches ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -95,7 +109,7 @@ def checkpoint(make_ckpt):
 
 
 def command(checkpoint, port: int, *extra, ranks: int = 1, node: tuple[int, int] | None = None,
-            deepspeed: bool = False) -> list[str]:
+            deepspeed: bool = False, master: str = "127.0.0.1") -> list[str]:
     import sys
 
     prefix = [sys.executable]
@@ -103,7 +117,7 @@ def command(checkpoint, port: int, *extra, ranks: int = 1, node: tuple[int, int]
         prefix += ["-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(free_port())]
     elif node is not None:  # (this node's rank, master port): one launcher per "node" on loopback
         prefix += ["-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node[0]), "--nproc_per_node",
-                   "1", "--master_addr", "127.0.0.1", "--master_port", str(node[1])]
+                   "1", "--master_addr", master, "--master_port", str(node[1])]
     elif ranks > 1:
         prefix += ["-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port())]
     return [*prefix, str(ROOT / "bloom.py"), "--weights", str(checkpoint), *SERVE, "--port", str(port), *extra]
@@ -307,6 +321,43 @@ def test_a_killed_replica_is_reported_and_the_other_keeps_serving(checkpoint, tm
             if node.poll() is None:
                 stop(node)
     assert "replica 1 is down" in (tmp_path / "node0.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_replica_on_another_node_listens_toward_the_master(checkpoint, tmp_path):
+    """Two launchers as two nodes whose master is this machine's network address (not loopback):
+    the second node's replica listens on its address toward the master, the first on loopback, and
+    the front door answers through both what one process answers."""
+    from generation.serving.dp_serving import facing_address
+
+    address = facing_address("203.0.113.1")  # the interface of the default route (TEST-NET: nothing is sent)
+    if address is None or address.startswith("127.") or ":" in address:
+        pytest.skip("this machine has no IPv4 network address besides loopback")
+    single_port = free_port()
+    single = launch(command(checkpoint, single_port), single_port, tmp_path / "single.log")
+    try:
+        c = client(single_port)
+        want = [c.completions.create(model=checkpoint.name, prompt=p, max_tokens=6, temperature=0).choices[0].text
+                for p in PROMPTS]
+    finally:
+        stop(single)
+    port, master = free_port(), free_port()
+    nodes = [launch(command(checkpoint, port, "--data_parallel", "2", node=(r, master), master=address), port,
+                    tmp_path / f"node{r}.log", wait=False) for r in (0, 1)]
+    try:
+        wait_until_healthy(nodes[0], port, 300, log=lambda: (tmp_path / "node0.log").read_text()[-4000:])
+        urls = [r["url"] for r in json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health").read())["replicas"]]
+        assert urls[0].startswith("http://127.0.0.1:") and urls[1].startswith(f"http://{address}:"), urls
+        c = client(port)
+        got = [c.completions.create(model=checkpoint.name, prompt=p, max_tokens=6, temperature=0).choices[0].text
+               for p in PROMPTS]
+        assert got == want
+        routed = metrics(port)
+        assert all(at(routed, "bloom_routed_requests_total", replica=str(r), reason="least_loaded") >= 1 for r in (0, 1))
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                stop(node)
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """The front door of a data-parallel server: one port in front of D replicas (``--serve --data_parallel D``).
 
 Each replica is a whole server of its own (``app.py``: engine, routes, metrics) listening on a
-loopback port; this app answers the user's port and passes each request on to one replica over
+port of its own (loopback on this node, ``dp_serving.py``); this app answers the user's port and passes each request on to one replica over
 HTTP, the body and the answer untouched (a stream's server-sent events are passed through as they
 come), so a replica answers exactly what one process answers.
 
@@ -207,7 +207,7 @@ class Upstreams:
             await self.client.aclose()
 
     def health_answer(self) -> dict | JSONResponse:
-        replicas = [{"replica": r, "status": h} for r, h in enumerate(self.health)]
+        replicas = [{"replica": r, "status": h, "url": u} for r, (h, u) in enumerate(zip(self.health, self.urls))]
         if all(h == "ready" for h in self.health):
             return {"status": "ok", "replicas": replicas}
         down = [r for r, h in enumerate(self.health) if h == "down"]
