@@ -355,9 +355,9 @@ def test_a_replica_on_another_node_listens_toward_the_master(checkpoint, tmp_pat
         routed = metrics(port)
         assert all(at(routed, "bloom_routed_requests_total", replica=str(r), reason="least_loaded") >= 1 for r in (0, 1))
     finally:
-        for node in nodes:
-            if node.poll() is None:
-                stop(node)
+        for node in nodes:  # the ranks too: torchrun starts each in a session of its own
+            kill_tree(node.pid)
+            node.wait(30)
 
 
 @pytest.mark.slow
