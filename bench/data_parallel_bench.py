@@ -22,7 +22,8 @@ Modes (``--mode``, default all of them, in one run):
 4. ``nodes``: the same job as D "nodes" on loopback, one ``torchrun --nnodes D --node_rank k``
    launcher per node, one rank each, against one process.
 5. ``serve``: ``--clients`` clients (16) each send ``--per_client`` greedy completions of
-   ``--max_tokens`` tokens, every prompt a shared system prompt and a question of its own, to one
+   ``--max_tokens`` tokens, every prompt a shared system prompt (or one of ``--system_prompts``)
+   and a question of its own, to one
    server, then to D replicas behind the front door (``--serve --data_parallel D``; ``--tp T``
    ranks each, against one replica of T ranks): tokens/s of each and their ratio, the prefix
    cache's hit rate (hits / lookups) of the one replica and of each of the D, where the front door
@@ -194,6 +195,18 @@ TOPICS = ["my parcel", "the invoice", "a refund", "the driver", "my address", "a
           "a late delivery"]
 
 
+COMPANIES = ["a small shipping company", "a city library", "a bicycle repair shop", "a regional bank",
+             "a bakery chain", "a hotel", "a software vendor", "a train operator"]
+
+
+def system_prompt(client: int, prompts: int) -> str:
+    """Client c's system prompt: with ``prompts`` > 1, one of that many (clients c, c + prompts, ...
+    share one), each the support desk of another business."""
+    if prompts == 1:
+        return SYSTEM
+    return SYSTEM.replace("a small shipping company", COMPANIES[client % prompts % len(COMPANIES)])
+
+
 def question(client: int, k: int) -> str:
     return f"Customer {client}, message {k}: what should I do about {TOPICS[(client + k) % len(TOPICS)]}?"
 
@@ -245,7 +258,7 @@ def load(port: int, args) -> tuple[float, int, list[str]]:
     def one_client(c: int) -> list[tuple[str, int]]:
         out = []
         for k in range(args.per_client):
-            answer = client.completions.create(model=model, prompt=SYSTEM + question(c, k), max_tokens=args.max_tokens,
+            answer = client.completions.create(model=model, prompt=system_prompt(c, args.system_prompts) + question(c, k), max_tokens=args.max_tokens,
                                                temperature=0, extra_body={"ignore_eos": True})
             out.append((answer.choices[0].text, answer.usage.completion_tokens))
         return out
@@ -286,7 +299,7 @@ def compare_servers(args, tmp: Path) -> None:
     (one, one_answers, one_m), (many, many_answers, many_m) = runs[1], runs[args.replicas]
     shown = range(args.replicas)
     print(f"serve, {args.clients} clients x {args.per_client} requests of {args.max_tokens} tokens after a shared "
-          f"system prompt, replicas of {args.tp} rank(s): one replica {one:.1f} tokens/s, D={args.replicas} "
+          f"system prompt{' (one of ' + str(args.system_prompts) + ')' if args.system_prompts > 1 else ''}, replicas of {args.tp} rank(s): one replica {one:.1f} tokens/s, D={args.replicas} "
           f"{many:.1f} tokens/s: {many / one:.2f}x; answers the same: {one_answers == many_answers}")
     print(f"  prefix hits/lookups: one replica {hit_rate(one_m, None)}; D={args.replicas}: "
           + ", ".join(f"replica {r} {hit_rate(many_m, str(r))}" for r in shown)
@@ -308,6 +321,8 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--per_client", type=int, default=4)
     p.add_argument("--max_tokens", type=int, default=48)
+    p.add_argument("--system_prompts", type=int, default=1,
+                   help="serve: system prompts among the clients (client c has prompt c mod N), at most 8")
     p.add_argument("--max_batch", type=int, default=8)
     p.add_argument("--max_length", type=int, default=256)
     args = p.parse_args()
