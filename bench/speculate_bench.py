@@ -28,6 +28,11 @@ Two figures:
 
   Every variant's tokens are compared with ours' plain ones (``same``).
 
+With ``--agreeing_target`` every variant runs on a copy of the target whose blocks past
+``--draft_layers`` add nothing to the residual stream (their output projections zero): the same
+cost a token, and the first-blocks draft agrees with it by construction, so ``ours+draftNL`` shows
+what a draft that agrees costs and gives on this shape.
+
 Random weights do not copy their context, so prompt lookup is measured where a model does: the
 embedded default checkpoint (``--config tiny``), whose greedy text repeats itself; on a real
 shape (``--config bloom-560m``) the verify cost, the failing and the oracle guesses say what a pass
@@ -36,6 +41,7 @@ costs and what acceptance 1 would give.
     python bench/speculate_bench.py --config tiny --new_tokens 96
     python bench/speculate_bench.py --config bloom-560m --dtype bf16 --prompt_len 64 --new_tokens 32
     python bench/speculate_bench.py --config bloom-560m --draft_layers 4 --new_tokens 64
+    python bench/speculate_bench.py --config bloom-560m --dtype bf16 --agreeing_target --no_transformers
 """
 
 from __future__ import annotations
@@ -101,6 +107,33 @@ def verify_cost(generator: Generator, prompt_ids: list[int], k: int, steps: int)
     return statistics.median(decode_ms), statistics.median(verify_ms)
 
 
+def agreeing_target(src: Path, out: Path, layers: int) -> Path:
+    """A copy of ``src`` whose blocks from ``layers`` on add nothing to the residual stream (their
+    attention's and MLP's output projections zero): it computes exactly what its first ``layers``
+    blocks compute, at the whole model's cost (every block still runs and reads its weights), so a
+    draft of those first blocks agrees with it by construction."""
+    import json
+
+    from bloom_hpu.checkpoint import CheckpointReader, expected_names, read_json_object
+    from bloom_hpu.config import BloomConfig
+    from utils.random_checkpoint import copy_tokenizer, write_weights
+
+    raw = read_json_object(src / "config.json")
+    config = BloomConfig.from_json(raw)
+    silent = tuple(f"h.{i}.{part}" for i in range(layers, config.n_layer)
+                   for part in ("self_attention.dense.", "mlp.dense_4h_to_h."))
+    with CheckpointReader(src, config) as reader:
+        tensors = {name: reader.get(name) for name in expected_names(config)}
+    for name, tensor in tensors.items():
+        if any(part in name for part in silent):
+            tensors[name] = torch.zeros_like(tensor)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    copy_tokenizer(src, out)
+    write_weights(out, tensors, "safetensors")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny", help="tiny, bloom-560m, bloom-1b1 or a checkpoint folder")
@@ -113,6 +146,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=20, help="alternated calls of the verify-cost figure")
     p.add_argument("--draft_layers", type=int, default=4, help="blocks of the target's that make the draft model "
                    "(fewer where the target has no more; 0: no draft rows)")
+    p.add_argument("--agreeing_target", action="store_true",
+                   help="run every variant on a copy of the target whose blocks past --draft_layers add nothing "
+                   "(agreeing_target): the first-blocks draft then agrees with it, at the target's full cost")
     p.add_argument("--no_transformers", action="store_true")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 keeps a loaded machine's "
                    "figures steadier")
@@ -122,6 +158,9 @@ def main() -> int:
 
     dtype = parse_dtype(args.dtype)
     folder = checkpoint_folder(args.config, dtype)
+    if args.agreeing_target:
+        made = Path(tempfile.mkdtemp(prefix="speculate_bench_target_")) / "agreeing"
+        folder = agreeing_target(Path(folder), made, args.draft_layers)
     generator = Generator.from_pretrained(folder, dtype=args.dtype)
     if args.config == "tiny":
         prompt = TINY_PROMPT
