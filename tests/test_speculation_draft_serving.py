@@ -203,6 +203,19 @@ def test_rows_join_leave_and_reuse_slots_with_every_guess_accepted(self_drafted,
     assert stats["guesses_offered"] > 50 and stats["guesses_accepted"] == stats["guesses_offered"], stats
 
 
+def test_a_row_moved_to_a_lower_slot_takes_its_draft_row_along(self_drafted, verify_every_batch):
+    """Two rows prefilled together, the first ending early: the second, still guessing, moves to
+    slot 0 (and the batch bucket shrinks) with its draft row, every guess still accepted."""
+    from generation.serving.params import SamplingParams
+
+    script = [(0, PROMPTS[2], SamplingParams(max_tokens=4)), (0, PROMPTS[1], SamplingParams(max_tokens=50))]
+    config = dict(max_batch=2, max_length=96, bucket_width=16, prefill_chunk=16)
+    got, stats = engine_answers(self_drafted, "draft:4", script, config)
+    assert got == engine_answers(self_drafted, None, script, config)[0]
+    assert stats["prefills"] == 1 and stats["row_moves"] == 1 and stats["bucket_changes"] == 1, stats
+    assert stats["guesses_accepted"] == stats["guesses_offered"] > 20, stats
+
+
 def test_a_large_batch_steps_aside_and_the_draft_catches_up_after(self_drafted, monkeypatch):
     """On the CPU four greedy rows at k = 4 decode without guesses (the draft sits those steps
     out); as rows finish the batch bucket shrinks, the rest verify again, and the draft catches
