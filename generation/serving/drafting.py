@@ -131,7 +131,7 @@ def draft_guesses(device_rows, rows: list, wants: list[int], k: int) -> tuple[li
     if not plan.segments and not plan.most:
         return guesses, counts
     proposed = device_rows.draft_step(b, plan.tokens, plan.positions, plan.segments, plan.first, plan.guessing,
-                                      plan.used, plan.idle, plan.most)  # [b][most], host
+                                      plan.used, plan.idle, plan.most)  # [b][k], host
     for i, row in enumerate(rows):
         if plan.guessing[i]:
             row.draft.fed = plan.used[i]
