@@ -108,6 +108,16 @@ def test_greedy_completions_equal_plain_serving_and_transformers(drafting, plain
     assert 0 < seen["guesses_accepted"] < seen["guesses_offered"]  # guesses kept and guesses rejected
 
 
+def test_beams_beside_a_draft_run_without_speculation(drafting, plain):
+    """A request the batch runner's path answers (beam search) on a server whose generator was
+    loaded with its draft: answered, as the plain server answers it."""
+    def beams(running):
+        return running.client().completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, best_of=2,
+                                                   extra_body={"use_beam_search": True}).choices[0].text
+
+    assert beams(drafting) == beams(plain)
+
+
 # Prompts of 3 to 40 tokens, budgets, a stop string, penalties, greedy n = 2, rows that do not
 # guess (a grammar) and log-probs; the later ones sent while the first run.
 LONG = " ".join([PROMPTS[1], PROMPTS[0], PROMPTS[3]])

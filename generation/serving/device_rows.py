@@ -386,11 +386,17 @@ class DeviceRows:
     def answer_offline(self, request, lengths: list[int], length: int, budget: int,
                        adapter: int = 0) -> tuple[list[dict], int]:
         """Beams, best_of, echo with log-probs...: one request through ``Generator.generate``
-        (answers.answer_batch), in the generator's own shapes, every row with LoRA ``adapter``."""
+        (answers.answer_batch), in the generator's own shapes, every row with LoRA ``adapter``,
+        without speculation (a generator loaded with its draft model has it as its default; the
+        engine's own passes speculate, these do not: beams could not)."""
         from ..run.request_batch import RequestBatch, answer_batch
 
-        with self._adapter_only(adapter):
-            return answer_batch(self.generator, RequestBatch([request], [lengths], length, budget=budget))
+        speculation, self.generator.speculation = self.generator.speculation, None
+        try:
+            with self._adapter_only(adapter):
+                return answer_batch(self.generator, RequestBatch([request], [lengths], length, budget=budget))
+        finally:
+            self.generator.speculation = speculation
 
     @contextlib.contextmanager
     def _adapter_only(self, adapter: int):
