@@ -260,9 +260,6 @@ def check_flags(args) -> None:
     if args.speculate:
 
         speculation = parse_speculation(args.speculate)  # a bad value is named before anything is loaded
-        if args.serve and speculation is not None and speculation.kind != "ngram":
-            raise UsageError(f"--serve speculates by prompt lookup only for now: use --speculate ngram[:K], "
-                             f"not {args.speculate}")
         if speculation is not None and speculation.kind == "draft" and not args.draft_model:
             raise UsageError("--speculate draft needs --draft_model DIR (a smaller BLOOM with the same tokenizer)")
         where = "--eval" if args.eval else "--mode vanilla" if args.mode == "vanilla" else None
@@ -341,9 +338,11 @@ def make_generator(args, opts):
         peft_weights=args.peft_weights, lora=lora_adapters(args) or None, limit_hpu_graphs=args.limit_hpu_graphs,
         quantize=args.quantize, group_size=args.group_size, int8_activations=args.int8_activations,
         prefix_cache=PREFIX_CACHE_DEFAULT if args.prefix_cache is None else args.prefix_cache,
-        speculate=None if args.serve else args.speculate,  # the server's engine speculates itself (EngineConfig)
+        speculate=args.speculate,  # with --serve: only to load the draft model (the engine speculates itself)
         draft_model=args.draft_model,
     )
+    if args.serve:  # the engine speculates itself (EngineConfig); its offline answers (beams...) do not
+        generator.speculation = None
     if generator.adapter is not None:
         log(f"{generator.adapter.describe()}, merged")
     return generator
@@ -511,7 +510,8 @@ def run_server(args, opts) -> int:
                           max_queue=args.max_queue, max_prefill=args.max_prefill, prefill_chunk=args.prefill_chunk,
                           burst_wait_ms=args.burst_wait_ms, speculation=parse_speculation(args.speculate))
     rows = DeviceRows(generator, config.max_batch, config.max_length, config.bucket_width, config.max_prefill,
-                      config.prefill_chunk, config.speculation.shape_k if config.speculation else 0)
+                      config.prefill_chunk, config.speculation.shape_k if config.speculation else 0,
+                      drafting=config.speculation is not None and config.speculation.kind == "draft")
     if PARALLEL.world_size > 1:
         # Rank 0 answers HTTP and sends each step to the other ranks, which make it too (tp_serving.py);
         # with replicas, each replica's rank 0 to its own ranks, over the replica's group.

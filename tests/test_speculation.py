@@ -367,7 +367,6 @@ def test_beams_are_refused(generator):
 @pytest.mark.parametrize("argv,message", [
     (["--speculate", "ngram:12", "x"], "K must be a whole number from 1 to 8"),
     (["--speculate", "nope", "x"], "unknown speculation"),
-    (["--speculate", "draft", "--draft_model", "d", "--serve"], "--serve speculates by prompt lookup only"),
 ])
 def test_cli_refuses_in_one_line(capsys, argv, message):
     import bloom

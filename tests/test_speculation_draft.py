@@ -340,7 +340,7 @@ def test_beams_and_a_generator_without_a_draft_are_refused(drafted, seed7_checkp
     (["--draft_model", "d", "x"], "--draft_model goes with --speculate draft"),
     (["--speculate", "ngram", "--draft_model", "d", "x"], "--draft_model goes with --speculate draft"),
     (["--speculate", "draft:9", "--draft_model", "d", "x"], "K must be a whole number from 1 to 8"),
-    (["--speculate", "draft", "--draft_model", "d", "--serve"], "--serve speculates by prompt lookup only"),
+    (["--speculate", "draft", "--serve"], "--speculate draft needs --draft_model DIR"),
 ])
 def test_cli_refuses_in_one_line(capsys, argv, message):
     import bloom

@@ -71,6 +71,8 @@ def serve(generator, config, host: str = "127.0.0.1", port: int = 8000, api_key:
         engine.ready.wait()
         r = engine.warmup_report or {}
         verify = f" (and {r['verify']} verify)" if r.get("verify") else ""  # --speculate
+        if r.get("draft"):  # --speculate draft: the draft model's decode and mixed shapes
+            verify = f" (and {r['verify']} verify, {r['draft']} draft)"
         log(f"warm-up: {r.get('prefill', 0)} prefill, {r.get('decode', 0)} decode and {r.get('mixed', 0)} mixed "
             f"shapes{verify} in "
             f"{time.perf_counter() - start:.2f} s; serving {', '.join(map(repr, [name, *lora]))} "

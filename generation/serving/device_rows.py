@@ -25,6 +25,8 @@ own shard, with the collectives inside the steps pairing up.
   prompt segments in it (``verify_mixed``, as ``mixed`` carries them), one per (batch bucket,
   window, segment count). A rejected guess's keys and values stay in a slot the row writes again
   before anything attends it.
+* ``draft`` (``--speculate draft``): the draft model's caches in the same slot layout, moved with
+  the rows, and its steps (``drafting.DraftRows``, run through ``draft_step``).
 * **The prefix cache** (the runner's pool, when it has one: ``StepRunner.prefix``): a
   prefill copies what the pool holds of its prompts (``runtime/prefixed.py``); a joining prompt's
   held blocks are copied into its row before its first segment (``copy_prefix``), and a row's
@@ -45,6 +47,7 @@ from bloom_hpu.runtime.prefixed import cacheable, rest_buckets
 from bloom_hpu.runtime.transfer import host_to_device
 
 from ..run.batch import round_up
+from .drafting import DraftRows
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -82,7 +85,7 @@ def length_buckets(max_length: int, width: int) -> list[int]:
 
 class DeviceRows:
     def __init__(self, generator, max_batch: int, max_length: int, bucket_width: int, max_prefill: int,
-                 prefill_chunk: int = 32, verify_k: int = 0):
+                 prefill_chunk: int = 32, verify_k: int = 0, drafting: bool = False):
         self.generator = generator
         self.runner = generator.runner
         self.device = generator.device
@@ -94,6 +97,10 @@ class DeviceRows:
         self.lengths = length_buckets(max_length, bucket_width)
         self.segment_length, self.segment_counts = chunk_shape(min(prefill_chunk, max_length))
         self.verify_k = verify_k  # guesses a verify pass carries per row (0: the server does not speculate)
+        if drafting and (generator.draft is None or not verify_k):
+            raise ValueError("a draft model's guesses need the generator loaded with its draft "
+                             "(Generator.from_pretrained(..., speculate='draft', draft_model=DIR)) and verify_k")
+        self.drafts = drafting
         model = self.runner.model
         if self.lora is not None and max_batch + self.chunk_tokens > self.lora.rows.capacity:
             raise ValueError(f"--max_batch plus --prefill_chunk exceeds the {self.lora.rows.capacity} rows "
@@ -105,6 +112,10 @@ class DeviceRows:
         per_layer = self.runner.backend.per_layer_cache
         self.caches = {b: model.allocate_cache(b, max_length, per_layer) for b in self.batch_sizes}
         self.prefill_caches = {k: model.allocate_cache(k, max_length, per_layer) for k in self.prefill_sizes}
+        self.draft: DraftRows | None = None  # the draft model's caches and steps (--speculate draft)
+        if drafting:
+            self.draft = DraftRows(generator.draft, self.batch_sizes, max_length, self.lengths, self.segment_length,
+                                   self.segment_counts, self.pad, verify_k)
         self.last_cached: list[int] = []  # prompt tokens of each prompt of the last prefill the pool served
 
     @property
@@ -131,7 +142,12 @@ class DeviceRows:
                                    for g in self.segment_counts) * len(self.lengths)
             if backend.per_layer_cache:
                 outputs += sum(self.prefill_sizes) * len(self.lengths)
+            if self.drafts:  # the draft's decode and mixed steps, as the target's
+                outputs += sum(self.batch_sizes) * len(self.lengths)
+                outputs += sum(b + s for b in self.batch_sizes for s in self.segment_counts) * len(self.lengths)
             graphs = outputs * model.config.vocab_size * 4
+        if self.drafts:  # its caches, one per batch bucket
+            graphs += self.generator.draft.call_bytes(sum(self.batch_sizes), self.max_length, self.max_length)
         check_memory(model.config, self.generator.dtype, self.device, rows, self.max_length, self.max_length,
                      model.parallel, what="--max_batch, --max_prefill, --max_length or --bucket_width", extra=graphs)
 
@@ -171,12 +187,14 @@ class DeviceRows:
                     segment = (0, 0, [self.pad] * self.segment_length, 0)
                     for count in reversed(self.segment_counts if self.lora is None else []):
                         self.verify_mixed(b, rows, [0] * b, window, [segment] * count)
+        drafted = self.draft.warm_up() if self.draft is not None else 0
         if self.pool is not None:
             self._warm_up_extends()
         if self.runner.backend.compiles_eager_ops:
             self._warm_up_row_copies()
         self.generator.backend.synchronize()
-        return {"prefill": len(self.prefill_sizes) * len(self.lengths),
+        return {"draft": drafted,
+                "prefill": len(self.prefill_sizes) * len(self.lengths),
                 "decode": len(self.batch_sizes) * len(self.lengths),
                 "mixed": len(self.batch_sizes) * len(self.lengths) * len(self.segment_counts),
                 "verify": (len(self.batch_sizes) * len(self.lengths) * (1 + len(self.segment_counts))
@@ -308,6 +326,15 @@ class DeviceRows:
         logits = self.runner.mixed(tokens[:, None], positions, ids, rows, starts, lengths, self.caches[bucket], window)
         return logits[: bucket + len(segments)]
 
+    @torch.no_grad()
+    def draft_step(self, bucket: int, tokens: list[int], positions: list[int], segments: list, first: list[int],
+                   guessing: list[bool], used: list[int], idle: list[int], most: int) -> list[list[int]]:
+        """The draft's work of one step in its cache of ``bucket`` rows (``drafting.DraftPlan``'s
+        fields): each row's ``most`` greedy guesses, on the host."""
+        guesses = self.draft.step(bucket, tokens, positions, segments, first, guessing, used, idle, most)
+        self.generator.backend.mark_step()
+        return guesses
+
     def _warm_up_row_copies(self) -> None:
         """Every shape of row copy (prefill bucket into batch bucket, within and between batch
         buckets), for a runtime that compiles eager ops (copies of whole rows: see
@@ -339,6 +366,8 @@ class DeviceRows:
         """Row ``dst`` of ``caches[bucket]`` takes the first ``extent`` slots of row ``src``."""
         cache = self.caches[bucket]
         cache.copy_rows(cache, [src], [dst], extent)
+        if self.draft is not None:  # the draft's row moves with it
+            self.draft.move(bucket, src, dst, extent)
         self.generator.backend.mark_step()
         if self.lora is not None:
             self.lora.rows.move(src, dst)
@@ -348,6 +377,8 @@ class DeviceRows:
         """The running rows move from ``caches[old]`` to ``caches[new]`` (their first ``extent`` slots)."""
         rows = list(range(min(old, new)))
         self.caches[new].copy_rows(self.caches[old], rows, rows, extent)
+        if self.draft is not None:
+            self.draft.resize(old, new, extent)
         self.generator.backend.mark_step()
 
     # --- the batch runner's path ----------------------------------------------------------------
@@ -355,11 +386,17 @@ class DeviceRows:
     def answer_offline(self, request, lengths: list[int], length: int, budget: int,
                        adapter: int = 0) -> tuple[list[dict], int]:
         """Beams, best_of, echo with log-probs...: one request through ``Generator.generate``
-        (answers.answer_batch), in the generator's own shapes, every row with LoRA ``adapter``."""
+        (answers.answer_batch), in the generator's own shapes, every row with LoRA ``adapter``,
+        without speculation (a generator loaded with its draft model has it as its default; the
+        engine's own passes speculate, these do not: beams could not)."""
         from ..run.request_batch import RequestBatch, answer_batch
 
-        with self._adapter_only(adapter):
-            return answer_batch(self.generator, RequestBatch([request], [lengths], length, budget=budget))
+        speculation, self.generator.speculation = self.generator.speculation, None
+        try:
+            with self._adapter_only(adapter):
+                return answer_batch(self.generator, RequestBatch([request], [lengths], length, budget=budget))
+        finally:
+            self.generator.speculation = speculation
 
     @contextlib.contextmanager
     def _adapter_only(self, adapter: int):

@@ -18,8 +18,8 @@ each request's sink (``handles.RequestHandle``). Each step (``step``):
    segments of joining prompts in it (``DeviceRows.mixed``), over a window that is the length bucket
    of the furthest slot; its logits wait for the next step's choice. With ``--speculate``
    (``EngineConfig.speculation``) it is a verify pass of each row's last token and its own guesses
-   whenever some row has guesses, and the choice then keeps several tokens a row
-   (``speculating.py``).
+   whenever some row has guesses (its own earlier text, or a draft model's: ``drafting.py``), and
+   the choice then keeps several tokens a row (``speculating.py``).
 
 * **Caches and steps** live in ``device_rows.py``: one KV cache per batch bucket, allocated once,
   and the steps, called with host values only (so a tensor-parallel server can send each call to
@@ -96,13 +96,15 @@ class Engine:
         self.device = generator.device
         self.pad = self.tokenizer.pad_token_id
         self.lora = getattr(generator, "lora", None)  # ServedAdapters, or None
-        if config.speculation is not None and config.speculation.kind != "ngram":
-            raise ValueError(f"the server speculates by prompt lookup only (ngram[:K]), not {config.speculation}")
         self.speculation = config.speculation
         verify_k = config.speculation.shape_k if config.speculation else 0
+        drafting = config.speculation is not None and config.speculation.kind == "draft"
+        if drafting and getattr(generator, "draft", None) is None:
+            raise ValueError(f"speculation {config.speculation} needs the generator loaded with its draft model: "
+                             "Generator.from_pretrained(..., speculate='draft', draft_model=DIR)")
         self.device_rows = device_rows or DeviceRows(generator, config.max_batch, config.max_length,
                                                      config.bucket_width, config.max_prefill, config.prefill_chunk,
-                                                     verify_k)
+                                                     verify_k, drafting)
         vocab = generator.runner.model.config.vocab_size
         if self.speculation is None:
             self.logits = torch.zeros(config.max_batch, vocab, dtype=torch.float32, device=self.device)  # [R, V]
@@ -412,7 +414,7 @@ class Engine:
         if not worth_verifying(bucket, s, self.device):  # a batch this large decodes: it steps aside
             self.stats["decodes_stepped_aside"] += 1
             return None
-        guesses, counts = propose(rows, self.speculation, self.config.max_length)
+        guesses, counts = propose(rows, self.speculation, self.config.max_length, self.device_rows)
         if not any(counts):
             adapt(rows, counts, counts)
             return None

@@ -90,6 +90,7 @@ class Row:
     copy_of: "Row | None" = None
     grammar: object = None  # structured.RowGrammar: its matcher, when its request has a grammar
     guess_budget: object = None  # speculating.Budget: the guesses it may offer a pass (--speculate)
+    draft: object = None  # drafting.RowDraft: what the draft model's cache holds of it (--speculate draft)
 
     @property
     def running(self) -> bool:

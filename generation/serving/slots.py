@@ -50,9 +50,14 @@ class Slots:
 
     def extent(self) -> int:
         """Slots written so far by any running row (what a move must copy), rounded up to its
-        length bucket so that the copies keep a few shapes."""
+        length bucket so that the copies keep a few shapes. With speculation, a verify pass whose
+        tokens are not chosen yet (a move between it and the choice: a request joining) wrote up
+        to ``verify_k`` slots past a row's last token, and the guesses the choice then accepts
+        must come along: those slots count too."""
         written = max((r.written for r in self.rows if r is not None), default=0)
-        return self.device_rows.length_bucket(written) if written else 0
+        if not written:
+            return 0
+        return self.device_rows.length_bucket(min(written + self.device_rows.verify_k, self.device_rows.max_length))
 
     def compact(self) -> None:
         """Keep running rows in the lowest slots, so the batch bucket can shrink as rows leave."""

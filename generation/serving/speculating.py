@@ -1,13 +1,15 @@
 """Speculative decoding in the server: each running row offers guesses of its next tokens, and one
-pass over the weights verifies every row's at once (``--serve --speculate ngram[:K]``).
+pass over the weights verifies every row's at once (``--serve --speculate ngram[:K]|draft[:K]``).
 
 The rule is the offline loop's (``search/speculation.py``), row by row:
 
 * **Guesses** (``propose``): prompt lookup over the row's prompt and output (``guesses.ngram_guesses``),
   on the host, where the engine already holds every row's tokens, so the step reads nothing back
-  from the device for them. At most the row's adaptive k (``speculation.AdaptiveK``, one per row,
-  down to 0) and never past its budget or the cache. Rows with a grammar offer none (their one
-  token a pass is chosen as without speculation).
+  from the device for them; or a draft model's greedy continuation (``drafting.py``: its own
+  cache in the engine's slots, its guesses read back once a step). At most the row's adaptive k
+  (``speculation.AdaptiveK``, one per row, down to 0) and never past its budget or the cache
+  (``offered``). Rows with a grammar offer none (their one token a pass is chosen as without
+  speculation).
 * **Verify**: the engine's decode step becomes a verify pass of [b, K + 1] (each row's last token
   and its guesses, padded to ``guesses.K_SHAPES``'s K): logits at every position, [b, K + 1, V].
   A step that carries prompt segments stays a plain mixed step (its rows offer no guesses then).
@@ -28,6 +30,7 @@ import torch
 from ..search.choose import RowFlags, row_scores
 from ..search.guesses import Speculation, ngram_guesses
 from ..search.speculation import AdaptiveK, choose_and_accept
+from .drafting import draft_guesses
 
 
 def offers_guesses(params) -> bool:
@@ -39,16 +42,18 @@ def offers_guesses(params) -> bool:
     return params.grammar is None and not params.sampling
 
 
-def propose(rows: list, speculation: Speculation, max_length: int) -> tuple[list[list[int]], list[int]]:
+def propose(rows: list, speculation: Speculation, max_length: int,
+            device_rows=None) -> tuple[list[list[int]], list[int]]:
     """Each slot's guesses (``shape_k`` ids, padded with 0) and how many are real, for ``rows``
-    (the bucket's Row objects or None); a row that is not running, or offers none, gets 0."""
+    (the bucket's Row objects or None); a row that is not running, or offers none, gets 0. The
+    guesses come from prompt lookup, or with ``speculation.kind`` "draft" from the draft model
+    that ``device_rows`` runs (``drafting.py``)."""
     k = speculation.shape_k
+    wants = offered(rows, speculation, max_length)
+    if speculation.kind == "draft":
+        return draft_guesses(device_rows, rows, wants, k)
     guesses, counts = [[0] * k for _ in rows], [0] * len(rows)
-    live = [i for i, r in enumerate(rows) if r is not None and r.running and offers_guesses(r.handle.params)]
-    for i in live:
-        if rows[i].guess_budget is None:  # a row's own budget (it moves with the row between slots)
-            rows[i].guess_budget = Budget(speculation.k)
-    live = [i for i in live if rows[i].guess_budget.k > 0]
+    live = [i for i, want in enumerate(wants) if want]
     if not live:
         return guesses, counts
     histories = [rows[i].handle.prompt_ids + rows[i].ids for i in live]
@@ -59,13 +64,25 @@ def propose(rows: list, speculation: Speculation, max_length: int) -> tuple[list
     used = torch.tensor([len(h) for h in histories])
     found, found_counts = ngram_guesses(sequence, used, k)
     for n, i in enumerate(live):
-        row = rows[i]
-        last_slot = row.prompt_len + len(row.ids) - 1  # the slot its last token goes to
-        room = min(row.limit - len(row.ids) - 1, max_length - 1 - last_slot)  # the token after is always kept
-        count = max(0, min(int(found_counts[n]), row.guess_budget.k, room))
+        count = min(int(found_counts[n]), wants[i])
         guesses[i][:count] = found[n, :count].tolist()
         counts[i] = count
     return guesses, counts
+
+
+def offered(rows: list, speculation: Speculation, max_length: int) -> list[int]:
+    """The most guesses each slot's row may offer now: its adaptive k, never past its budget or
+    the cache (0: a free slot, a joining row, a row that does not guess)."""
+    wants = [0] * len(rows)
+    for i, row in enumerate(rows):
+        if row is None or not row.running or not offers_guesses(row.handle.params):
+            continue
+        if row.guess_budget is None:  # a row's own budget (it moves with the row between slots)
+            row.guess_budget = Budget(speculation.k)
+        last_slot = row.prompt_len + len(row.ids) - 1  # the slot its last token goes to
+        room = min(row.limit - len(row.ids) - 1, max_length - 1 - last_slot)  # the token after is always kept
+        wants[i] = max(0, min(row.guess_budget.k, room))
+    return wants
 
 
 @dataclass

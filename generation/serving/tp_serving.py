@@ -38,7 +38,7 @@ from .device_rows import DeviceRows
 from .heap import freeze_long_lived
 
 # The DeviceRows calls that touch the model or its caches: every rank makes them.
-FOLLOWED = ("warm_up", "prefill", "decode", "mixed", "verify", "verify_mixed", "place", "move", "resize",
+FOLLOWED = ("warm_up", "prefill", "decode", "mixed", "verify", "verify_mixed", "draft_step", "place", "move", "resize",
             "answer_offline", "copy_prefix", "store_prefix", "close")
 HEARTBEAT = "heartbeat"  # sent by an idle rank 0 so that no follower's wait reaches the timeout
 
