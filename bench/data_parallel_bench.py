@@ -288,18 +288,32 @@ def hit_rate(samples: dict, replica: str | None) -> str:
 
 
 def compare_servers(args, tmp: Path) -> None:
-    runs = {}
-    for replicas in (1, args.replicas):
-        proc, port = start_server(args, replicas, tmp / f"serve{replicas}.log")
-        try:
-            seconds, tokens, answers = load(port, args)
-            runs[replicas] = (tokens / seconds, answers, scrape(port))
-        finally:
-            stop_server(proc)
+    """``--rounds`` rounds, each one replica then D (the order turned every round); each round's
+    figures, then the medians of tokens/s and their ratio."""
+    speeds = {1: [], args.replicas: []}
+    for r in range(args.rounds):
+        runs = {}
+        for replicas in ((1, args.replicas) if r % 2 == 0 else (args.replicas, 1)):
+            proc, port = start_server(args, replicas, tmp / f"serve{replicas}.log")
+            try:
+                seconds, tokens, answers = load(port, args)
+                runs[replicas] = (tokens / seconds, answers, scrape(port))
+            finally:
+                stop_server(proc)
+            speeds[replicas].append(runs[replicas][0])
+        report_servers(args, runs, f"round {r + 1}: ")
+    if args.rounds > 1:
+        one, many = statistics.median(speeds[1]), statistics.median(speeds[args.replicas])
+        print(f"serve, medians of {args.rounds} rounds: one replica {one:.1f} tokens/s, D={args.replicas} "
+              f"{many:.1f} tokens/s: {many / one:.2f}x")
+
+
+def report_servers(args, runs: dict, prefix: str) -> None:
     (one, one_answers, one_m), (many, many_answers, many_m) = runs[1], runs[args.replicas]
     shown = range(args.replicas)
-    print(f"serve, {args.clients} clients x {args.per_client} requests of {args.max_tokens} tokens after a shared "
-          f"system prompt{' (one of ' + str(args.system_prompts) + ')' if args.system_prompts > 1 else ''}, replicas of {args.tp} rank(s): one replica {one:.1f} tokens/s, D={args.replicas} "
+    print(f"{prefix}serve, {args.clients} clients x {args.per_client} requests of {args.max_tokens} tokens after a "
+          f"shared system prompt{' (one of ' + str(args.system_prompts) + ')' if args.system_prompts > 1 else ''}, "
+          f"replicas of {args.tp} rank(s): one replica {one:.1f} tokens/s, D={args.replicas} "
           f"{many:.1f} tokens/s: {many / one:.2f}x; answers the same: {one_answers == many_answers}")
     print(f"  prefix hits/lookups: one replica {hit_rate(one_m, None)}; D={args.replicas}: "
           + ", ".join(f"replica {r} {hit_rate(many_m, str(r))}" for r in shown)
@@ -316,7 +330,7 @@ def main() -> None:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--lines", type=int, default=64, help="request file modes: lines of the file")
     p.add_argument("--budget", type=int, default=1024)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=3, help="request file and server modes: alternated rounds")
     p.add_argument("--tp", type=int, default=1, help="serve: ranks per replica (one thread each)")
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--per_client", type=int, default=4)
