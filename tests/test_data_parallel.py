@@ -370,15 +370,15 @@ def test_a_shared_count_adds_what_every_replica_scored():
     """The eval bar's count: one key in the launch's store, added to by every replica's leader."""
     from torch.distributed import TCPStore
 
-    from generation.jobs.data_parallel import SharedCount
+    from generation.jobs.data_parallel import SharedCount, launch_store
 
     port = free_port()
     server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)  # the launcher's, here
     where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    first, second = SharedCount.connect("done", where), SharedCount.connect("done", where)
+    first, second = SharedCount(launch_store(where), "done"), SharedCount(launch_store(where), "done")
     assert first.add(3) == 3 and second.add(4) == 7 and first.value() == 7
-    assert SharedCount.connect("another job", where).value() == 0
-    assert SharedCount.connect("done", {}) is None  # no store: the bar counts its own rank's work
+    assert SharedCount(launch_store(where), "another job").value() == 0
+    assert launch_store({}) is None  # no store: the bar counts its own rank's work
     del server
 
 

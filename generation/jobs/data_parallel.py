@@ -343,18 +343,11 @@ def _positions(planned, order):
 
 class SharedCount:
     """A count every rank of the launch can add to and read: one key in the key-value store the
-    launcher's rendezvous serves at MASTER_ADDR:MASTER_PORT (a TCPStore; this is one more client of
-    it). Not a collective: replicas finish their chunks at their own pace, and a collective would
+    launcher's rendezvous serves (``launch_store``). Not a collective: replicas finish their chunks at their own pace, and a collective would
     make each wait for the others. ``key``: the same on every rank, new for each count."""
 
     def __init__(self, store, key: str):
         self.store, self.key = store, key
-
-    @classmethod
-    def connect(cls, key: str, environ=None) -> "SharedCount | None":
-        """None when the launch has no such store (no MASTER_ADDR/MASTER_PORT) or it cannot be reached."""
-        store = launch_store(environ)
-        return None if store is None else cls(store, key)
 
     def add(self, n: int) -> int:
         return self.store.add(self.key, n)
@@ -375,9 +368,8 @@ def evaluate_parallel(generator, texts: list[str], replicas: Replicas, budget: i
                             replicas)
     scored = {}
     first = replicas.world_rank == 0
-    key = [f"bloom-eval-done-{uuid.uuid4().hex}"]  # rank 0's, on every rank: a count no earlier job touched
-    dist.broadcast_object_list(key, src=0, group=replicas.coordination)
-    done = SharedCount.connect(key[0]) if replicas.leads else None
+    # The passages scored, counted beside the queue's own counter (a key no earlier job touched).
+    done = SharedCount(mine.store, f"{mine.key}/done") if mine.store is not None and replicas.leads else None
     total = len(rows) if done is not None or not first else sum(map(len, mine.fixed_share()))  # no store: its own
     with Progress(total, "eval", "passages", enabled=progress and first) as bar:
         for chunk in mine:
