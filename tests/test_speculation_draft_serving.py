@@ -24,7 +24,8 @@ import pytest
 from generation import Generator
 from generation.search.guesses import parse_speculation
 from test_speculation_draft import perturbed
-from test_speculation_serving import MODEL, PROMPTS, REQUESTS, metric, same, transformers_text
+from test_speculation_serving import JOINING_PARAMS, MODEL, PROMPTS, REQUESTS, joining_answers, metric, same, \
+    transformers_text
 
 CONFIG = dict(max_batch=4, max_length=96, bucket_width=16, prefill_chunk=16, metrics=True)
 
@@ -329,47 +330,24 @@ def test_drafting_engine_on_the_stand_in_equals_the_eager_engine_and_adds_no_gra
     and guess steps, and the target's verify passes (with joining prompts' segments in them),
     replay graphs captured at warm-up; a second load captures nothing and, on the HPU, compiles no
     lazy graph; greedy rows give the eager engine's tokens without speculation."""
-    from generation.serving.engine import Engine, EngineConfig
-    from generation.serving.params import SamplingParams
     from test_graph_truth import Counts, new_lazy_graphs, on_card
 
     checkpoint = make_ckpt(hidden_size=64, n_layer=2, n_head=4, seed=7)
     draft = perturbed(checkpoint, tmp_path / "draft")  # accepts and rejects: both catch-ups
     prompts = PROMPTS + [LONG]
-    params = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, repetition_penalty=1.2),
-              SamplingParams(max_tokens=20, temperature=0.8, seed=3), SamplingParams(max_tokens=9, stop=["d e"]),
-              SamplingParams(max_tokens=20, presence_penalty=0.4)]
-
-    def answers(generator, speculate, engine=None):
-        if engine is None:
-            engine = Engine(generator, EngineConfig(max_batch=4, max_length=64, bucket_width=32, max_prefill=2,
-                                                    prefill_chunk=16, burst_wait_ms=0,
-                                                    speculation=parse_speculation(speculate)))
-            engine.warm_up()
-        handles = [engine.submit(engine.tokenizer.encode(p), s) for p, s in zip(prompts[:2], params)]
-        verified = engine.stats["verify_passes"]
-        for _ in range(40):  # the others join once these verify guesses
-            if engine.stats["verify_passes"] > verified:
-                break
-            engine.step()
-        handles += [engine.submit(engine.tokenizer.encode(p), s) for p, s in zip(prompts[2:], params[2:])]
-        while engine.step() or engine.queue_length:
-            pass
-        return [h.result(1)[0].token_ids for h in handles], engine
-
     card = on_card(graph_stand_in, checkpoint, speculate="draft:4", draft_model=draft)
     with graph_stand_in.off_card():
         eager = Generator.from_pretrained(checkpoint, device="cpu")
-        plain, _ = answers(eager, None)
-        sampled, _ = answers(Generator.from_pretrained(checkpoint, device="cpu", speculate="draft:4",
-                                                       draft_model=draft), "draft:4")
-    got, engine = answers(card, "draft:4")
-    want = [s if p.sampling else t for t, s, p in zip(plain, sampled, params)]
+        plain, _ = joining_answers(eager, None, prompts)
+        drafting = Generator.from_pretrained(checkpoint, device="cpu", speculate="draft:4", draft_model=draft)
+        sampled, _ = joining_answers(drafting, "draft:4", prompts)
+    got, engine = joining_answers(card, "draft:4", prompts)
+    want = [s if p.sampling else t for t, s, p in zip(plain, sampled, JOINING_PARAMS)]
     assert got == want
     assert engine.stats["verify_passes"] > 0 and engine.stats["guesses_accepted"] > 0, engine.stats
     assert engine.stats["guesses_accepted"] < engine.stats["guesses_offered"]
     assert card.draft.runner.backend.signatures_of("mixed") and card.draft.runner.backend.signatures_of("decode")
     counts = Counts(graph_stand_in)
-    again, _ = answers(card, "draft:4", engine)
+    again, _ = joining_answers(card, "draft:4", prompts, engine)
     assert again == want
     assert counts.unchanged(), new_lazy_graphs(graph_stand_in, counts)

@@ -17,6 +17,7 @@ import torch
 
 from generation import Generator
 from generation.search.guesses import parse_speculation
+from generation.serving.params import SamplingParams
 from test_graph_truth import Counts, checkpoint, eager, new_lazy_graphs, on_card  # noqa: F401
 
 MODEL = "bloom-tiny"
@@ -269,50 +270,54 @@ def test_sampled_first_tokens_keep_the_target_distribution():
 # --- on the graph stand-in (tests/graph_stand_in) ------------------------------------------------
 
 
+# The first two rows long enough to be running, guessing, while the others join (a sampled row
+# does not guess in the server).
+JOINING_PARAMS = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, repetition_penalty=1.2),
+                  SamplingParams(max_tokens=20, temperature=0.8, seed=3), SamplingParams(max_tokens=9, stop=["d e"]),
+                  SamplingParams(max_tokens=20, presence_penalty=0.4)]
+
+
+def joining_answers(generator, speculate, prompts: list[str], engine=None):
+    """Each prompt's tokens from an engine (a fresh, warmed-up one unless given) with
+    ``JOINING_PARAMS``: two rows run until a verify pass has guessed, then the others join, in
+    segments inside verify passes. Returns (token ids per prompt, the engine)."""
+    from generation.serving.engine import Engine, EngineConfig
+
+    if engine is None:
+        engine = Engine(generator, EngineConfig(max_batch=4, max_length=64, bucket_width=32, max_prefill=2,
+                                                prefill_chunk=16, burst_wait_ms=0,
+                                                speculation=parse_speculation(speculate)))
+        engine.warm_up()
+    handles = [engine.submit(engine.tokenizer.encode(p), s) for p, s in zip(prompts[:2], JOINING_PARAMS)]
+    verified = engine.stats["verify_passes"]
+    for _ in range(40):
+        if engine.stats["verify_passes"] > verified:
+            break
+        engine.step()
+    handles += [engine.submit(engine.tokenizer.encode(p), s) for p, s in zip(prompts[2:], JOINING_PARAMS[2:])]
+    while engine.step() or engine.queue_length:
+        pass
+    return [h.result(1)[0].token_ids for h in handles], engine
+
+
 @pytest.mark.slow
 def test_speculating_engine_on_the_stand_in_equals_the_eager_engine_and_adds_no_graph(graph_stand_in, checkpoint, eager, verify_any_batch):
     """The engine with speculation on the stand-in (HPU and CUDA personalities): its verify passes,
     with and without joining prompts' segments in them, replay graphs captured at warm-up (a second load captures nothing and, on the HPU, compiles no
     lazy graph), greedy rows give the eager engine's tokens without speculation, sampled rows (which
     do not guess) the eager engine's with it."""
-    from generation.serving.engine import Engine, EngineConfig
-    from generation.serving.params import SamplingParams
-
     prompts = PROMPTS + ["Hi"]
-    # The first two rows long enough to be running, guessing, while the others join (a sampled row
-    # does not guess in the server).
-    params = [SamplingParams(max_tokens=40), SamplingParams(max_tokens=40, repetition_penalty=1.2),
-              SamplingParams(max_tokens=20, temperature=0.8, seed=3), SamplingParams(max_tokens=9, stop=["d e"]),
-              SamplingParams(max_tokens=20, presence_penalty=0.4)]
-
-    def answers(generator, speculate, engine=None):
-        if engine is None:
-            engine = Engine(generator, EngineConfig(max_batch=4, max_length=64, bucket_width=32, max_prefill=2,
-                                                    prefill_chunk=16, burst_wait_ms=0,
-                                                    speculation=parse_speculation(speculate)))
-            engine.warm_up()
-        handles = [engine.submit(engine.tokenizer.encode(p), s) for p, s in zip(prompts[:2], params)]
-        verified = engine.stats["verify_passes"]
-        for _ in range(40):  # the others join once these verify guesses: in segments, inside verify passes
-            if engine.stats["verify_passes"] > verified:
-                break
-            engine.step()
-        handles += [engine.submit(engine.tokenizer.encode(p), s) for p, s in zip(prompts[2:], params[2:])]
-        while engine.step() or engine.queue_length:
-            pass
-        return [h.result(1)[0].token_ids for h in handles], engine
-
     card = on_card(graph_stand_in, checkpoint)  # before anything runs off the card (the bridge's environment)
     with graph_stand_in.off_card():
-        plain, _ = answers(eager, None)
-        sampled, _ = answers(eager, "ngram:4")
-    got, engine = answers(card, "ngram:4")
-    want = [s if p.sampling else t for t, s, p in zip(plain, sampled, params)]
+        plain, _ = joining_answers(eager, None, prompts)
+        sampled, _ = joining_answers(eager, "ngram:4", prompts)
+    got, engine = joining_answers(card, "ngram:4", prompts)
+    want = [s if p.sampling else t for t, s, p in zip(plain, sampled, JOINING_PARAMS)]
     assert got == want
     assert engine.stats["verify_passes"] > 0 and engine.stats["guesses_accepted"] > 0, engine.stats
     assert engine.stats["verify_mixed_steps"] > 0
     counts = Counts(graph_stand_in)
-    again, _ = answers(card, "ngram:4", engine)
+    again, _ = joining_answers(card, "ngram:4", prompts, engine)
     assert again == want
     assert counts.unchanged(), new_lazy_graphs(graph_stand_in, counts)
 
