@@ -1,9 +1,10 @@
 """The front door of a data-parallel server: one port in front of D replicas (``--serve --data_parallel D``).
 
 Each replica is a whole server of its own (``app.py``: engine, routes, metrics) listening on a
-port of its own (loopback on this node, ``dp_serving.py``); this app answers the user's port and passes each request on to one replica over
-HTTP, the body and the answer untouched (a stream's server-sent events are passed through as they
-come), so a replica answers exactly what one process answers.
+port of its own (loopback on this node, ``dp_serving.py``); this app answers the user's port and
+passes each request on to one replica over HTTP, the body and the answer untouched (a stream's
+server-sent events are passed through as they come), so a replica answers exactly what one
+process answers.
 
 Routing is prefix-aware, as SGLang's router: the engine's prefix cache holds the leading blocks of
 the prompts a replica has seen, so a request goes to the replica that last served the longest
