@@ -22,7 +22,7 @@ from bloom_hpu.runtime.cpu.layers import AMX_MIN_ROWS
 from isas import ALL_KERNEL_ISAS, needs_amx_tiles, needs_isa
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-WEIGHTS = ["int8", "int4 G=32", "int4 G=64", "int4 G=128"]
+WEIGHTS = ["int8", "int4 G=32", "int4 G=64", "int4 G=128", "int4 G=256"]
 K = 256
 
 

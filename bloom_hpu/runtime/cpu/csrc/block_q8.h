@@ -756,7 +756,14 @@ struct FewQuad {
     const int64_t quads = K / (4 * kQ8Block);
     const bool next_block = prefetch_next_block();
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    // A quad's 4 blocks span 4 / (G / 32) groups (G a power of two from 32): shifts, not divisions,
+    // find them, and one masked load (no read past the row's last scale) takes their scales.
+    int shift = 0;
+    while ((kQ8Block << shift) < G) ++shift;
+    const int scales_per_quad = shift >= 2 ? 1 : 4 >> shift;
+    const __mmask16 scale_lanes = __mmask16((1 << scales_per_quad) - 1);
+    const __m512i spread = _mm512_srli_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                             std::min(shift, 2));
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -769,13 +776,10 @@ struct FewQuad {
         const __m512i z = _mm512_loadu_si512(line);
         lo[r] = _mm512_and_si512(z, nibble);
         hi[r] = _mm512_and_si512(_mm512_srli_epi16(z, 4), nibble);
-        const float* s = scales + r * groups;
-        if ((4 * j * kQ8Block / G) % 16 == 0)  // the next block's scales too, a line (16 of them) at a time
-          prefetch_weights(s + 4 * j * kQ8Block / G, R * groups * int64_t(sizeof(float)), kQ8FewPrefetch, next_block);
-        const __m128 four = G == kQ8Block ? _mm_loadu_ps(s + 4 * j)
-                                          : _mm_setr_ps(s[(4 * j) * kQ8Block / G], s[(4 * j + 1) * kQ8Block / G],
-                                                        s[(4 * j + 2) * kQ8Block / G], s[(4 * j + 3) * kQ8Block / G]);
-        sv[r] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(four));
+        const float* s = scales + r * groups + ((4 * j) >> shift);
+        if (((4 * j) >> shift) % 16 == 0)  // the next scales too, a line (16 of them) at a time
+          prefetch_weights(s, R * groups * int64_t(sizeof(float)), kQ8FewPrefetch, next_block);
+        sv[r] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(scale_lanes, s));
       }
       for (int m = 0; m < MB; ++m) {
         const int64_t at = m * quads + j;
