@@ -11,6 +11,11 @@ the same requests as one offline ``--requests`` job, side by side on the same we
 * ``ours+ngram:K``  ours with speculative decoding (``--serve --speculate ngram:K``); its ratios
                     line gives its tokens/s and p99 inter-token latency over ours' at each level,
                     and the guesses its verify passes accepted
+* ``ours+draft:K``  the same with a draft model (``--speculate draft:K --draft_model DIR``): the
+                    target's first ``--draft_layers`` blocks (``utils/first_layers.py``). Random
+                    weights make such a draft disagree; ``--agreeing_target`` runs every variant on a
+                    copy of the target whose later blocks add nothing (``speculate_bench.py``'s
+                    ``agreeing_target``: the same cost a token), so the draft agrees by construction
 
 Load: closed loop (``--clients``: each client sends its next request when the last one ended) and
 open loop (``--rates``: Poisson arrivals at these requests/s), prompts of mixed lengths, greedy
@@ -29,6 +34,8 @@ two, and both are printed.
 
     python bench/serve_bench.py --config tiny --clients 1,4,16,32 --requests 64
     python bench/serve_bench.py --config tiny --clients 16 --requests 64 --variants ours,ours+ngram:4
+    OMP_NUM_THREADS=2 python bench/serve_bench.py --config bloom-560m --dtype bf16 --agreeing_target --clients 1,16 \
+        --requests 16 --max_tokens 32 --prompt_len 8,96 --max_length 160 --variants ours,ours+draft:4,ours+ngram:4
     OMP_NUM_THREADS=2 python bench/serve_bench.py --config bloom-560m --dtype bf16 --clients 1,4,16 \\
         --requests 48 --max_tokens 32 --prompt_len 8,96 --max_length 160
 """
@@ -312,11 +319,25 @@ def parse_args(argv=None):
     p.add_argument("--max_tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0, help="every request's (0: greedy; > 0: sampled, seeded)")
     p.add_argument("--variants", default="ours,transformers,offline")
+    p.add_argument("--draft_layers", type=int, default=4, help="ours+draft:K: blocks of the target's that make "
+                   "the draft model")
+    p.add_argument("--agreeing_target", action="store_true", help="run every variant on a copy of the target whose "
+                   "blocks past --draft_layers add nothing: the first-blocks draft agrees with it by construction")
     p.add_argument("--budget", type=int, default=8192, help="offline: tokens per batch (as --requests)")
     p.add_argument("--threads", type=int, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the rows here")
     return p.parse_args(argv)
+
+
+def draft_model(folder: Path, args):
+    """A draft of the target's first ``--draft_layers`` blocks, loaded beside it (written once per run)."""
+    from generation import Generator
+    from generation.search.draft import DraftModel
+    from utils.first_layers import first_layers
+
+    path = first_layers(Path(folder), Path(tempfile.mkdtemp(prefix="serve_bench_draft_")) / "draft", args.draft_layers)
+    return DraftModel(Generator.from_pretrained(path, dtype=args.dtype, device=args.device).runner, path)
 
 
 def main(argv=None) -> int:
@@ -327,6 +348,11 @@ def main(argv=None) -> int:
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     folder = checkpoint_folder(args.config, dtype)
+    if args.agreeing_target:
+        from bench.speculate_bench import agreeing_target
+
+        folder = agreeing_target(Path(folder), Path(tempfile.mkdtemp(prefix="serve_bench_target_")) / "agreeing",
+                                 args.draft_layers)
     generator = Generator.from_pretrained(folder, dtype=args.dtype, device=args.device)
     low, high = (int(x) for x in args.prompt_len.split(","))
     high = min(high, args.max_length - args.max_tokens)
@@ -343,6 +369,8 @@ def main(argv=None) -> int:
             rows.append(offline_run(generator, bodies, args.budget))
             continue
         engines = []
+        if variant.startswith("ours+draft"):
+            generator.draft = draft_model(folder, args)
         if variant == "ours" or variant.startswith("ours+"):
             port, stop = ours(generator, args, speculate=variant.partition("+")[2] or None, engine_out=engines)
         elif variant == "transformers":
@@ -374,6 +402,7 @@ def main(argv=None) -> int:
                 print(table(rows[-1:]).splitlines()[2], flush=True)
         finally:
             stop()
+            generator.draft = None
     print(table(rows))
     print(ratios(rows))
     if args.json:
