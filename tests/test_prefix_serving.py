@@ -124,6 +124,32 @@ def test_waiting_prompts_the_pool_holds_are_prefilled_apart_from_those_it_does_n
         assert handle.result(1)[0].text == alone(references["base"], prompt, 4)
 
 
+def test_a_prefill_groups_filler_rows_are_not_lookups(folders):
+    """Three prompts prefilled together on an idle engine run as a group of 4 (a filler row makes up
+    the bucket): the pool counts 3 lookups, all hits, and /metrics' hit rate is the requests'."""
+    from generation.serving.engine import Engine, EngineConfig
+    from generation.serving.params import SamplingParams
+
+    generator = Generator.from_pretrained(folders[0], device="cpu", prefix_cache="16MB")
+    engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH, max_prefill=4))
+    encode, params = generator.tokenizer.encode, SamplingParams(max_tokens=2)
+
+    def run(prompts):
+        handles = [engine.submit(encode(p), params) for p in prompts]
+        while engine.step():
+            pass
+        return handles
+
+    run([SYSTEM + QUESTIONS[0]])  # the system prompt into the pool: one lookup, a miss
+    stats = generator.runner.prefix.stats
+    lookups, hits, prefills = stats.lookups, stats.hits, engine.stats["prefills"]
+    handles = run([SYSTEM + q for q in QUESTIONS[1:4]])
+    assert engine.stats["prefills"] == prefills + 1  # one group
+    assert engine.device_rows.prefill_size(3) == 4  # of four rows: one filler
+    assert all(h.cached_tokens > 0 for h in handles)
+    assert (stats.lookups - lookups, stats.hits - hits) == (3, 3)
+
+
 def test_a_hit_never_crosses_adapters(server, client, references):
     prompt = SYSTEM + "Tell me about the moon."
     base = ask(client, "base", prompt, 8)

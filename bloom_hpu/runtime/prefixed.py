@@ -57,23 +57,26 @@ def cacheable(length: int, block: int) -> int:
 
 
 def prefill_with_prefixes(runner, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache,
-                          prompt_ids: list[list[int]], namespace: str = "") -> torch.Tensor:
+                          prompt_ids: list[list[int]], namespace: str = "", requests: int | None = None) -> torch.Tensor:
     """Logits [B, V] of each prompt's last token, as ``runner.prefill(input_ids, lengths, cache)``
-    gives them, with what the prefix cache holds copied instead of computed."""
+    gives them, with what the prefix cache holds copied instead of computed. ``requests``: the
+    leading rows that are prompts of their own (default all); the rows after them fill a static
+    batch shape (the server's prefill buckets) and are neither counted as lookups nor stored."""
     pool = runner.prefix
     prompt_len = input_ids.shape[1]
-    _compute_shared_prefixes(runner, prompt_ids, prompt_len, namespace)
+    requests = len(prompt_ids) if requests is None else requests
+    _compute_shared_prefixes(runner, prompt_ids[:requests], prompt_len, namespace)
     limits = [len(ids) - 1 for ids in prompt_ids]  # whole blocks and a tail, short of the last token
-    starts = copy_held(runner, cache, prompt_ids, limits, prompt_len, namespace)
+    starts = copy_held(runner, cache, prompt_ids, limits, prompt_len, namespace, counted=requests)
     if starts is None:
-        for ids in prompt_ids:
+        for ids in prompt_ids[:requests]:
             pool.match(ids, namespace, 0)  # counted as a lookup that found nothing used
         logits = runner.prefill(input_ids, lengths, cache)
         starts = [0] * len(prompt_ids)
     else:
         rest = rest_bucket(max(len(ids) - start for ids, start in zip(prompt_ids, starts)), prompt_len)
         logits = _extend(runner, prompt_ids, starts, rest, cache)
-    for row, ids in enumerate(prompt_ids):
+    for row, ids in enumerate(prompt_ids[:requests]):
         pool.store(cache, row, ids, len(ids), namespace, pad_to=prompt_len // pool.block)
         runner.backend.mark_step()
     pool.stats.per_call = starts
@@ -81,21 +84,24 @@ def prefill_with_prefixes(runner, input_ids: torch.Tensor, lengths: torch.Tensor
 
 
 def copy_held(runner, cache: KVCache, rows: list[list[int]], limits: list[int], span: int, namespace: str,
-              count: bool = True) -> list[int] | None:
+              count: bool = True, counted: int | None = None) -> list[int] | None:
     """Copy into row r of ``cache`` the blocks the pool holds of ``rows[r]`` (at most ``limits[r]``
     tokens), for rests padded below ``span``: the slots copied per row, or None (nothing copied)
     when the pool holds nothing of them or the longest rest would need a whole ``span`` anyway.
     Partial blocks are taken where copies may take any shape (not on a Gaudi: there the graph
     stand-in saw a repeated load compile new lazy graphs once partial hits turned a batch's
     prefill into an extend), their block's last slots clamped to the row
-    (``PrefixCache._indices``). ``count``: the lookups go into the pool's stats."""
+    (``PrefixCache._indices``). ``count``: the lookups of the first ``counted`` rows (default all)
+    go into the pool's stats."""
     pool = runner.prefix
+    counted = len(rows) if counted is None else counted
     room = pool.partial_span(cache)
     partial = room > 0
     found = [pool.peek(ids, namespace, limit, partial, room) for ids, limit in zip(rows, limits)]
     if not any(found) or rest_bucket(max(len(ids) - n for ids, n in zip(rows, found)), span) >= span:
         return None
-    held = [pool.lookup(ids, namespace, n, count, partial, room) for ids, n in zip(rows, found)]
+    held = [pool.lookup(ids, namespace, n, count and row < counted, partial, room)
+            for row, (ids, n) in enumerate(zip(rows, found))]
     pool.copy_into(cache, [(row, i, j) for row, (chain, _) in enumerate(held) for i, j in enumerate(chain)],
                    pad_to=len(rows) * (span // pool.block))
     runner.backend.mark_step()  # the copy is a lazy graph of its own, whatever follows it

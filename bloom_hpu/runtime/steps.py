@@ -247,17 +247,19 @@ class StepRunner:
 
     @torch.no_grad()
     def prefill_shared(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: KVCache, copies: int,
-                       prompt_ids: list[list[int]] | None = None, namespace: str | None = None) -> torch.Tensor:
+                       prompt_ids: list[list[int]] | None = None, namespace: str | None = None,
+                       requests: int | None = None) -> torch.Tensor:
         """Prefill B prompts [B, P] once each for a cache of B * ``copies`` rows, prompt-major
         (beams, sampled copies): the prompts run in a B-row cache of length P, whose slots every
         copy then takes. Logits [B * copies, V]. transformers runs all B * copies rows instead.
 
         ``prompt_ids``: the prompts' token ids on the host; with them, and a prefix cache, what
-        the cache holds of each prompt is copied rather than computed (``prefixed.py``)."""
+        the cache holds of each prompt is copied rather than computed (``prefixed.py``); ``requests``:
+        how many leading prompts are requests (the rest fill the batch's shape: not looked up or stored)."""
         if self.prefix is not None and prompt_ids is not None:
             from .prefixed import prefill_with_prefixes
             namespace = self.prefix_namespace if namespace is None else namespace
-            prefill = lambda ids, n, c: prefill_with_prefixes(self, ids, n, c, prompt_ids, namespace)  # noqa: E731
+            prefill = lambda ids, n, c: prefill_with_prefixes(self, ids, n, c, prompt_ids, namespace, requests)  # noqa: E731
         else:
             prefill = self.prefill
         if copies == 1:

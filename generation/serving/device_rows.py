@@ -213,12 +213,14 @@ class DeviceRows:
         same shape, and a row of the prefill cache that nothing reads). Returns the last-token logits
         [k, V], row i prompt i's."""
         k, p = self.prefill_size(len(prompts)), self.length_bucket(max(map(len, prompts)))
-        prompts = prompts + [[self.pad]] * (k - len(prompts))
+        requests = len(prompts)
+        prompts = prompts + [[self.pad]] * (k - requests)
         padded, lengths = self.upload([ids + [self.pad] * (p - len(ids)) for ids in prompts],
                                       [len(ids) for ids in prompts])
         with self._adapter_only(adapter):
             if self.pool is not None:
-                logits = self.runner.prefill_shared(padded, lengths, self.prefill_caches[k], 1, prompt_ids=prompts)
+                logits = self.runner.prefill_shared(padded, lengths, self.prefill_caches[k], 1, prompt_ids=prompts,
+                                                    requests=requests)
                 self.last_cached = list(self.pool.stats.per_call)
             else:
                 logits = self.runner.prefill(padded, lengths, self.prefill_caches[k])
