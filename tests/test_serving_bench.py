@@ -32,6 +32,20 @@ def test_serve_bench_runs_every_variant(tmp_path, capsys):
     assert all(r["server_cores"] > 0 and r["client_cores"] > 0 for r in served)
 
 
+def test_serve_bench_times_the_draft_path_on_an_agreeing_target(tmp_path):
+    """ours+draft:K on --agreeing_target: the target's blocks past the draft's add nothing, so the
+    draft's guesses are the target's own choices and every one offered is accepted."""
+    out = tmp_path / "serve.json"
+    argv = ["--clients", "1", "--requests", "3", "--max_tokens", "8", "--max_batch", "4", "--max_length", "48",
+            "--bucket_width", "16", "--prompt_len", "2,12", "--agreeing_target", "--draft_layers", "1",
+            "--variants", "ours,ours+draft:3", "--json", str(out)]
+    assert serve_bench.main(argv) == 0
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["ours"]["tokens"] == rows["ours+draft:3"]["tokens"] == 24
+    drafted = rows["ours+draft:3"]
+    assert drafted["verify_passes"] > 0 and drafted["offered"] > 0 and drafted["accepted"] == drafted["offered"]
+
+
 def test_a_chunk_that_brings_several_tokens_counts_as_that_many_gaps():
     """Text held back for two steps arrives with three tokens: 300 ms over 3 tokens, 100 ms each;
     where the server does not count a chunk's tokens, each chunk is one token."""
