@@ -97,9 +97,9 @@ class DeviceRows:
         self.lengths = length_buckets(max_length, bucket_width)
         self.segment_length, self.segment_counts = chunk_shape(min(prefill_chunk, max_length))
         self.verify_k = verify_k  # guesses a verify pass carries per row (0: the server does not speculate)
-        if drafting and (generator.draft is None or not verify_k):
-            raise ValueError("a draft model's guesses need the generator loaded with its draft "
-                             "(Generator.from_pretrained(..., speculate='draft', draft_model=DIR)) and verify_k")
+        if drafting and (getattr(generator, "draft", None) is None or not verify_k):
+            raise ValueError("speculation with a draft model needs the generator loaded with its draft model "
+                             "(Generator.from_pretrained(..., speculate='draft', draft_model=DIR)) and verify_k > 0")
         self.drafts = drafting
         model = self.runner.model
         if self.lora is not None and max_batch + self.chunk_tokens > self.lora.rows.capacity:

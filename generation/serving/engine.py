@@ -98,10 +98,7 @@ class Engine:
         self.lora = getattr(generator, "lora", None)  # ServedAdapters, or None
         self.speculation = config.speculation
         verify_k = config.speculation.shape_k if config.speculation else 0
-        drafting = config.speculation is not None and config.speculation.kind == "draft"
-        if drafting and getattr(generator, "draft", None) is None:
-            raise ValueError(f"speculation {config.speculation} needs the generator loaded with its draft model: "
-                             "Generator.from_pretrained(..., speculate='draft', draft_model=DIR)")
+        drafting = config.speculation is not None and config.speculation.kind == "draft"  # DeviceRows checks the draft
         self.device_rows = device_rows or DeviceRows(generator, config.max_batch, config.max_length,
                                                      config.bucket_width, config.max_prefill, config.prefill_chunk,
                                                      verify_k, drafting)
