@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -85,6 +86,83 @@ def test_metrics_get_a_replica_label_and_a_total():
     assert 'bloom_generated_tokens_total{replica="1"} 7.0' in out
     assert 'bloom_generated_tokens_total{replica="total"} 12.0' in out
     assert 'bloom_queue_length{replica="total"} 2.0' in out
+
+
+def test_a_replica_whose_engine_stopped_is_marked_down_and_the_other_keeps_serving():
+    """Two replicas in this process behind the front door; the second's warm-up fails (its process
+    lives on, its engine does not). Its /health and its requests answer 503 "engine_stopped", a
+    request queued before it failed gets the error, the front door marks it down, and every request
+    through the front door is answered by the first, as one engine alone answers it."""
+    import threading
+
+    import uvicorn
+
+    from generation import Generator
+    from generation.serving.app import make_app
+    from generation.serving.engine import Engine, EngineConfig
+    from generation.serving.handles import EngineError
+    from generation.serving.params import SamplingParams
+    from generation.serving.replicas import make_front_door
+
+    generator = Generator.from_pretrained(ROOT / "checkpoints" / "bloom-tiny", dtype="fp32", device="cpu")
+    config = EngineConfig(max_batch=4, max_length=64, bucket_width=16)
+    good, broken = Engine(generator, config), Engine(generator, config)
+
+    def fail():
+        raise RuntimeError("out of device memory")
+
+    broken.warm_up = fail
+    queued = broken.submit(generator.tokenizer.encode("queued before"), SamplingParams(max_tokens=2))
+    servers = []
+
+    def serve(app) -> int:
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        threading.Thread(target=server.run, daemon=True).start()
+        servers.append(server)
+        while not server.started:
+            time.sleep(0.02)
+        return port
+
+    def health_of(url: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as answer:
+                return answer.status, json.loads(answer.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    good.start()
+    broken.start()
+    try:
+        urls = [f"http://127.0.0.1:{serve(make_app(e, 'bloom-tiny'))}" for e in (good, broken)]
+        with pytest.raises(EngineError, match="the engine stopped: RuntimeError: out of device memory"):
+            queued.result(10)
+        code, body = health_of(urls[1])
+        assert code == 503 and body["error"]["code"] == "engine_stopped"
+        direct = openai.OpenAI(base_url=f"{urls[1]}/v1", api_key="none", max_retries=0, timeout=30)
+        with pytest.raises(openai.APIStatusError) as refused:
+            direct.completions.create(model="bloom-tiny", prompt="hello", max_tokens=2)
+        assert refused.value.status_code == 503 and "the engine stopped" in str(refused.value)
+        door = serve(make_front_door(urls, log=lambda line: None, rows=4))
+        deadline = time.time() + 15
+        while time.time() < deadline:
+            replicas = health_of(f"http://127.0.0.1:{door}")[1].get("replicas", [])
+            if [r["status"] for r in replicas] == ["ready", "down"]:
+                break
+            time.sleep(0.1)
+        assert [r["status"] for r in replicas] == ["ready", "down"], replicas
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{door}/v1", api_key="none", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda p: client.completions.create(model="bloom-tiny", prompt=p, max_tokens=4,
+                                                                        temperature=0), PROMPTS[:4]))
+        for prompt, answer in zip(PROMPTS[:4], answers):
+            alone = generator.generate([prompt], max_new_tokens=4, max_length=64, ignore_eos=False)[0].text
+            assert answer.choices[0].text == alone
+    finally:
+        for server in servers:
+            server.should_exit = True
+        good.stop()
+        broken.stop()
 
 
 def test_a_replica_listens_on_loopback_on_the_front_doors_node_else_toward_the_master():

@@ -39,6 +39,7 @@ each request's sink (``handles.RequestHandle``). Each step (``step``):
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -52,7 +53,7 @@ from ..search.guesses import Speculation, worth_verifying
 from ..request.grammar import GrammarError, RowGrammar, for_tokenizer, mask_words
 from .admission import Admission
 from .device_rows import DeviceRows
-from .handles import EngineError, QueueFull, RequestHandle, Row
+from .handles import EngineError, EngineStopped, QueueFull, RequestHandle, Row
 from .heap import freeze_long_lived
 from .output import Output, to_host
 from .params import Event, SamplingParams
@@ -119,6 +120,7 @@ class Engine:
         # Structured output: every row's allowed tokens of a step, filled on the host ([R, V/32] int32).
         self.masks = torch.full((config.max_batch, mask_words(vocab)), -1, dtype=torch.int32)
         self.ready = threading.Event()
+        self.failure: str | None = None  # why the engine's thread ended on an error (then nothing runs)
         self.warmup_report: dict | None = None
         self.tokens_total = 0
         # What the scheduler did, for tests and the benchmark: most rows at once, rows moved to
@@ -191,10 +193,14 @@ class Engine:
                               f"under the server's max_length {self.config.max_length}")
 
     def _enqueue(self, handle: RequestHandle) -> RequestHandle:
+        if self.failure is not None:
+            raise EngineStopped(f"the engine stopped: {self.failure}")
         try:
             self.admission.inbox.put_nowait(handle)
         except queue.Full:
             raise QueueFull(f"the queue is full ({self.config.max_queue} requests waiting)") from None
+        if self.failure is not None:  # it stopped as this one came in: no thread will take it
+            self._fail_queued()
         self._wake.set()
         return handle
 
@@ -224,6 +230,15 @@ class Engine:
         self.device_rows.close()
 
     def _run(self, warm_up: bool) -> None:
+        try:
+            self._serve(warm_up)
+        except BaseException as error:  # the warm-up failed, or something no step catches: the engine is gone
+            self.failure = f"{type(error).__name__}: {error}"
+            print(f"error: the engine stopped: {self.failure}", file=sys.stderr, flush=True)
+            self._fail_all(f"the engine stopped: {self.failure}")
+            self._fail_queued()
+
+    def _serve(self, warm_up: bool) -> None:
         if warm_up:
             self.warm_up()
         freeze_long_lived()  # a full garbage collection over the model's objects would stall a step
@@ -243,6 +258,20 @@ class Engine:
     def _fail_all(self, message: str) -> None:
         for handle in self.slots.clear():
             handle.emit(Event("error", message=message))
+
+    def _fail_queued(self) -> None:
+        """Every queued request gets the engine's failure (no thread is left to take them)."""
+        waiting = self.admission.waiting
+        while True:
+            try:
+                waiting.append(self.admission.inbox.get_nowait())
+            except queue.Empty:
+                break
+        while waiting:
+            try:
+                waiting.popleft().emit(Event("error", message=f"the engine stopped: {self.failure}"))
+            except IndexError:  # another thread took the last one
+                break
 
     def warm_up(self) -> dict:
         """Run every step shape the engine uses (``DeviceRows.warm_up``)."""

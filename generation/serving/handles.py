@@ -26,6 +26,14 @@ class QueueFull(Exception):
     """The engine's queue holds ``max_queue`` requests already."""
 
 
+ENGINE_STOPPED = "engine_stopped"  # the code of the 503 a stopped engine's server answers (the front door reads it)
+
+
+class EngineStopped(Exception):
+    """The engine's thread ended on an error (its warm-up failed, or something no step catches):
+    nothing it holds or is sent will be answered."""
+
+
 _ids = itertools.count(1)
 
 

@@ -11,6 +11,7 @@ import asyncio
 from ..request.options import OptionError
 from ..request.validate import check_against_model
 from .engine import EngineError, QueueFull
+from .handles import ENGINE_STOPPED, EngineStopped
 from .loop_handoff import Mailbox, drain
 from .openai_format import ApiError, Completion, bad_request, param_of
 from .params import SamplingParams
@@ -42,6 +43,9 @@ class Answer:
         except QueueFull as error:
             self.cancel()
             raise ApiError(503, str(error), "server_error", None, "queue_full") from None
+        except EngineStopped as error:
+            self.cancel()
+            raise ApiError(503, str(error), "server_error", None, ENGINE_STOPPED) from None
 
     def _submit(self, mailbox: Mailbox) -> None:
         engine, completion, request = self.engine, self.completion, self.completion.request

@@ -13,7 +13,8 @@ loaded one (fewest requests in flight, then fewest routed). A prefix never makes
 on a replica whose rows are all busy while another replica is less loaded (``Router.rows``): a
 popular system prompt then spreads, and each replica computes it once.
 
-A replica that stops answering (its port refuses connections: its process is gone) is marked down:
+A replica that stops answering (its port refuses connections: its process is gone), or whose /health
+says its engine stopped (its warm-up failed, or its engine's thread ended on an error), is marked down:
 the requests it held get a 503 with a JSON error, /health names it, new requests go to the others.
 /health is 200 once every replica is ready. /metrics: every replica's metrics with a ``replica``
 label, their sums with ``replica="total"``, and the front door's own (replicas up, requests routed).
@@ -35,6 +36,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+from .handles import ENGINE_STOPPED
 
 BLOCK_CHARS = 64  # a leading block of the prompt, in characters (a few of the prefix cache's token blocks)
 MAX_BLOCKS = 64  # blocks hashed per prompt: prefixes longer than 4096 characters route as their first 4096
@@ -64,6 +67,20 @@ def prompt_text(body: bytes) -> str:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch: its first prompt
     return prompt if isinstance(prompt, str) else json.dumps(prompt)  # token ids: their text form
+
+
+def engine_stopped(answer) -> str | None:
+    """The message of a replica's /health answer that says its engine stopped (its process lives on
+    but will answer nothing), else None."""
+    if answer.status_code != 503:
+        return None
+    try:
+        error = answer.json().get("error") or {}
+    except (ValueError, AttributeError):
+        return None
+    if error.get("code") != ENGINE_STOPPED:
+        return None
+    return error.get("message") or ENGINE_STOPPED
 
 
 def leading_blocks(text: str) -> list[bytes]:
@@ -183,6 +200,10 @@ class Upstreams:
                     continue  # a dead replica's port may be taken by another program: never trust it again
                 try:
                     answer = await self.client.get(f"{url}/health", timeout=2.0)
+                    stopped = engine_stopped(answer)
+                    if stopped:
+                        self.mark_down(replica, stopped)
+                        continue
                     self.health[replica] = "ready" if answer.status_code == 200 else "warming up"
                 except httpx.ConnectError as error:
                     self.mark_down(replica, f"its port refuses connections: {error}")

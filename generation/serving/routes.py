@@ -19,6 +19,7 @@ from ..run.logprobs import TokenText
 from .in_flight import Answer
 from .collect import collect
 from .errors import ERROR_RESPONSES
+from .handles import ENGINE_STOPPED
 from .loop_handoff import Mailbox
 from .openai_format import ApiError, Completion, parse_chat, parse_completion
 from .schema import ChatBody, CompletionBody, as_sent
@@ -40,6 +41,9 @@ def add_routes(app: FastAPI, engine, names: list[str], metrics=None) -> None:
 
     @app.get("/health")
     async def health():
+        if engine.failure is not None:
+            return JSONResponse(ApiError(503, f"the engine stopped: {engine.failure}", "server_error", None,
+                                         ENGINE_STOPPED).body(), status_code=503)
         if not engine.ready.is_set():
             return JSONResponse(ApiError(503, "warming up", "server_error").body(), status_code=503)
         return {"status": "ok"}
@@ -69,6 +73,8 @@ def add_routes(app: FastAPI, engine, names: list[str], metrics=None) -> None:
         return await respond(request, completion)
 
     async def respond(request: Request, completion: Completion):
+        if engine.failure is not None:
+            raise ApiError(503, f"the engine stopped: {engine.failure}", "server_error", None, ENGINE_STOPPED)
         if not engine.ready.is_set():
             raise ApiError(503, "the server is warming up", "server_error")
         loop = asyncio.get_running_loop()
