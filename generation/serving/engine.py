@@ -120,7 +120,7 @@ class Engine:
         # Structured output: every row's allowed tokens of a step, filled on the host ([R, V/32] int32).
         self.masks = torch.full((config.max_batch, mask_words(vocab)), -1, dtype=torch.int32)
         self.ready = threading.Event()
-        self.failure: str | None = None  # why the engine's thread ended on an error (then nothing runs)
+        self.failure: str | None = None  # "the engine stopped: <its error>" once its thread ended on one
         self.warmup_report: dict | None = None
         self.tokens_total = 0
         # What the scheduler did, for tests and the benchmark: most rows at once, rows moved to
@@ -194,7 +194,7 @@ class Engine:
 
     def _enqueue(self, handle: RequestHandle) -> RequestHandle:
         if self.failure is not None:
-            raise EngineStopped(f"the engine stopped: {self.failure}")
+            raise EngineStopped(self.failure)
         try:
             self.admission.inbox.put_nowait(handle)
         except queue.Full:
@@ -233,9 +233,9 @@ class Engine:
         try:
             self._serve(warm_up)
         except BaseException as error:  # the warm-up failed, or something no step catches: the engine is gone
-            self.failure = f"{type(error).__name__}: {error}"
-            print(f"error: the engine stopped: {self.failure}", file=sys.stderr, flush=True)
-            self._fail_all(f"the engine stopped: {self.failure}")
+            self.failure = f"the engine stopped: {type(error).__name__}: {error}"
+            print(f"error: {self.failure}", file=sys.stderr, flush=True)
+            self._fail_all(self.failure)
             self._fail_queued()
 
     def _serve(self, warm_up: bool) -> None:
@@ -269,7 +269,7 @@ class Engine:
                 break
         while waiting:
             try:
-                waiting.popleft().emit(Event("error", message=f"the engine stopped: {self.failure}"))
+                waiting.popleft().emit(Event("error", message=self.failure))
             except IndexError:  # another thread took the last one
                 break
 

@@ -39,11 +39,13 @@ def add_routes(app: FastAPI, engine, names: list[str], metrics=None) -> None:
     mailboxes = weakref.WeakKeyDictionary()  # event loop -> Mailbox (one loop serves the app)
     text_of = TokenText(engine.tokenizer)
 
+    def stopped() -> ApiError:  # the engine's thread ended on an error: nothing will be answered
+        return ApiError(503, engine.failure, "server_error", None, ENGINE_STOPPED)
+
     @app.get("/health")
     async def health():
         if engine.failure is not None:
-            return JSONResponse(ApiError(503, f"the engine stopped: {engine.failure}", "server_error", None,
-                                         ENGINE_STOPPED).body(), status_code=503)
+            return JSONResponse(stopped().body(), status_code=503)
         if not engine.ready.is_set():
             return JSONResponse(ApiError(503, "warming up", "server_error").body(), status_code=503)
         return {"status": "ok"}
@@ -74,7 +76,7 @@ def add_routes(app: FastAPI, engine, names: list[str], metrics=None) -> None:
 
     async def respond(request: Request, completion: Completion):
         if engine.failure is not None:
-            raise ApiError(503, f"the engine stopped: {engine.failure}", "server_error", None, ENGINE_STOPPED)
+            raise stopped()
         if not engine.ready.is_set():
             raise ApiError(503, "the server is warming up", "server_error")
         loop = asyncio.get_running_loop()
