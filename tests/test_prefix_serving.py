@@ -98,16 +98,15 @@ def test_concurrent_requests_sharing_a_system_prompt_equal_each_alone(server, cl
     assert generator.backend.signatures == warm
 
 
-def test_waiting_prompts_the_pool_holds_are_prefilled_apart_from_those_it_does_not(folders, references):
-    """Queued on an idle engine: a long prompt the pool has never seen, then prompts whose system
-    prompt it holds. Grouped together, the new prompt's rest would need the whole length and the
-    group would copy nothing; apart, every held prompt copies its blocks."""
+def stepped_engine(folder, max_tokens: int):
+    """An engine with a prefix cache, stepped in this thread: (generator, engine, run), where
+    ``run(prompts)`` submits the prompts together and steps until all are answered (their handles)."""
     from generation.serving.engine import Engine, EngineConfig
     from generation.serving.params import SamplingParams
 
-    generator = Generator.from_pretrained(folders[0], device="cpu", prefix_cache="16MB")
+    generator = Generator.from_pretrained(folder, device="cpu", prefix_cache="16MB")
     engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH, max_prefill=4))
-    encode, params = generator.tokenizer.encode, SamplingParams(max_tokens=4)
+    encode, params = generator.tokenizer.encode, SamplingParams(max_tokens=max_tokens)
 
     def run(prompts):
         handles = [engine.submit(encode(p), params) for p in prompts]
@@ -115,6 +114,14 @@ def test_waiting_prompts_the_pool_holds_are_prefilled_apart_from_those_it_does_n
             pass
         return handles
 
+    return generator, engine, run
+
+
+def test_waiting_prompts_the_pool_holds_are_prefilled_apart_from_those_it_does_not(folders, references):
+    """Queued on an idle engine: a long prompt the pool has never seen, then prompts whose system
+    prompt it holds. Grouped together, the new prompt's rest would need the whole length and the
+    group would copy nothing; apart, every held prompt copies its blocks."""
+    generator, engine, run = stepped_engine(folders[0], max_tokens=4)
     run([SYSTEM + QUESTIONS[0]])  # the system prompt into the pool
     fresh = "A long prompt of its own that the pool has never seen, about rivers and hills, " * 2
     prompts = [fresh] + [SYSTEM + q for q in QUESTIONS[1:4]]
@@ -126,20 +133,8 @@ def test_waiting_prompts_the_pool_holds_are_prefilled_apart_from_those_it_does_n
 
 def test_a_prefill_groups_filler_rows_are_not_lookups(folders):
     """Three prompts prefilled together on an idle engine run as a group of 4 (a filler row makes up
-    the bucket): the pool counts 3 lookups, all hits, and /metrics' hit rate is the requests'."""
-    from generation.serving.engine import Engine, EngineConfig
-    from generation.serving.params import SamplingParams
-
-    generator = Generator.from_pretrained(folders[0], device="cpu", prefix_cache="16MB")
-    engine = Engine(generator, EngineConfig(max_batch=8, max_length=MAX_LENGTH, bucket_width=WIDTH, max_prefill=4))
-    encode, params = generator.tokenizer.encode, SamplingParams(max_tokens=2)
-
-    def run(prompts):
-        handles = [engine.submit(encode(p), params) for p in prompts]
-        while engine.step():
-            pass
-        return handles
-
+    the bucket): the pool's stats (what /metrics exports) count 3 lookups, all hits."""
+    generator, engine, run = stepped_engine(folders[0], max_tokens=2)
     run([SYSTEM + QUESTIONS[0]])  # the system prompt into the pool: one lookup, a miss
     stats = generator.runner.prefix.stats
     lookups, hits, prefills = stats.lookups, stats.hits, engine.stats["prefills"]

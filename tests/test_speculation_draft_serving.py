@@ -293,27 +293,12 @@ def test_two_ranks_serve_with_a_draft_as_one_process(seed7_checkpoint, tmp_path)
     """``--serve --speculate draft:4 --draft_model DIR`` on 2 ranks: the follower makes every draft
     step too (``draft_step``, each rank its slice of the draft); greedy answers equal one process's
     without speculation, and its guesses were accepted."""
-    from test_serving_tp import launch, stop
-    from test_speculation_serving import TP_REQUESTS, TP_SERVE, openai_client
+    from test_speculation_serving import TP_REQUESTS, launched_answers
 
     draft = perturbed(seed7_checkpoint, tmp_path / "draft")
-    greedy = TP_REQUESTS[:3]
-
-    def ask(port):
-        client = openai_client(port)
-        with ThreadPoolExecutor(len(greedy)) as pool:
-            return list(pool.map(lambda r: client.completions.create(
-                model=seed7_checkpoint.name, **({"temperature": 0} | r)).choices[0].text, greedy))
-
-    answers_of = {}
-    for name, flags, ranks in (("plain", [], 1), ("two", ["--speculate", "draft:4", "--draft_model", str(draft)], 2)):
-        proc, port = launch(seed7_checkpoint, TP_SERVE + flags, ranks, tmp_path / f"{name}.log")
-        try:
-            answers_of[name] = ask(port)
-            if name == "two":
-                accepted = metric(type("Running", (), {"port": port}), "bloom_speculation_guesses_accepted_total")
-        finally:
-            stop(proc)
+    answers_of, accepted = launched_answers(
+        seed7_checkpoint, (("plain", [], 1), ("two", ["--speculate", "draft:4", "--draft_model", str(draft)], 2)),
+        TP_REQUESTS[:3], tmp_path)
     log = (tmp_path / "two.log").read_text()
     assert "num_local_procs=2" in log and " draft) in " in log
     assert answers_of["two"] == answers_of["plain"]

@@ -412,30 +412,38 @@ TP_REQUESTS = [dict(prompt=PROMPTS[0], max_tokens=30), dict(prompt=PROMPTS[1], m
                dict(prompt=PROMPTS[0], max_tokens=20, temperature=0.8, seed=4)]
 
 
-@pytest.mark.slow
-def test_two_ranks_speculate_as_one_process(seed7_checkpoint, tmp_path):
-    """``--serve --speculate ngram:4`` on 2 ranks (the follower replays each verify pass): greedy
-    answers equal one process's without speculation, the seeded sample one process's with it, and
-    its verify passes accepted guesses."""
+def launched_answers(folder, runs, requests, tmp_path):
+    """Each run (name, its flags beside TP_SERVE, its ranks) launched as a server in turn, the
+    ``requests`` (greedy unless one says otherwise) sent at once: ({name: the answers' texts}, the
+    guesses accepted by the run named "two"). Each run's log is ``tmp_path / f"{name}.log"``."""
     from test_serving_tp import launch, stop
 
     def ask(port):
         client = openai_client(port)
-        with ThreadPoolExecutor(len(TP_REQUESTS)) as pool:
-            return list(pool.map(lambda r: client.completions.create(model=seed7_checkpoint.name, **({"temperature": 0}
-                                                                                                | r)).choices[0].text,
-                                 TP_REQUESTS))
+        with ThreadPoolExecutor(len(requests)) as pool:
+            return list(pool.map(lambda r: client.completions.create(
+                model=folder.name, **({"temperature": 0} | r)).choices[0].text, requests))
 
-    answers_of = {}
-    for name, flags, ranks in (("plain", [], 1), ("one", ["--speculate", "ngram:4"], 1),
-                               ("two", ["--speculate", "ngram:4"], 2)):
-        proc, port = launch(seed7_checkpoint, TP_SERVE + flags, ranks, tmp_path / f"{name}.log")
+    answers_of, accepted = {}, None
+    for name, flags, ranks in runs:
+        proc, port = launch(folder, TP_SERVE + flags, ranks, tmp_path / f"{name}.log")
         try:
             answers_of[name] = ask(port)
             if name == "two":
                 accepted = metric(type("Running", (), {"port": port}), "bloom_speculation_guesses_accepted_total")
         finally:
             stop(proc)
+    return answers_of, accepted
+
+
+@pytest.mark.slow
+def test_two_ranks_speculate_as_one_process(seed7_checkpoint, tmp_path):
+    """``--serve --speculate ngram:4`` on 2 ranks (the follower replays each verify pass): greedy
+    answers equal one process's without speculation, the seeded sample one process's with it, and
+    its verify passes accepted guesses."""
+    answers_of, accepted = launched_answers(seed7_checkpoint, (("plain", [], 1), ("one", ["--speculate", "ngram:4"], 1),
+                                                               ("two", ["--speculate", "ngram:4"], 2)),
+                                            TP_REQUESTS, tmp_path)
     assert "num_local_procs=2" in (tmp_path / "two.log").read_text()
     assert " verify) in " in (tmp_path / "one.log").read_text()  # the warm-up ran the verify shapes
     assert answers_of["two"][:3] == answers_of["plain"][:3] == answers_of["one"][:3]
