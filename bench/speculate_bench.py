@@ -25,6 +25,10 @@ Two figures:
   - ``transformers``          ``BloomForCausalLM.generate``, greedy
   - ``transformers+lookup:K`` the same with ``prompt_lookup_num_tokens=K`` (assisted generation)
   - ``transformers+draftNL:K`` the same with ``assistant_model`` the N-block draft, K tokens a round
+  - ``llama.cpp``             with ``--gguf`` (the same checkpoint converted, e.g. by
+                              ``bench/peers_bench.py``): llama-cpp-python's ``Llama.generate``, greedy
+  - ``llama.cpp+lookup:K``    the same with its prompt lookup (``LlamaPromptLookupDecoding``, n-grams
+                              of up to 3 tokens, K tokens a verify)
 
   Every variant's tokens are compared with ours' plain ones (``same``).
 
@@ -36,12 +40,17 @@ what a draft that agrees costs and gives on this shape.
 Random weights do not copy their context, so prompt lookup is measured where a model does: the
 embedded default checkpoint (``--config tiny``), whose greedy text repeats itself; on a real
 shape (``--config bloom-560m``) the verify cost, the failing and the oracle guesses say what a pass
-costs and what acceptance 1 would give.
+costs and what acceptance 1 would give. ``--lead N`` makes a workload where the text repeats its
+context on a real shape: a random model's greedy text falls into loops the longer it runs, so the
+prompt becomes the last ``--prompt_len`` tokens of the plain loop's first N tokens after the corpus
+prompt (token ids), and the model goes on repeating what its prompt holds.
 
     python bench/speculate_bench.py --config tiny --new_tokens 96
     python bench/speculate_bench.py --config bloom-560m --dtype bf16 --prompt_len 64 --new_tokens 32
     python bench/speculate_bench.py --config bloom-560m --draft_layers 4 --new_tokens 64
     python bench/speculate_bench.py --config bloom-560m --dtype bf16 --agreeing_target --no_transformers
+    python bench/speculate_bench.py --config .peers/bloom-560m/hf --gguf .peers/bloom-560m/gguf-BF16.gguf \
+        --dtype bf16 --lead 768 --prompt_len 64 --new_tokens 128 --draft_layers 0
 """
 
 from __future__ import annotations
@@ -134,6 +143,36 @@ def agreeing_target(src: Path, out: Path, layers: int) -> Path:
     return out
 
 
+def same(tokens: list[int], plain: list[int]) -> str:
+    """"yes", or "NO@i": the first position where ``tokens`` leave ours without speculation."""
+    if tokens == plain:
+        return "yes"
+    return f"NO@{next((i for i, (a, b) in enumerate(zip(tokens, plain)) if a != b), min(len(tokens), len(plain)))}"
+
+
+def llama_cpp_variant(gguf: str, prompt_ids: list[int], new_tokens: int, lookup: int | None):
+    """llama-cpp-python's own greedy generation of ``new_tokens`` after ``prompt_ids`` (with
+    ``lookup``: its prompt lookup, n-grams of up to 3 tokens as ours, ``lookup`` tokens a verify),
+    on ``torch``'s thread count. The model is loaded once."""
+    import llama_cpp
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=lookup) if lookup else None
+    threads = torch.get_num_threads()
+    llm = llama_cpp.Llama(gguf, n_ctx=len(prompt_ids) + new_tokens + 16, n_batch=512, n_threads=threads,
+                          n_threads_batch=threads, draft_model=draft, verbose=False)
+
+    def run():
+        llm.reset()  # no reuse of the last call's cache: every variant prefills its prompt
+        out = []
+        for token in llm.generate(prompt_ids, top_k=1, temp=0.0, reset=True):
+            out.append(token)
+            if len(out) == new_tokens:
+                break
+        return out, None
+    return run
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny", help="tiny, bloom-560m, bloom-1b1 or a checkpoint folder")
@@ -149,6 +188,9 @@ def main() -> int:
     p.add_argument("--agreeing_target", action="store_true",
                    help="run every variant on a copy of the target whose blocks past --draft_layers add nothing "
                    "(agreeing_target): the first-blocks draft then agrees with it, at the target's full cost")
+    p.add_argument("--lead", type=int, default=0, help="the prompt: the last --prompt_len tokens of the plain "
+                   "loop's first LEAD tokens after the corpus prompt (text the model repeats; 0: the corpus prompt)")
+    p.add_argument("--gguf", help="the same checkpoint as a GGUF file: adds llama.cpp's variants (llama-cpp-python)")
     p.add_argument("--no_transformers", action="store_true")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 keeps a loaded machine's "
                    "figures steadier")
@@ -167,6 +209,12 @@ def main() -> int:
     else:
         prompt = make_prompts(generator.tokenizer, 1, args.prompt_len)[0]
     prompt_ids = generator.tokenizer.encode(prompt)
+    if args.lead:
+        if args.lead < args.prompt_len:
+            raise SystemExit(f"error: --lead ({args.lead}) must be at least --prompt_len ({args.prompt_len})")
+        lead = generator.generate(prompt, max_length=len(prompt_ids) + args.lead, ignore_eos=True)[0].token_ids
+        prompt_ids = lead[-args.prompt_len:]
+        prompt = [prompt_ids]  # token ids: byte tokens of a random model's text need not survive decoding
     max_length = len(prompt_ids) + args.new_tokens
     options = dict(max_length=max_length, ignore_eos=False)
     kspec = f"ngram:{args.k}"
@@ -235,6 +283,9 @@ def main() -> int:
             assistant.generation_config.num_assistant_tokens = args.k
             assistant.generation_config.num_assistant_tokens_schedule = "constant"
             variants[f"transformers+draft{layers}L:{args.k}"] = theirs(None, assistant)
+    if args.gguf:
+        variants["llama.cpp"] = llama_cpp_variant(args.gguf, prompt_ids, args.new_tokens, None)
+        variants[f"llama.cpp+lookup:{args.k}"] = llama_cpp_variant(args.gguf, prompt_ids, args.new_tokens, args.k)
 
     names = list(variants)
     times = {n: [] for n in names}
@@ -261,10 +312,10 @@ def main() -> int:
         accept = f"{stats.acceptance:.2f}" if stats and stats.offered else "-"
         vs_hf = f"{hf_base / seconds:.2f}" if hf_base else "-"
         print(f"{name:<26} {len(tokens):>6} {seconds:>8.3f} {speed:>9.1f} {base / seconds:>7.2f} {vs_hf:>6} "
-              f"{per_verify:>10} {accept:>7} {'yes' if tokens == plain else 'NO':>5} "
+              f"{per_verify:>10} {accept:>7} {same(tokens, plain):>5} "
               f"{(max(times[name]) - min(times[name])) / seconds:>6.0%}")
-    print("(x ours, x hf: the plain variant's median time over this one's: above 1 is faster; spread: "
-          "(slowest - fastest run) / median)")
+    print("(x ours, x hf: the plain variant's median time over this one's: above 1 is faster; same: the tokens "
+          "equal ours without speculation, NO@i where they first differ; spread: (slowest - fastest run) / median)")
     return 0
 
 
