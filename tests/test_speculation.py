@@ -280,6 +280,32 @@ def test_ngram_lookup_takes_the_longest_latest_match():
     assert guesses[3].tolist() == [6, 5, 6, 5]
 
 
+def lookup_one_row(tokens: list[int], k: int, longest: int = 3) -> list[int]:
+    """Prompt lookup as its docstring states it, one row, in plain Python: for n = longest .. 1
+    (n < len(tokens)), the occurrences of the last n tokens that end before the last token; the
+    latest followed by k tokens, else the latest; the up to k tokens after it."""
+    used = len(tokens)
+    for n in range(min(longest, used - 1), 0, -1):
+        ends = [p for p in range(n - 1, used - 1) if tokens[p - n + 1: p + 1] == tokens[used - n:]]
+        if ends:
+            end = max(ends, key=lambda p: (p + 1 + k <= used, p))
+            return tokens[end + 1: end + 1 + k]
+    return []
+
+
+@pytest.mark.parametrize("vocab", [2, 3, 5])
+def test_ngram_lookup_equals_the_per_row_reference(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    for k in (1, 2, 4, 8):
+        seq = torch.randint(0, vocab, (16, 24), generator=gen)
+        used = torch.randint(1, 25, (16,), generator=gen)
+        guesses, counts = ngram_guesses(seq, used, k)
+        for b in range(16):
+            expected = lookup_one_row(seq[b, : used[b]].tolist(), k)
+            assert counts[b].item() == len(expected), (b, k)
+            assert guesses[b, : len(expected)].tolist() == expected, (b, k)
+
+
 # --- sampling ---------------------------------------------------------------------------------------
 
 

@@ -5,8 +5,8 @@ tokens that followed their latest earlier occurrence are the guesses. No second 
 where the text copies its context (few-shot answers, quotes, code, text that repeats itself).
 
 The lookup runs on the device over the loop's static ``sequence`` buffer, for every row at once:
-one comparison of all n-gram windows against the row's suffix per n ([B, L] work, nothing read
-back to the host), so it adds no host round-trip to the loop.
+one comparison of every slot's window against the row's last tokens and one maximum ([B, L] work,
+a dozen ops, nothing read back to the host), so it adds no host round-trip to the loop.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ KINDS = ("ngram", "draft")  # prompt lookup; a draft model's guesses (draft.py)
 K_SHAPES = (2, 4, 8)
 MAX_K = K_SHAPES[-1]
 DEFAULT_K = 4
-NGRAM_SIZES = (3, 2, 1)  # the suffix lengths tried, longest first: a longer match predicts better
+LONGEST_NGRAM = 3  # the suffix lengths tried: 3, 2, 1, the longest that matches first (it predicts better)
 # On a CPU a verify pass's cost grows with its rows x positions (the products turn compute-bound):
 # past about 16 it costs more than the ~2 tokens a row that prompt lookup's guesses save on text that
 # repeats (the crossover measured in docs/performance.md), so the server's passes and greedy
@@ -74,43 +74,40 @@ def parse_speculation(value) -> Speculation | None:
 
 
 def ngram_guesses(sequence: torch.Tensor, used: torch.Tensor, k: int,
-                  sizes: tuple[int, ...] = NGRAM_SIZES) -> tuple[torch.Tensor, torch.Tensor]:
+                  longest: int = LONGEST_NGRAM) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompt lookup for every row: guesses [B, k] long and how many of them are real, counts [B].
 
     sequence [B, L]: each row's prompt + output in its first ``used[b]`` slots (anything after).
-    For the longest n in ``sizes`` whose suffix (the row's last n tokens) occurs earlier in the
+    For the longest n <= ``longest`` whose suffix (the row's last n tokens) occurs earlier in the
     row, the latest such occurrence followed by k real tokens (else the latest one) is taken and the
     (up to k) tokens after it are the guesses; counts is how many of those lie in real tokens
     (0: no match, the row guesses nothing).
 
-    An occurrence is found by where it ends: slot p ends a match of n when slot p - m holds the
-    row's m-th last token for every m < n, so one [B, L] comparison per m serves every n."""
+    An occurrence is found by where it ends: comparing the sequence, shifted by m, with the row's
+    m-th last token (m < ``longest``) counts, per slot p, how many of the row's last tokens end at
+    p; one maximum over a key (that count, then whether k real tokens follow, then p) picks the
+    occurrence."""
     rows, length = sequence.shape
     device = sequence.device
+    back = torch.arange(longest, device=device)
+    suffix = sequence.gather(1, (used[:, None] - 1 - back[None, :]).clamp(min=0))  # [B, n]: column m the m-th last token
+    # Slot p's m-th token back, sequence[p - m], is padded[p + n - 1 - m]; the pad (-1) equals no token.
+    padded = torch.nn.functional.pad(sequence, (longest - 1, 0), value=-1)
+    run = torch.zeros(rows, length, dtype=torch.long, device=device)  # [B, L]: how many of the last tokens end at p
+    alive = torch.ones(rows, length, dtype=torch.bool, device=device)
+    for m in range(longest):
+        alive = alive & (padded[:, longest - 1 - m: longest - 1 - m + length] == suffix[:, m: m + 1])
+        run = run + alive
+    # An occurrence ends before the row's last token and is followed by one real token at least
+    # (p <= used - 2); its count is then at most p + 1 < used, the suffix never the whole row.
     slots = torch.arange(length, device=device)
-    # An occurrence must end before the row's last token (so it is not the suffix itself) and be
-    # followed by one real token at least: p <= used - 2.
-    ends = slots[None, :] <= used[:, None] - 2  # [B, L]
-    full = slots[None, :] + 1 + k <= used[:, None]  # [B, L]: followed by k real tokens
-    guesses = torch.zeros(rows, k, dtype=torch.long, device=device)
-    counts = torch.zeros(rows, dtype=torch.long, device=device)
-    found = torch.zeros(rows, dtype=torch.bool, device=device)
-    match = ends.clone()
-    matches = {}
-    for m in range(max(sizes)):  # match[p]: slots p - m .. p hold the row's last m + 1 tokens
-        last = sequence.gather(1, (used - 1 - m).clamp(min=0)[:, None])  # [B, 1]
-        same = sequence == last  # [B, L]
-        match[:, m:] &= same[:, : length - m]
-        match[:, :m] = False
-        matches[m + 1] = match & (used[:, None] > m + 1)
+    valid = (run > 0) & (slots[None, :] <= used[:, None] - 2)
+    full = slots[None, :] + 1 + k <= used[:, None]  # followed by k real tokens
+    key = torch.where(valid, run * (2 * length) + full * length + slots[None, :], -1).amax(dim=1)  # [B]
+    hit = key >= 0
+    follow = key % length + 1  # [B] the first guessed slot
     ahead = torch.arange(k, device=device)
-    for n in sizes:  # longest first: a row keeps the first n that matches
-        rank = torch.where(matches[n], slots[None, :] + length * full, -1).amax(dim=1)  # [B], -1: none
-        end = torch.where(rank >= length, rank - length, rank)
-        hit = (rank >= 0) & ~found
-        follow = end + 1  # [B] the first guessed slot
-        picked = sequence.gather(1, (follow[:, None] + ahead[None, :]).clamp(0, length - 1))  # [B, k]
-        guesses = torch.where(hit[:, None], picked, guesses)
-        counts = torch.where(hit, (used - follow).clamp(max=k), counts)
-        found |= hit
+    picked = sequence.gather(1, (follow[:, None] + ahead[None, :]).clamp(0, length - 1))  # [B, k]
+    guesses = torch.where(hit[:, None], picked, 0)
+    counts = torch.where(hit, (used - follow).clamp(max=k), 0)
     return guesses, counts
