@@ -160,6 +160,31 @@ struct Lanes<at::Half> {  // F16C conversions, 8 per instruction
   }
 };
 
+// Many input rows (a prompt, a server's batch): each pass over a block would widen its weights
+// again, so from kFewRowsWidenedFrom rows on, x is widened once per call and each block of weight rows
+// once, into fp32 scratch, and the passes run the fp32 loop (3 x rows a pass, not 2) over it. The
+// scratch holds each 16-element step as the two registers Lanes<T>::dot multiplies, in its order
+// (bf16: the even elements, then the odd ones; fp16: the first 8, then the next 8), so the fp32
+// loop makes the very FMAs of the direct one, in the same order: the same sums, bit for bit, at
+// any row count (a row's result never depends on how many rows share its call).
+constexpr int64_t kFewRowsWidenedFrom = 6;
+
+template <typename T>
+inline void widen_step(const T* p, float* out);  // 16 elements -> 16 floats, in Lanes<T>::dot's order
+
+template <>
+inline void widen_step(const at::BFloat16* p, float* out) {
+  const EvenOdd v = widen_bf16(p);
+  _mm256_storeu_ps(out, v.even);
+  _mm256_storeu_ps(out + 8, v.odd);
+}
+
+template <>
+inline void widen_step(const at::Half* p, float* out) {
+  _mm256_storeu_ps(out, load8(p));
+  _mm256_storeu_ps(out + 8, load8(p + 8));
+}
+
 #endif
 
 // sums[m * R + r] = dot(w row r, x row m) for R weight rows and MB input rows; the weight rows
@@ -230,11 +255,65 @@ inline void output_rows(const T* w, const T* x, const T* bias, T* out, int64_t n
   });
 }
 
+#if !defined(BLOOM_ISA_AVX512)
+// rows [R, K] of T widened into wide [R, K] (widen_step's layout), the rows still to come
+// prefetched as `prefetch` says, as they are read.
+template <typename T, int R>
+inline void widen_rows(const T* w, int64_t K, int prefetch, float* wide) {
+  for (int64_t k = 0; k < K; k += 32) {  // a 64-byte step of every row
+    for (int r = 0; r < R; ++r) {
+      if (prefetch != kNoPrefetch)
+        prefetch_weights(w + r * K + k, R * K * int64_t(sizeof(T)), kPrefetchBytes, prefetch == kL2NextBlock);
+      widen_step(w + r * K + k, wide + r * K + k);
+      widen_step(w + r * K + k + 16, wide + r * K + k + 16);
+    }
+  }
+}
+
+// output_rows from fp32 scratch: x32 [M, K] widened once per call, each block of R weight rows
+// widened into `wide` [R, K] once, then the fp32 passes.
+template <typename T, int R>
+inline void output_rows_widened(const T* w, const float* x32, const T* bias, T* out, int64_t n, int64_t M,
+                                int64_t N, int64_t K, int prefetch, float* wide) {
+  widen_rows<T, R>(w, K, prefetch, wide);
+  block_passes<float, R>(wide, x32, M, K, kNoPrefetch, [&](int64_t m, int r, float sum) {
+    const float value = sum + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
+    out[m * N + n + r] = T(value);
+  });
+}
+
+template <typename T>
+void linear_rows_widened(const T* x, int64_t M, const T* w, int64_t N, int64_t K, const T* bias, T* out,
+                         int prefetch) {
+  // Scratch aligned to cache lines (PyTorch's allocator), as the fp32 loop's loads expect: a
+  // 32-byte load across two lines costs about twice one within a line.
+  const at::Tensor x32 = at::empty({M * K}, at::kFloat);
+  float* x_wide = x32.data_ptr<float>();
+  for (int64_t i = 0; i < M * K; i += 16) widen_step(x + i, x_wide + i);
+  const int64_t blocks = N / kRows;
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kRows * K * int64_t(sizeof(T))));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    const at::Tensor wide = at::empty({kRows * K}, at::kFloat);
+    for (int64_t b = begin; b < end; ++b)
+      output_rows_widened<T, kRows>(w + b * kRows * K, x_wide, bias, out, b * kRows, M, N, K, prefetch,
+                                    wide.data_ptr<float>());
+  });
+  const at::Tensor wide = at::empty({K}, at::kFloat);
+  for (int64_t n = blocks * kRows; n < N; ++n)
+    output_rows_widened<T, 1>(w + n * K, x_wide, bias, out, n, M, N, K, prefetch, wide.data_ptr<float>());
+}
+#endif
+
 // out [M, N] = x [M, K] @ w [N, K]^T (+ bias [N]), all contiguous; M at most a few rows; K * sizeof(T)
 // a multiple of kStepBytes.
 template <typename T>
 void linear_rows(const T* x, int64_t M, const T* w, int64_t N, int64_t K, const T* bias, T* out) {
   const int prefetch = prefetch_kind().load(std::memory_order_relaxed);
+#if !defined(BLOOM_ISA_AVX512)
+  if constexpr (!std::is_same_v<T, float>) {
+    if (M >= kFewRowsWidenedFrom) return linear_rows_widened(x, M, w, N, K, bias, out, prefetch);
+  }
+#endif
 #if defined(BLOOM_AMX)
   if constexpr (std::is_same_v<T, at::BFloat16>) {  // many rows: AMX tiles (amx_rows.h), where enabled
     const int64_t min_rows = amx_min_rows().load(std::memory_order_relaxed), tiled = N / kTileRows * kTileRows;
