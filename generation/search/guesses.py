@@ -5,8 +5,9 @@ tokens that followed their latest earlier occurrence are the guesses. No second 
 where the text copies its context (few-shot answers, quotes, code, text that repeats itself).
 
 The lookup runs on the device over the loop's static ``sequence`` buffer, for every row at once:
-one comparison of every slot's window against the row's last tokens and one maximum ([B, L] work,
-a dozen ops, nothing read back to the host), so it adds no host round-trip to the loop.
+a comparison of the sequence, shifted by m, with each of the row's last tokens (m = 0, 1, 2) and one
+maximum ([B, L] work, a dozen ops, nothing read back to the host), so it adds no host round-trip
+to the loop.
 """
 
 from __future__ import annotations
