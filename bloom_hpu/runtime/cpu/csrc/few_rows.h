@@ -245,19 +245,14 @@ inline void block_passes(const T* w, const T* x, int64_t M, int64_t K, int prefe
   }
 }
 
-// out[m, n] of out [M, N]: the fp32 sum plus the bias, rounded once to T (bf16, fp16: to nearest
-// even, as F.linear).
-template <typename T>
-inline void store_output(T* out, const T* bias, int64_t m, int64_t n, int64_t N, float sum) {
-  out[m * N + n] = T(sum + (bias ? static_cast<float>(bias[n]) : 0.0f));
-}
-
 // Outputs n .. n+R-1 of every input row.
 template <typename T, int R>
 inline void output_rows(const T* w, const T* x, const T* bias, T* out, int64_t n, int64_t M, int64_t N, int64_t K,
                         int prefetch) {
-  block_passes<T, R>(w, x, M, K, prefetch,
-                     [&](int64_t m, int r, float sum) { store_output(out, bias, m, n + r, N, sum); });
+  block_passes<T, R>(w, x, M, K, prefetch, [&](int64_t m, int r, float sum) {
+    const float value = sum + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
+    out[m * N + n + r] = T(value);  // bf16, fp16: rounded to nearest even once, as F.linear
+  });
 }
 
 #if !defined(BLOOM_ISA_AVX512)
@@ -281,8 +276,10 @@ template <typename T, int R>
 inline void output_rows_widened(const T* w, const float* x32, const T* bias, T* out, int64_t n, int64_t M,
                                 int64_t N, int64_t K, int prefetch, float* wide) {
   widen_rows<T, R>(w, K, prefetch, wide);
-  block_passes<float, R>(wide, x32, M, K, kNoPrefetch,
-                         [&](int64_t m, int r, float sum) { store_output(out, bias, m, n + r, N, sum); });
+  block_passes<float, R>(wide, x32, M, K, kNoPrefetch, [&](int64_t m, int r, float sum) {
+    const float value = sum + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
+    out[m * N + n + r] = T(value);
+  });
 }
 
 template <typename T>
