@@ -84,15 +84,15 @@ def prefill_with_prefixes(runner, input_ids: torch.Tensor, lengths: torch.Tensor
 
 
 def copy_held(runner, cache: KVCache, rows: list[list[int]], limits: list[int], span: int, namespace: str,
-              count: bool = True, counted: int | None = None) -> list[int] | None:
+              counted: int | None = None) -> list[int] | None:
     """Copy into row r of ``cache`` the blocks the pool holds of ``rows[r]`` (at most ``limits[r]``
     tokens), for rests padded below ``span``: the slots copied per row, or None (nothing copied)
     when the pool holds nothing of them or the longest rest would need a whole ``span`` anyway.
     Partial blocks are taken where copies may take any shape (not on a Gaudi: there the graph
     stand-in saw a repeated load compile new lazy graphs once partial hits turned a batch's
     prefill into an extend), their block's last slots clamped to the row
-    (``PrefixCache._indices``). ``count``: the lookups of the first ``counted`` rows (default all)
-    go into the pool's stats."""
+    (``PrefixCache._indices``). ``counted``: how many leading rows' lookups go into the pool's
+    stats (default all; 0: none)."""
     pool = runner.prefix
     counted = len(rows) if counted is None else counted
     room = pool.partial_span(cache)
@@ -100,7 +100,7 @@ def copy_held(runner, cache: KVCache, rows: list[list[int]], limits: list[int], 
     found = [pool.peek(ids, namespace, limit, partial, room) for ids, limit in zip(rows, limits)]
     if not any(found) or rest_bucket(max(len(ids) - n for ids, n in zip(rows, found)), span) >= span:
         return None
-    held = [pool.lookup(ids, namespace, n, count and row < counted, partial, room)
+    held = [pool.lookup(ids, namespace, n, row < counted, partial, room)
             for row, (ids, n) in enumerate(zip(rows, found))]
     pool.copy_into(cache, [(row, i, j) for row, (chain, _) in enumerate(held) for i, j in enumerate(chain)],
                    pad_to=len(rows) * (span // pool.block))
@@ -135,7 +135,7 @@ def _compute_shared_prefixes(runner, prompt_ids: list[list[int]], prompt_len: in
         if pool.peek(ids, namespace) >= upto:
             continue
         one = runner.cache(1, prompt_len)
-        held = copy_held(runner, one, [ids], [cacheable(upto, pool.block)], prompt_len, namespace, count=False)
+        held = copy_held(runner, one, [ids], [cacheable(upto, pool.block)], prompt_len, namespace, counted=0)
         if held is None:  # nothing held, or a rest as long as the prompt: the prefix alone, prefilled
             padded = ids + [PAD] * (prompt_len - upto)
             runner.prefill(host_to_device(torch.tensor([padded], dtype=torch.long), one.slots.device),

@@ -127,7 +127,7 @@ def _cached_starts(runner, rows: list[list[int]], wanted_from: list[int], cache)
     # Token t is scored from the hidden state at t - 1, which must be computed.
     limits = [min(cacheable(len(row), pool.block), max(0, first - 1) // pool.block * pool.block)
               for row, first in zip(rows, wanted_from)]
-    return copy_held(runner, cache, rows, limits, cache.length, runner.prefix_namespace, count=False)
+    return copy_held(runner, cache, rows, limits, cache.length, runner.prefix_namespace, counted=0)
 
 
 def _scores_of(logits: torch.Tensor, targets: torch.Tensor, top_k: int):
