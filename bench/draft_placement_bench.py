@@ -91,9 +91,8 @@ def collectives(generator: Generator, rows: int, k: int, steps: int) -> dict:
 
 def role(args) -> None:
     """One measurement in this process: the split draft (under the launcher) or the whole one."""
-    torch.set_num_threads(args.threads)
     parallel = init_parallel("cpu")
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)  # after the launcher's own split of the cores, which it would override
     generator = Generator.from_pretrained(args.draft, dtype=args.dtype, parallel=parallel)
     result = {"decode_ms": decode_ms(generator, args.rows, args.prompt_len, args.steps)}
     if parallel.world_size > 1:
