@@ -271,4 +271,7 @@ def _tp_worker(base: str, adapter: str, out: str) -> int:
 if __name__ == "__main__" and "--lora-tp-worker" in sys.argv:
     torch.set_num_threads(1)
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds it
-    sys.exit(_tp_worker(*args[args.index("--lora-tp-worker") + 1 :]))
+    from bloom_hpu.runtime.launch import exit_process
+
+    # not sys.exit: a rank's interpreter exit can abort in the distributed stack's destructors
+    exit_process(_tp_worker(*args[args.index("--lora-tp-worker") + 1 :]))

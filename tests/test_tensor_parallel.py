@@ -311,4 +311,7 @@ def _worker(folder: str, out: str) -> int:
 if __name__ == "__main__" and "--tp-worker" in sys.argv:
     torch.set_num_threads(1)
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the launcher adds it
-    sys.exit(_worker(*args[args.index("--tp-worker") + 1 :]))
+    from bloom_hpu.runtime.launch import exit_process
+
+    # not sys.exit: a rank's interpreter exit can abort in the distributed stack's destructors
+    exit_process(_worker(*args[args.index("--tp-worker") + 1 :]))
