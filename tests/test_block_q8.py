@@ -75,7 +75,8 @@ def test_linear_agrees_with_the_reference(isa, dtype, kind):
     for n in (20, 100):
         q, scales = weight(kind, n, seed=n)
         bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
-        for rows in (1, 3, 17, 128):
+        # 7, 10 and 17: a tile of 4 rows and the last 3, 2 or 1 in a smaller tile
+        for rows in (1, 3, 7, 10, 17, 128):
             x = inputs(rows, dtype, seed=rows)
             for b in (None, bias):
                 got = kernels.block_q8_linear(x, q, scales, b)
