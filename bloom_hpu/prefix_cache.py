@@ -66,7 +66,7 @@ class PrefixStats:
     """Counters since the pool was made (the server exports them on /metrics)."""
 
     lookups: int = 0  # prompts looked up
-    hits: int = 0  # prompts that found at least one block
+    hits: int = 0  # prompts that found blocks they did not compute themselves
     cached_tokens: int = 0  # prompt tokens copied from the pool instead of computed
     looked_up_tokens: int = 0  # prompt tokens of every lookup
     stored_blocks: int = 0
@@ -143,19 +143,21 @@ class PrefixCache:
         return out
 
     def lookup(self, ids: list[int], namespace: str = "", limit: int | None = None, count: bool = True,
-               partial: bool = False, span: int | None = None) -> tuple[list[int], int]:
+               partial: bool = False, span: int | None = None, computed: int = 0) -> tuple[list[int], int]:
         """Pool blocks of the longest held prefix of ``ids`` of at most ``limit`` tokens, in order
         (touched as used), and how many tokens they hold: whole blocks, and with ``partial`` the
         leading part of the block under them that agrees longest with what follows (its block
         last). ``span``: the slots of the row the blocks go to (a partial block must fit in it).
-        ``count``: one lookup of ``len(ids)`` tokens in the stats."""
+        ``count``: one lookup of ``len(ids)`` tokens in the stats, of which ``computed`` (stored
+        for this prompt a moment ago) are not counted as cached (a hit: at least one cached token)."""
         found, tokens = self._held(ids, namespace, limit, partial, span)
         self._touch([digest for digest, _ in found])
         if count:
+            cached = max(0, tokens - computed)
             self.stats.lookups += 1
             self.stats.looked_up_tokens += len(ids)
-            self.stats.hits += bool(found)
-            self.stats.cached_tokens += tokens
+            self.stats.hits += cached > 0
+            self.stats.cached_tokens += cached
         return [block for _, block in found], tokens
 
     def match(self, ids: list[int], namespace: str = "", limit: int | None = None, count: bool = True) -> list[int]:

@@ -145,6 +145,25 @@ def test_a_prefill_groups_filler_rows_are_not_lookups(folders):
     assert (stats.lookups - lookups, stats.hits - hits) == (3, 3)
 
 
+def test_a_prefix_computed_for_a_group_is_one_miss_as_it_is_alone(folders, references):
+    """Three prompts sharing a system prompt the pool has never held, prefilled together: the
+    shared prefix is computed once, for one of them, which counts a miss (no cached tokens); the
+    other two count hits, as a prompt arriving alone after it would. So a prefix costs one miss
+    however its prompts arrive."""
+    generator, engine, run = stepped_engine(folders[0], max_tokens=2)
+    stats = generator.runner.prefix.stats
+    prompts = [SYSTEM + q for q in QUESTIONS[:3]]
+    handles = run(prompts)
+    assert (stats.lookups, stats.hits) == (3, 2)
+    assert sorted(h.cached_tokens > 0 for h in handles) == [False, True, True]
+    assert stats.cached_tokens == sum(h.cached_tokens for h in handles)
+    for prompt, handle in zip(prompts, handles):
+        assert handle.result(1)[0].text == alone(references["base"], prompt, 2)
+    later = run([SYSTEM + QUESTIONS[3]])  # alone, after: a hit of the same blocks
+    assert (stats.lookups, stats.hits) == (4, 3)
+    assert later[0].cached_tokens >= max(h.cached_tokens for h in handles) > 0
+
+
 def test_a_hit_never_crosses_adapters(server, client, references):
     prompt = SYSTEM + "Tell me about the moon."
     base = ask(client, "base", prompt, 8)

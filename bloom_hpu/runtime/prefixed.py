@@ -65,9 +65,9 @@ def prefill_with_prefixes(runner, input_ids: torch.Tensor, lengths: torch.Tensor
     pool = runner.prefix
     prompt_len = input_ids.shape[1]
     requests = len(prompt_ids) if requests is None else requests
-    _compute_shared_prefixes(runner, prompt_ids[:requests], prompt_len, namespace)
+    computed = _compute_shared_prefixes(runner, prompt_ids[:requests], prompt_len, namespace)
     limits = [len(ids) - 1 for ids in prompt_ids]  # whole blocks and a tail, short of the last token
-    starts = copy_held(runner, cache, prompt_ids, limits, prompt_len, namespace, counted=requests)
+    starts = copy_held(runner, cache, prompt_ids, limits, prompt_len, namespace, counted=requests, computed=computed)
     if starts is None:
         for ids in prompt_ids[:requests]:
             pool.match(ids, namespace, 0)  # counted as a lookup that found nothing used
@@ -79,12 +79,12 @@ def prefill_with_prefixes(runner, input_ids: torch.Tensor, lengths: torch.Tensor
     for row, ids in enumerate(prompt_ids[:requests]):
         pool.store(cache, row, ids, len(ids), namespace, pad_to=prompt_len // pool.block)
         runner.backend.mark_step()
-    pool.stats.per_call = starts
+    pool.stats.per_call = [start - computed.get(row, 0) for row, start in enumerate(starts)]
     return logits
 
 
 def copy_held(runner, cache: KVCache, rows: list[list[int]], limits: list[int], span: int, namespace: str,
-              counted: int | None = None) -> list[int] | None:
+              counted: int | None = None, computed: dict[int, int] | None = None) -> list[int] | None:
     """Copy into row r of ``cache`` the blocks the pool holds of ``rows[r]`` (at most ``limits[r]``
     tokens), for rests padded below ``span``: the slots copied per row, or None (nothing copied)
     when the pool holds nothing of them or the longest rest would need a whole ``span`` anyway.
@@ -92,15 +92,17 @@ def copy_held(runner, cache: KVCache, rows: list[list[int]], limits: list[int], 
     stand-in saw a repeated load compile new lazy graphs once partial hits turned a batch's
     prefill into an extend), their block's last slots clamped to the row
     (``PrefixCache._indices``). ``counted``: how many leading rows' lookups go into the pool's
-    stats (default all; 0: none)."""
+    stats (default all; 0: none). ``computed``: {row: tokens of its prefix this call computed just
+    before (``_compute_shared_prefixes``)}, counted as not cached."""
     pool = runner.prefix
     counted = len(rows) if counted is None else counted
+    computed = computed or {}
     room = pool.partial_span(cache)
     partial = room > 0
     found = [pool.peek(ids, namespace, limit, partial, room) for ids, limit in zip(rows, limits)]
     if not any(found) or rest_bucket(max(len(ids) - n for ids, n in zip(rows, found)), span) >= span:
         return None
-    held = [pool.lookup(ids, namespace, n, row < counted, partial, room)
+    held = [pool.lookup(ids, namespace, n, row < counted, partial, room, computed.get(row, 0))
             for row, (ids, n) in enumerate(zip(rows, found))]
     pool.copy_into(cache, [(row, i, j) for row, (chain, _) in enumerate(held) for i, j in enumerate(chain)],
                    pad_to=len(rows) * (span // pool.block))
@@ -118,11 +120,15 @@ def _extend(runner, prompt_ids: list[list[int]], starts: list[int], rest: int, c
                          host_to_device(torch.tensor(lengths, dtype=torch.long), device), cache)
 
 
-def _compute_shared_prefixes(runner, prompt_ids: list[list[int]], prompt_len: int, namespace: str) -> None:
-    """Store the whole blocks two or more of the prompts start with, each such prefix computed once."""
+def _compute_shared_prefixes(runner, prompt_ids: list[list[int]], prompt_len: int, namespace: str) -> dict[int, int]:
+    """Store the whole blocks two or more of the prompts start with, each such prefix computed once.
+    Returns {row: tokens computed}, the row each computation was made for: its lookup counts those
+    tokens as computed, not cached, so a prefix costs one miss whether its prompts come together
+    or one by one (the others that share it count a hit, as they would after it)."""
     pool = runner.prefix
+    computed = {}
     if len(prompt_ids) < 2:
-        return
+        return computed
     chains = [pool.digests(ids, namespace, cacheable(len(ids), pool.block)) for ids in prompt_ids]
     shared = Counter(digest for chain in chains for digest in chain)
     prefixes = {}  # the deepest shared digest of each prompt -> (prompt, tokens up to it)
@@ -132,8 +138,10 @@ def _compute_shared_prefixes(runner, prompt_ids: list[list[int]], prompt_len: in
             prefixes.setdefault(chain[depth], (row, (depth + 1) * pool.block))
     for row, upto in sorted(prefixes.values(), key=lambda p: -p[1]):  # the longest first: it stores the others' blocks
         ids = prompt_ids[row][:upto]
-        if pool.peek(ids, namespace) >= upto:
+        held_before = pool.peek(ids, namespace)
+        if held_before >= upto:
             continue
+        computed[row] = upto - held_before
         one = runner.cache(1, prompt_len)
         held = copy_held(runner, one, [ids], [cacheable(upto, pool.block)], prompt_len, namespace, counted=0)
         if held is None:  # nothing held, or a rest as long as the prompt: the prefix alone, prefilled
@@ -144,3 +152,4 @@ def _compute_shared_prefixes(runner, prompt_ids: list[list[int]], prompt_len: in
             _extend(runner, [ids], held, rest_bucket(upto - held[0], prompt_len), one)
         pool.store(one, 0, ids, upto, namespace, pad_to=prompt_len // pool.block)
         runner.backend.mark_step()
+    return computed
