@@ -79,7 +79,7 @@ def prefill_with_prefixes(runner, input_ids: torch.Tensor, lengths: torch.Tensor
     for row, ids in enumerate(prompt_ids[:requests]):
         pool.store(cache, row, ids, len(ids), namespace, pad_to=prompt_len // pool.block)
         runner.backend.mark_step()
-    pool.stats.per_call = [start - computed.get(row, 0) for row, start in enumerate(starts)]
+    pool.stats.per_call = [max(0, start - computed.get(row, 0)) for row, start in enumerate(starts)]
     return logits
 
 
