@@ -27,7 +27,9 @@ Three measurements, the evidence behind docs/performance.md's "why" paragraphs:
    on (``q8 int8 tiles``); ms and each one's speed-up over fp32, for each kernel build this
    process runs (as an AVX2 CPU: ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``, which also
    caps PyTorch's own products).
-5. **The bf16 dot-product peak**: VDPBF16PS on registers only, no memory, on every thread (built
+5. **fp32 against bf16** (``--dtypes``): our few-rows kernel over a block's four weights in each,
+   at M = 1 ... 16 rows (``--dtype_rows``), per kernel build this process runs.
+6. **The bf16 dot-product peak**: VDPBF16PS on registers only, no memory, on every thread (built
    with ``torch.utils.cpp_extension``, a few seconds), in GFLOP/s; and where the CPU has AMX, the
    same for TDPBF16PS on tiles loaded once. Our kernels cannot beat them.
 
@@ -363,6 +365,40 @@ def tile_peak() -> None:
     print_peak("AMX tile peak", module.tile_peak, "TDPBF16PS", 2_000_000, 4, 16384)
 
 
+def few_rows_dtypes(repeats: int, row_counts: list[int]) -> None:
+    """Our few-rows kernel (``few_rows_linear``) in fp32 and in bf16 over a bloom-560m block's
+    four weights, per kernel build this CPU runs and per M: whether bf16 is ever slower than fp32.
+    The two go round-robin, as in ``integer_products``; medians."""
+    cap = capability.detect()
+    g = torch.Generator().manual_seed(0)
+    weights32 = [torch.randn(n, k, generator=g) / k ** 0.5 for n, k in BLOCK_SHAPES]
+    weights16 = [w.bfloat16() for w in weights32]
+    print(f"few-rows products, fp32 and bf16 ({cap.why}), median of {repeats}: ms over the four weights")
+    for isa in ("avx512_bf16", "avx2"):
+        if not cap.can_run(isa):
+            continue
+        try:
+            kernels = load(isa)
+        except KernelsUnavailable as error:
+            print(f"(no {isa} kernels: {error})")
+            continue
+        for rows in row_counts:
+            inputs32 = [torch.randn(rows, k, generator=g) for _, k in BLOCK_SHAPES]
+            runs = {dtype: (lambda xs=xs, ws=ws: [kernels.few_rows_linear(x, w, None) for x, w in zip(xs, ws)])
+                    for dtype, xs, ws in (("fp32", inputs32, weights32),
+                                          ("bf16", [x.bfloat16() for x in inputs32], weights16))}
+            times = {dtype: [] for dtype in runs}
+            for run in runs.values():
+                run()
+            for _ in range(repeats):
+                for dtype, run in runs.items():
+                    start = time.perf_counter()
+                    run()
+                    times[dtype].append(time.perf_counter() - start)
+            fp32, bf16 = (statistics.median(times[d]) * 1e3 for d in ("fp32", "bf16"))
+            print(f"{isa:>11s} M={rows:3d}: fp32 {fp32:7.3f}  bf16 {bf16:7.3f}  bf16 / fp32 {bf16 / fp32:5.2f}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
@@ -375,6 +411,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip_products", action="store_true", help="only the prompts (with --prompt) or the integer products")
     parser.add_argument("--integer", action="store_true", help="also time the integer products (block_q8_linear)")
     parser.add_argument("--integer_rows", default="1,16,128", help="input rows of the integer products")
+    parser.add_argument("--dtypes", action="store_true", help="also time the few-rows kernel in fp32 against bf16")
+    parser.add_argument("--dtype_rows", default="1,2,3,4,5,6,8,12,16", help="input rows of --dtypes")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -386,6 +424,8 @@ def main(argv=None) -> int:
         prompt_times(args.repeats, args.prompt_tokens, args.cpu_path, args.widen_off)
     if args.integer:
         integer_products(args.repeats, [int(r) for r in args.integer_rows.split(",")])
+    if args.dtypes:
+        few_rows_dtypes(args.repeats, [int(r) for r in args.dtype_rows.split(",")])
     if not args.skip_products:
         dot_peak()
         tile_peak()
