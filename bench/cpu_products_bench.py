@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How fast this CPU can run BLOOM's matrix products, and how close our kernel and PyTorch's get.
 
-Three measurements, the evidence behind docs/performance.md's "why" paragraphs:
+Measurements, the evidence behind docs/performance.md's "why" paragraphs:
 
 1. **Decode products** (memory-bound at a few rows): one pass over every linear weight of a
    bloom-560m-shaped model (24 blocks + the tied LM head, 1 GB in bf16: far larger than the caches,
@@ -37,6 +37,7 @@ Three measurements, the evidence behind docs/performance.md's "why" paragraphs:
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 OMP_NUM_THREADS=2 python bench/cpu_products_bench.py \
         --threads 2 --prompt --cpu_path avx2 --skip_products
     OMP_NUM_THREADS=2 python bench/cpu_products_bench.py --threads 2 --integer --skip_products
+    OMP_NUM_THREADS=2 python bench/cpu_products_bench.py --threads 2 --dtypes --skip_products
 """
 
 from __future__ import annotations
