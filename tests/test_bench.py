@@ -4,6 +4,7 @@ JSON figures exist and agree with each other. No timing assertions: timings are 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 
 import pytest
@@ -115,3 +116,20 @@ def test_prompt_attention_bench_runs_both_ways(mode, capsys):
     assert code == 0
     assert ("one block's attention" if mode else "prefill") + " of 9 real tokens padded to 24" in printed
     assert "one call" in printed and "op by op" in printed
+
+
+def test_cpu_products_bench_times_fp32_against_bf16_per_kernel_build(capsys):
+    """``cpu_products_bench.py --dtypes``: one line per kernel build this CPU runs and row count,
+    with both times and their ratio."""
+    from isas import KERNEL_ISAS
+
+    from bench import cpu_products_bench
+
+    if not KERNEL_ISAS:
+        pytest.skip("no kernel build runs here")
+    cpu_products_bench.few_rows_dtypes(1, [1, 3])
+    lines = [line for line in capsys.readouterr().out.splitlines() if "bf16 / fp32" in line]
+    assert len(lines) == 2 * len(KERNEL_ISAS)
+    for line in lines:
+        fp32, bf16, ratio = map(float, re.search(r"fp32 +(\S+) +bf16 +(\S+) +bf16 / fp32 +(\S+)", line).groups())
+        assert fp32 > 0 and bf16 > 0 and ratio == pytest.approx(bf16 / fp32, abs=0.01)
