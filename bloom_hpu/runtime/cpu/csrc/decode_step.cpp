@@ -332,8 +332,7 @@ at::Tensor decode_step_quantized(const std::vector<at::Tensor>& weights, const s
 }
 
 // F.gelu(x, approximate="tanh") with the decode step's GELU, split over the threads: the prefill's
-// GELU where no product fuses it (the quantized products), which ATen computes at a fraction of
-// the speed.
+// GELU where no product fuses it, which ATen computes at a fraction of the speed.
 at::Tensor gelu_tanh_op(const at::Tensor& input) {
   const at::Tensor x = input.contiguous();
   auto out = at::empty_like(x);
