@@ -189,7 +189,7 @@ CPU_LINEAR = {Linear: CpuLinear, RowParallelLinear: CpuRowParallelLinear}
 class KernelGelu(nn.Module):
     """The MLP's GELU (``nn.GELU(approximate="tanh")``) by the kernels' ``gelu_tanh``: the decode
     step's formula, split over the threads. For prefills whose product does not fuse it, where
-    ATen's GELU is a tenth of an integer-products prompt (and a twentieth of an fp32 one on AVX2)."""
+    ATen's GELU is a tenth of an integer-products prompt (quantized and bf16/fp16 models)."""
 
     def __init__(self, gelu_tanh: Callable):
         super().__init__()
