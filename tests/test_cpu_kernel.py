@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from bloom_hpu.runtime.cpu import CpuOptions, CpuPathError, accelerate, capability
 from bloom_hpu.runtime.cpu.kernels import compiler_found, load
-from bloom_hpu.runtime.cpu.layers import AMX_MIN_ROWS, CpuLinear, CpuTiedHead, OneCallPromptAttention
+from bloom_hpu.runtime.cpu.layers import AMX_MIN_ROWS, CpuLinear, CpuTiedHead, KernelGelu, OneCallPromptAttention
 
 from isas import ALL_KERNEL_ISAS, KERNEL_ISAS, ROOT, needs_amx_tiles, needs_isa
 
@@ -272,6 +272,14 @@ def test_every_path_gives_transformers_greedy_tokens(make_ckpt, path, dtype):
     assert (plan.decode is not None) == want["kernels"]
     assert isinstance(model.h[0].self_attention, OneCallPromptAttention) == want["kernels"]
     assert (mlp.packed is not None) == want["packed"]
+    # The MLP's GELU: inside oneDNN's product where fused; else the kernels' threaded one in bf16 and
+    # fp16; fp32 keeps ATen's, the reference's own.
+    gelu = model.h[0].mlp.gelu
+    if getattr(mlp, "fused_gelu", False):
+        assert isinstance(gelu, torch.nn.Identity)
+    else:
+        assert isinstance(gelu, KernelGelu) == (want["kernels"] and dtype != torch.float32)
+    assert ("threaded GELU" in plan.description) == isinstance(gelu, KernelGelu)
     if want["kernels"]:
         assert plan.description.startswith(capability.ISA_NAMES[plan.kernels.isa] + " kernels")
     else:
