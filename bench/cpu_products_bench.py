@@ -257,13 +257,8 @@ def with_tiles(kernels, product, x, q, scales):
         kernels.enable_amx(0)
 
 
-def integer_products(repeats: int, row_counts: list[int]) -> None:
-    """block_q8_linear against fp32 and bf16 F.linear and the weight-only kernels, per shape and M.
-    Each cell's calls go round-robin with the others' (as prompt_times'), so a drift in the
-    machine's load hits them alike; the median per cell."""
-    from bloom_hpu.int4 import group_scales, quantize_groups
-
-    cap = capability.detect()
+def kernel_builds(cap) -> dict:
+    """{isa: our kernels} for each build this CPU runs (a build that fails is named and left out)."""
     builds = {}
     for isa in ("avx512_bf16", "avx2"):
         if not cap.can_run(isa):
@@ -272,6 +267,31 @@ def integer_products(repeats: int, row_counts: list[int]) -> None:
             builds[isa] = load(isa)
         except KernelsUnavailable as error:
             print(f"(no {isa} kernels: {error})")
+    return builds
+
+
+def round_robin_ms(calls: dict, repeats: int) -> dict:
+    """{name: median ms} of ``repeats`` timed calls of each, after one untimed call each; the
+    calls go round-robin, so a drift in the machine's load hits them alike."""
+    times = {name: [] for name in calls}
+    for call in calls.values():
+        call()
+    for _ in range(repeats):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def integer_products(repeats: int, row_counts: list[int]) -> None:
+    """block_q8_linear against fp32 and bf16 F.linear and the weight-only kernels, per shape and M.
+    Each cell's calls go round-robin with the others' (as prompt_times'), so a drift in the
+    machine's load hits them alike; the median per cell."""
+    from bloom_hpu.int4 import group_scales, quantize_groups
+
+    cap = capability.detect()
+    builds = kernel_builds(cap)
     if not builds:
         print(f"integer products: no kernel build runs here ({cap.why})")
         return
@@ -305,15 +325,7 @@ def integer_products(repeats: int, row_counts: list[int]) -> None:
                 }
                 if tiles.get(isa):  # the same call with the AMX tiles on (int8 weights, 5 rows or more)
                     paths["q8 int8 tiles"] = lambda: with_tiles(kernels, kernels.block_q8_linear, x16, q8, scales8)
-                times = {name: [] for name in paths}
-                for product in paths.values():
-                    product()
-                for _ in range(repeats):
-                    for name, product in paths.items():
-                        start = time.perf_counter()
-                        product()
-                        times[name].append(time.perf_counter() - start)
-                ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+                ms = round_robin_ms(paths, repeats)
                 cells = "".join(f"  {name} {value:7.3f} ({ms['fp32'] / value:5.2f}x)" for name, value in ms.items())
                 print(f"{isa:>11s} N={n:4d} K={k:4d} M={rows:3d}:{cells}")
 
@@ -375,28 +387,14 @@ def few_rows_dtypes(repeats: int, row_counts: list[int]) -> None:
     weights32 = [torch.randn(n, k, generator=g) / k ** 0.5 for n, k in BLOCK_SHAPES]
     weights16 = [w.bfloat16() for w in weights32]
     print(f"few-rows products, fp32 and bf16 ({cap.why}), median of {repeats}: ms over the four weights")
-    for isa in ("avx512_bf16", "avx2"):
-        if not cap.can_run(isa):
-            continue
-        try:
-            kernels = load(isa)
-        except KernelsUnavailable as error:
-            print(f"(no {isa} kernels: {error})")
-            continue
+    for isa, kernels in kernel_builds(cap).items():
         for rows in row_counts:
             inputs32 = [torch.randn(rows, k, generator=g) for _, k in BLOCK_SHAPES]
             runs = {dtype: (lambda xs=xs, ws=ws: [kernels.few_rows_linear(x, w, None) for x, w in zip(xs, ws)])
                     for dtype, xs, ws in (("fp32", inputs32, weights32),
                                           ("bf16", [x.bfloat16() for x in inputs32], weights16))}
-            times = {dtype: [] for dtype in runs}
-            for run in runs.values():
-                run()
-            for _ in range(repeats):
-                for dtype, run in runs.items():
-                    start = time.perf_counter()
-                    run()
-                    times[dtype].append(time.perf_counter() - start)
-            fp32, bf16 = (statistics.median(times[d]) * 1e3 for d in ("fp32", "bf16"))
+            ms = round_robin_ms(runs, repeats)
+            fp32, bf16 = ms["fp32"], ms["bf16"]
             print(f"{isa:>11s} M={rows:3d}: fp32 {fp32:7.3f}  bf16 {bf16:7.3f}  bf16 / fp32 {bf16 / fp32:5.2f}")
 
 
