@@ -121,6 +121,15 @@ def test_the_fastest_is_timed_once_then_read(choice_dir):
     assert sum(calls.values()) == 0  # read, not timed
 
 
+def test_a_candidate_slowed_by_other_work_in_most_rounds_still_wins(choice_dir):
+    """Other work on the machine only adds time: the faster candidate, disturbed in 3 of its 5
+    rounds (1.5 s instead of 1.0), still beats one that takes 1.2 s every round (its median would not)."""
+    seconds = {"native": iter([1.0, 1.5, 1.0, 1.5, 1.5, 1.0]), "widened": iter([1.2] * 6)}
+    runs = {name: (lambda name=name: next(seconds[name])) for name in seconds}
+    picked = choice.choose({"prompts": runs}, {"prompts": "widened"}, {"k": 4}, "measure")
+    assert picked.picks == {"prompts": "native"} and picked.times["prompts"]["native"] == 1.0
+
+
 def test_a_slow_candidate_is_dropped_after_its_warm_up(choice_dir):
     runs, calls = counting({"native": 5.0, "widened": 1.0, "integer": 2.0})
     picked = choice.choose({"prompts": runs}, {"prompts": "native"}, {"k": 2}, "measure")

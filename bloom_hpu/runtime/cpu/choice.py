@@ -5,7 +5,7 @@ to fp32; weight-only or integer products of a quantized weight), which is faster
 CPU (a Xeon whose ``VDPBF16PS`` is slow, a Zen 4 whose is fast, an AVX2 CPU that has none) and
 on the row count. ``routes.py`` names the candidates of each key (a prompt bucket of rows,
 'prompts:1-16', 'prompts:17-64', 'prompts:65+'; 'decode') with a function that times one on the
-model's own shapes; ``choose`` takes the fastest of each key (medians of a few alternated repeats)
+model's own shapes; ``choose`` takes the fastest of each key (the best of a few alternated repeats)
 and remembers it:
 
 * **Cached beside the kernels, named by what determines it**: a file ``bloom_cpu_choice_<hash>.json``
@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -53,7 +52,7 @@ DIR_ENV = "BLOOM_CPU_CHOICE_DIR"  # where the file goes, if not beside the kerne
 MODES = ("measure", "static")
 CLASSES = ("prompts", "decode")  # a key is a class, or a class and a bucket: 'prompts:17-64'
 BUSY = 0.5  # a 1-minute load average above this many per CPU: the machine is busy
-REPEATS = 3  # alternated, after one warm-up call of each candidate: the median of three
+REPEATS = 5  # alternated, after one warm-up call of each candidate: the fastest of five
 PRUNED = 3.0  # a candidate whose warm-up call took this many times the fastest one's is not timed again
 # Environment switches that change which instructions torch, oneDNN and MKL run.
 CAP_ENVS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "DNNL_MAX_CPU_ISA")
@@ -69,7 +68,7 @@ class ChoiceError(ValueError):
 @dataclass(frozen=True)
 class Chosen:
     """``picks``: key -> candidate; ``how``: 'measured', 'cached', 'static' or 'forced';
-    ``times``: key -> candidate -> median seconds (measured or cached); ``provisional``: timed on
+    ``times``: key -> candidate -> best seconds (measured or cached); ``provisional``: timed on
     a busy machine (``BUSY``)."""
 
     picks: dict
@@ -219,16 +218,18 @@ def agree(parallel, decide: Callable[[], Chosen]) -> Chosen:
 
 
 def measure(candidates: dict[str, Callable[[], float]]) -> dict[str, float]:
-    """Median seconds of each candidate: one warm-up call each, then ``REPEATS`` rounds, the
-    candidates alternated within a round so that a change of load falls on all of them. A candidate
-    ``PRUNED`` times slower than the fastest at warm-up keeps that one time (it cannot win)."""
+    """The best seconds of each candidate: one warm-up call each, then ``REPEATS`` rounds, the
+    candidates alternated within a round so that a change of load falls on all of them. The best,
+    not the median: other work on the machine only ever adds time, so a candidate's fastest round is
+    the nearest to its own speed, where a median lets a few disturbed rounds decide. A candidate ``PRUNED`` times slower than the fastest at warm-up keeps that one time
+    (it cannot win)."""
     warm = {name: run() for name, run in candidates.items()}
     fastest = min(warm.values())
     rounds = {name: [] for name in candidates if warm[name] <= PRUNED * fastest}
     for _ in range(REPEATS):
         for name in rounds:
             rounds[name].append(candidates[name]())
-    return {name: statistics.median(rounds[name]) if name in rounds else warm[name] for name in candidates}
+    return {name: min(rounds[name]) if name in rounds else warm[name] for name in candidates}
 
 
 def timed(call: Callable[[], object]) -> float:
