@@ -17,6 +17,7 @@ import transformers
 from generation.generator import Generator
 from generation.search import speculation
 from generation.search.guesses import SpeculationError, ngram_guesses, parse_speculation
+from sampling_reference import SAMPLING, assert_pairs_follow, hf_next, second_and_third
 
 pytestmark = pytest.mark.usefixtures("verify_any_batch")  # batches past the CPU's step-aside
 
@@ -309,9 +310,6 @@ def test_ngram_lookup_equals_the_per_row_reference(vocab):
 # --- sampling ---------------------------------------------------------------------------------------
 
 
-SAMPLING = dict(do_sample=True, temperature=1.5, top_k=4, ignore_eos=True)
-
-
 def test_sampling_is_seeded_and_without_guesses_is_the_plain_sampler(monkeypatch, eos_generator):
     options = dict(max_length=30, seed=11, **SAMPLING)
     plain = ids_of(eos_generator.generate(PROMPTS, **options))
@@ -325,16 +323,6 @@ def test_sampling_is_seeded_and_without_guesses_is_the_plain_sampler(monkeypatch
     assert first == again and stats.accepted > 0
 
 
-def hf_next(model, ids):
-    """transformers' processed next-token distribution [V] after ``ids`` (temperature, top-k)."""
-    config = transformers.GenerationConfig(do_sample=True, temperature=SAMPLING["temperature"], top_k=SAMPLING["top_k"])
-    processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=len(ids), device="cpu")
-    input_ids = torch.tensor([ids])
-    with torch.no_grad():
-        logits = model(input_ids).logits[:, -1].float()
-    return processors(input_ids, logits).softmax(-1)[0]
-
-
 @pytest.mark.slow
 def test_rejection_sampling_keeps_the_targets_distribution(monkeypatch, eos_generator, eos_reference):
     """Chi-square: the second and third tokens (t1, t2) of many seeded rows, after the most common
@@ -342,38 +330,19 @@ def test_rejection_sampling_keeps_the_targets_distribution(monkeypatch, eos_gene
     the likeliest t1 and its likeliest t2, so both acceptance and the residual draw decide them."""
     prompt = PROMPTS[0]
     ids = eos_generator.tokenizer.encode(prompt)
-    t0 = int(hf_next(eos_reference, ids).argmax())
-    p1 = hf_next(eos_reference, ids + [t0])
+    t0, p1, joint = second_and_third(eos_reference, ids)
     g1 = int(p1.argmax())
     g2 = int(hf_next(eos_reference, ids + [t0, g1]).argmax())
     assert 0.2 < p1[g1] < 0.9  # a guess that is neither always nor never accepted
-    joint = {}
-    for t1 in p1.nonzero()[:, 0].tolist():
-        p2 = hf_next(eos_reference, ids + [t0, t1])
-        for t2 in p2.nonzero()[:, 0].tolist():
-            joint[(t1, t2)] = float(p1[t1] * p2[t2])
 
     def guess(sequence, used, k):
         return torch.tensor([[g1, g2] + [0] * (k - 2)] * len(used)), torch.full_like(used, 2)
 
     monkeypatch.setitem(speculation.GUESSERS, "ngram", guess)
-    draws = 6000
-    result = eos_generator.generate(prompt, max_new_tokens=4, max_length=32, seed=5, num_return_sequences=draws,
+    result = eos_generator.generate(prompt, max_new_tokens=4, max_length=32, seed=5, num_return_sequences=6000,
                                     speculate="ngram:2", **SAMPLING)[0]
     assert eos_generator.last_stats.speculation.accepted > 0
-    pairs = [tuple(s.token_ids[1:3]) for s in result.sequences if s.token_ids[0] == t0]
-    assert len(pairs) > 1000
-    counts = {}
-    for pair in pairs:
-        counts[pair] = counts.get(pair, 0) + 1
-    assert set(counts) <= set(joint)  # nothing outside what top-k keeps
-    n = len(pairs)
-    big = [cell for cell, p in joint.items() if p * n >= 5]
-    obs = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]
-    exp = [joint[c] * n for c in big] + [n - sum(joint[c] * n for c in big)]
-    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
-    dof = len([e for e in exp if e > 0]) - 1
-    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
+    assert_pairs_follow(result.sequences, t0, joint)
 
 
 # --- refusals ----------------------------------------------------------------------------------------

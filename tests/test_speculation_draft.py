@@ -25,6 +25,7 @@ from generation.run.batch import make_batch
 from generation.search import draft as draft_module
 from generation.search.draft import DraftGuesser, DraftModel
 from generation.search.guesses import SpeculationError, parse_speculation
+from sampling_reference import SAMPLING, assert_pairs_follow, second_and_third
 from utils.first_layers import first_layers
 
 pytestmark = pytest.mark.usefixtures("verify_any_batch")  # batches past the CPU's step-aside
@@ -206,25 +207,12 @@ def test_guesses_are_the_drafts_greedy_continuation_whatever_the_rows_kept(seed7
 # --- sampling ---------------------------------------------------------------------------------------
 
 
-SAMPLING = dict(do_sample=True, temperature=1.5, top_k=4, ignore_eos=True)
-
-
 def test_sampling_is_seeded(eos_drafted):
     options = dict(max_length=30, seed=11, **SAMPLING)
     first = ids_of(eos_drafted.generate(PROMPTS, **options))
     assert eos_drafted.last_stats.speculation.accepted > 0
     assert ids_of(eos_drafted.generate(PROMPTS, **options)) == first
     assert ids_of(eos_drafted.generate(PROMPTS, **dict(options, seed=12))) != first
-
-
-def hf_next(model, ids):
-    """transformers' processed next-token distribution [V] after ``ids`` (temperature, top-k)."""
-    config = transformers.GenerationConfig(do_sample=True, temperature=SAMPLING["temperature"], top_k=SAMPLING["top_k"])
-    processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=len(ids), device="cpu")
-    input_ids = torch.tensor([ids])
-    with torch.no_grad():
-        logits = model(input_ids).logits[:, -1].float()
-    return processors(input_ids, logits).softmax(-1)[0]
 
 
 @pytest.mark.slow
@@ -235,33 +223,13 @@ def test_rejection_sampling_with_a_draft_keeps_the_targets_distribution(eos_chec
     but not always, so both acceptance and the residual draw decide the tokens."""
     generator = Generator.from_pretrained(eos_checkpoint, speculate="draft:2", draft_model=eos_checkpoint)
     prompt = PROMPTS[0]
-    ids = generator.tokenizer.encode(prompt)
-    t0 = int(hf_next(eos_reference, ids).argmax())
-    p1 = hf_next(eos_reference, ids + [t0])
+    t0, p1, joint = second_and_third(eos_reference, generator.tokenizer.encode(prompt))
     assert 0.2 < p1.max() < 0.9  # a guess that is neither always nor never accepted
-    joint = {}
-    for t1 in p1.nonzero()[:, 0].tolist():
-        p2 = hf_next(eos_reference, ids + [t0, t1])
-        for t2 in p2.nonzero()[:, 0].tolist():
-            joint[(t1, t2)] = float(p1[t1] * p2[t2])
-    draws = 6000
-    result = generator.generate(prompt, max_new_tokens=4, max_length=32, seed=5, num_return_sequences=draws,
+    result = generator.generate(prompt, max_new_tokens=4, max_length=32, seed=5, num_return_sequences=6000,
                                 **SAMPLING)[0]
     stats = generator.last_stats.speculation
     assert 0 < stats.accepted < stats.offered
-    pairs = [tuple(s.token_ids[1:3]) for s in result.sequences if s.token_ids[0] == t0]
-    assert len(pairs) > 1000
-    counts = {}
-    for pair in pairs:
-        counts[pair] = counts.get(pair, 0) + 1
-    assert set(counts) <= set(joint)
-    n = len(pairs)
-    big = [cell for cell, p in joint.items() if p * n >= 5]
-    obs = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]
-    exp = [joint[c] * n for c in big] + [n - sum(joint[c] * n for c in big)]
-    chi2 = sum((o - e) ** 2 / e for o, e in zip(obs, exp) if e > 0)
-    dof = len([e for e in exp if e > 0]) - 1
-    assert chi2 < dof + 5 * (2 * dof) ** 0.5, (chi2, dof)
+    assert_pairs_follow(result.sequences, t0, joint)
 
 
 # --- refusals ----------------------------------------------------------------------------------------
