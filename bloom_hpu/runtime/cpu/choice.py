@@ -221,8 +221,8 @@ def measure(candidates: dict[str, Callable[[], float]]) -> dict[str, float]:
     """The best seconds of each candidate: one warm-up call each, then ``REPEATS`` rounds, the
     candidates alternated within a round so that a change of load falls on all of them. The best,
     not the median: other work on the machine only ever adds time, so a candidate's fastest round is
-    the nearest to its own speed, where a median lets a few disturbed rounds decide. A candidate ``PRUNED`` times slower than the fastest at warm-up keeps that one time
-    (it cannot win)."""
+    the nearest to its own speed, where a median lets a few disturbed rounds decide. A candidate
+    ``PRUNED`` times slower than the fastest at warm-up keeps that one time (it cannot win)."""
     warm = {name: run() for name, run in candidates.items()}
     fastest = min(warm.values())
     rounds = {name: [] for name in candidates if warm[name] <= PRUNED * fastest}
