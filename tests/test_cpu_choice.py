@@ -328,6 +328,43 @@ def test_a_widened_decode_is_transformers_greedy(tiny_checkpoint, choice_dir, ro
     assert compared >= 2 * NEW_TOKENS
 
 
+def test_fp32_prompts_on_onednns_product_are_transformers_greedy(tiny_checkpoint, choice_dir, monkeypatch):
+    """fp32 weights offer a prompt route 'onednn' (oneDNN's product on the plain weight, where torch's
+    F.linear is MKL's), timed with the others; forced, a prompt's products of more than 16 rows run
+    there, and greedy tokens and log-probs are transformers' fp32 ones until its first near tie."""
+    if not capability.onednn_plain_linear(torch.float32):
+        pytest.skip("oneDNN's linear does not take a plain fp32 weight here")
+    measured = Generator.from_pretrained(tiny_checkpoint, cpu=CpuOptions(choice="measure"))
+    files = [json.loads(f.read_text())["times"] for f in choice_dir.glob("bloom_cpu_choice_*.json")]
+    timed = next(t for t in files if PROMPT_KEYS[0] in t)  # the routes' file (the prefetch has its own)
+    assert all("onednn" in timed[key] for key in PROMPT_KEYS), timed
+    del measured
+    from bloom_hpu.runtime.cpu import layers
+
+    rows = []
+    real = layers.onednn_product
+
+    def spy(x, *args):
+        rows.append(x.numel() // x.shape[-1])
+        return real(x, *args)
+
+    monkeypatch.setattr(layers, "onednn_product", spy)
+    generator = Generator.from_pretrained(tiny_checkpoint, cpu=CpuOptions(choice="prompts=onednn"))
+    assert "routes prompts onednn" in generator.backend.fast_path
+    reference = transformers.BloomForCausalLM.from_pretrained(tiny_checkpoint).eval()
+    compared = 0
+    for prompt in PROMPTS + [" ".join(PROMPTS)]:  # the last one past 16 tokens
+        ids = generator.tokenizer.encode(prompt)
+        result = generator.generate(prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True)[0]
+        tokens, logprobs, margins = hf_greedy(reference, ids, NEW_TOKENS)
+        clear = next((i for i, m in enumerate(margins) if m < NEAR_TIE), len(margins))
+        assert result.token_ids[:clear] == tokens[:clear], prompt
+        assert result.sequences[0].token_logprobs[:clear] == pytest.approx(logprobs[:clear], abs=1e-4)
+        compared += clear
+    assert compared >= 2 * NEW_TOKENS
+    assert rows and max(rows) > 16  # the long prompt's products ran on oneDNN's
+
+
 # --- tensor parallelism: one choice for every rank ---------------------------------------------
 
 

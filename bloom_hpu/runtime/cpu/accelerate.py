@@ -429,8 +429,13 @@ def route_candidates(model: StaticBloom, options: CpuOptions, cap: capability.Ca
         prompts = ["native"] + widened + (["integer"] if may_integer else [])
         decode = ["weight-only"] + (["integer"] if may_integer else [])
     elif all(m in linears for m in first):
+        # fp32: torch's F.linear is MKL's; oneDNN's own fp32 product beat it and our kernel on an
+        # AVX2 CPU's prompts (docs/performance.md), lost to the kernel with AVX-512.
+        onednn = options.path != "plain" and not compile_steps and dtype == torch.float32 and \
+            capability.onednn_plain_linear(dtype)
         prompts = ["native"] + widened + \
-            (["kernel"] if kernels is not None and all(m.kernel is not None for m in first) else [])
+            (["kernel"] if kernels is not None and all(m.kernel is not None for m in first) else []) + \
+            (["onednn"] if onednn else [])
         decode = ["native"] + widened
     keys = {key: list(prompts) for key in routes.PROMPT_KEYS}
     keys["decode"] = decode

@@ -193,6 +193,16 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def onednn_plain_linear(dtype: torch.dtype) -> bool:
+    """oneDNN's linear (``mkldnn._linear_pointwise``, a private operation) takes a plain weight in
+    ``dtype`` and computes F.linear here."""
+    ops = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")):
+        return False
+    return agrees_with_linear(lambda x, w, b: ops._linear_pointwise(x, w, b, "none", [], ""), dtype)
+
+
+@functools.lru_cache(maxsize=None)
 def onednn_fuses_gelu(dtype: torch.dtype) -> bool:
     """oneDNN applies a tanh GELU inside a product of plain weights in ``dtype`` here."""
     ops = torch.ops.mkldnn

@@ -138,12 +138,21 @@ def route_of(module, x: torch.Tensor) -> str:
     return module.routes.pick(x) if module.routes is not None else "native"
 
 
+def onednn_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused_gelu: bool) -> torch.Tensor:
+    """oneDNN's product of x [..., K] with ``weight`` (plain [N, K], or packed by ``pack``), its
+    tanh GELU inside with ``fused_gelu``."""
+    activation, algorithm = ("gelu", "tanh") if fused_gelu else ("none", "")
+    # oneDNN reads the input as dense: make sure it is.
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, activation, [], algorithm)
+
+
 class CpuProducts:
     """The product of ``Linear``, by its route (``route_of``): 'widened', ``wide``'s fp32 product;
     'kernel', ``kernel``; 'native', ``kernel`` for at most ``few_rows_limit`` elements, else
-    oneDNN's ``packed`` weight, else ``F.linear``. With ``fused_gelu`` the result is
-    gelu_tanh(product), inside oneDNN's product for large inputs (the model's ``MLP.gelu`` is then
-    swapped for an identity)."""
+    oneDNN's ``packed`` weight, else ``F.linear``; 'onednn', as 'native' but oneDNN's product on the
+    plain weight in place of ``F.linear`` (fp32: torch's F.linear is MKL's, which oneDNN's beats
+    on some CPUs). With ``fused_gelu`` the result is gelu_tanh(product), inside oneDNN's product
+    for large inputs (the model's ``MLP.gelu`` is then swapped for an identity)."""
 
     kernel: Callable | None = None
     few_rows_limit = 0
@@ -159,12 +168,9 @@ class CpuProducts:
         if self.kernel is not None and (route == "kernel" or x.numel() <= self.few_rows_limit):
             out = self.kernel(x, self.weight, bias)
             return F.gelu(out, approximate="tanh") if self.fused_gelu else out
-        if self.packed is None and not self.fused_gelu:
-            return F.linear(x, self.weight, bias)
-        weight = self.packed if self.packed is not None else self.weight
-        # oneDNN reads the input as dense: make sure it is.
-        activation, algorithm = ("gelu", "tanh") if self.fused_gelu else ("none", "")
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, activation, [], algorithm)
+        if route == "onednn" or self.packed is not None or self.fused_gelu:
+            return onednn_product(x, self.packed if self.packed is not None else self.weight, bias, self.fused_gelu)
+        return F.linear(x, self.weight, bias)
 
     def pack(self) -> None:
         """Hand the weight to oneDNN once in its blocked layout (bit-identical results; oneDNN

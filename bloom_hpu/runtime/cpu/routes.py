@@ -7,7 +7,8 @@ Two shape classes, told apart by the input's shape (``int8_activations.prompt_sh
   over a float weight: 'native' (oneDNN's or MKL's product in the model's dtype; our few-rows
   kernel for the rows it serves), 'widened' (bf16/fp16 weights widened to fp32 panels and
   multiplied in fp32: ``layers.WidenedProducts``), 'kernel' (our few-rows kernel for every row
-  count); over a quantized weight: 'native' (weight-only: the kernel for the rows it serves, else
+  count), 'onednn' (fp32 weights: 'native' with oneDNN's product on the plain weight where
+  'native' calls F.linear, which is MKL's); over a quantized weight: 'native' (weight-only: the kernel for the rows it serves, else
   the weight dequantized), 'widened' (weight-only, dequantized into fp32 panels), 'integer' (the
   activations rounded to int8 per block of 32: ``int8_activations.py``);
 * **decode** (one token a row, at most ``DECODE_MOST`` rows; timed at 1, 4 and 16 rows), over a
