@@ -8,9 +8,10 @@ Two shape classes, told apart by the input's shape (``int8_activations.prompt_sh
   kernel for the rows it serves), 'widened' (bf16/fp16 weights widened to fp32 panels and
   multiplied in fp32: ``layers.WidenedProducts``), 'kernel' (our few-rows kernel for every row
   count), 'onednn' (fp32 weights: 'native' with oneDNN's product on the plain weight where
-  'native' calls F.linear, which is MKL's); over a quantized weight: 'native' (weight-only: the kernel for the rows it serves, else
-  the weight dequantized), 'widened' (weight-only, dequantized into fp32 panels), 'integer' (the
-  activations rounded to int8 per block of 32: ``int8_activations.py``);
+  'native' calls F.linear, which is MKL's); over a quantized weight: 'native' (weight-only: the
+  kernel for the rows it serves, else the weight dequantized), 'widened' (weight-only, dequantized
+  into fp32 panels), 'integer' (the activations rounded to int8 per block of 32:
+  ``int8_activations.py``);
 * **decode** (one token a row, at most ``DECODE_MOST`` rows; timed at 1, 4 and 16 rows), over a
   bf16/fp16 weight: 'native' or 'widened'; over a quantized weight: 'weight-only' or 'integer'.
 
