@@ -193,19 +193,17 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def onednn_plain_linear(dtype: torch.dtype) -> bool:
+def onednn_plain_linear(dtype: torch.dtype, gelu: bool = False) -> bool:
     """oneDNN's linear (``mkldnn._linear_pointwise``, a private operation) takes a plain weight in
-    ``dtype`` and computes F.linear here."""
+    ``dtype`` and computes F.linear here (with ``gelu``: and its tanh GELU inside the product)."""
     ops = torch.ops.mkldnn
     if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")):
         return False
-    return agrees_with_linear(lambda x, w, b: ops._linear_pointwise(x, w, b, "none", [], ""), dtype)
+    activation, algorithm = ("gelu", "tanh") if gelu else ("none", "")
+    return agrees_with_linear(lambda x, w, b: ops._linear_pointwise(x, w, b, activation, [], algorithm), dtype,
+                              gelu=gelu)
 
 
-@functools.lru_cache(maxsize=None)
 def onednn_fuses_gelu(dtype: torch.dtype) -> bool:
     """oneDNN applies a tanh GELU inside a product of plain weights in ``dtype`` here."""
-    ops = torch.ops.mkldnn
-    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")):
-        return False
-    return agrees_with_linear(lambda x, w, b: ops._linear_pointwise(x, w, b, "gelu", [], "tanh"), dtype, gelu=True)
+    return onednn_plain_linear(dtype, gelu=True)
