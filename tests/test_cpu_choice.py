@@ -246,6 +246,23 @@ def test_integer_products_go_to_every_prompt_bucket_or_none():
         choice.forced_picks(choice.parse_forced("prompts:3-5=native"), keys, static, routes.TOGETHER)
 
 
+def test_a_class_forced_goes_to_its_buckets_that_offer_the_candidate():
+    """'prompts=onednn' where the 1-16 bucket offers 'native' and 'widened' alone (the few-rows
+    kernel multiplies those rows whatever the route): the buckets past 16 rows take it, 1-16 its
+    static pick; named for that bucket, or for a class no bucket of which offers it, an error."""
+    keys = {PROMPT_KEYS[0]: ["native", "widened"]} | \
+        {k: ["native", "widened", "kernel", "onednn"] for k in PROMPT_KEYS[1:]} | {"decode": ["native", "widened"]}
+    static = {k: "native" for k in keys}
+    assert choice.forced_picks(choice.parse_forced("prompts=onednn"), keys, static, routes.TOGETHER) == \
+        {PROMPT_KEYS[0]: "native", PROMPT_KEYS[1]: "onednn", PROMPT_KEYS[2]: "onednn", "decode": "native"}
+    with pytest.raises(choice.ChoiceError, match="prompts:1-16=kernel cannot run here: choose one of native, widened"):
+        choice.forced_picks(choice.parse_forced("prompts:1-16=kernel"), keys, static, routes.TOGETHER)
+    with pytest.raises(choice.ChoiceError, match="decode=onednn cannot run here"):
+        choice.forced_picks(choice.parse_forced("decode=onednn"), keys, static, routes.TOGETHER)
+    with pytest.raises(choice.ChoiceError, match="prompts:1-16=integer cannot run here"):
+        choice.forced_picks(choice.parse_forced("prompts=integer"), keys, static, routes.TOGETHER)
+
+
 def test_a_products_route_is_its_class_and_its_rows_bucket():
     picks = RowRoutes(("native", "widened", "kernel"), "decode-pick")
     k = 8
@@ -334,10 +351,13 @@ def test_fp32_prompts_on_onednns_product_are_transformers_greedy(tiny_checkpoint
     there, and greedy tokens and log-probs are transformers' fp32 ones until its first near tie."""
     if not capability.onednn_plain_linear(torch.float32):
         pytest.skip("oneDNN's linear does not take a plain fp32 weight here")
-    Generator.from_pretrained(tiny_checkpoint, cpu=CpuOptions(choice="measure"))  # times the routes, writes their file
+    measured = Generator.from_pretrained(tiny_checkpoint, cpu=CpuOptions(choice="measure"))  # times the routes
     files = [json.loads(f.read_text())["times"] for f in choice_dir.glob("bloom_cpu_choice_*.json")]
-    timed = next(t for t in files if PROMPT_KEYS[0] in t)  # the routes' file (the prefetch has its own)
-    assert all("onednn" in timed[key] for key in PROMPT_KEYS), timed
+    timed = next(t for t in files if PROMPT_KEYS[1] in t)  # the routes' file (the prefetch has its own)
+    assert all("onednn" in timed[key] for key in PROMPT_KEYS[1:]), timed
+    # Up to 16 rows the few-rows kernel multiplies whatever the route: one candidate, not timed.
+    assert PROMPT_KEYS[0] not in timed and "prompts 1-16 native" in measured.backend.fast_path, timed
+    del measured
     from bloom_hpu.runtime.cpu import layers
 
     rows = []
@@ -349,7 +369,7 @@ def test_fp32_prompts_on_onednns_product_are_transformers_greedy(tiny_checkpoint
 
     monkeypatch.setattr(layers, "onednn_product", spy)
     generator = Generator.from_pretrained(tiny_checkpoint, cpu=CpuOptions(choice="prompts=onednn"))
-    assert "routes prompts onednn" in generator.backend.fast_path
+    assert "routes prompts 1-16 native, 17-64 onednn, 65+ onednn, decode native (forced)" in generator.backend.fast_path
     reference = transformers.BloomForCausalLM.from_pretrained(tiny_checkpoint).eval()
     compared = 0
     for prompt in PROMPTS + [" ".join(PROMPTS)]:  # the last one past 16 tokens

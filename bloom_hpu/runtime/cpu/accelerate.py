@@ -407,12 +407,19 @@ def integer_allowed(model: StaticBloom, quantized: list) -> bool:
     return bool(quantized)
 
 
+def kernel_serves(linear, rows: int) -> bool:
+    """Whether the few-rows kernel computes ``linear``'s products of up to ``rows`` rows whatever
+    the route (``layers.CpuProducts.product``)."""
+    return getattr(linear, "kernel", None) is not None and rows * linear.weight.shape[1] <= linear.few_rows_limit
+
+
 def route_candidates(model: StaticBloom, options: CpuOptions, cap: capability.Capability,
                      kernels: Kernels | None, linears: list, quantized: list,
                      compile_steps: bool) -> tuple[dict[str, list[str]], dict[str, str]]:
     """The candidates of each key of the choice (``routes.PROMPT_KEYS``, 'decode') that this model
     and these options allow, and the static pick of each (the rule of thumb: widened prompts of
-    more than 16 rows where bf16 products are emulated, weight-only quantized products)."""
+    more than 16 rows where bf16 products are emulated, weight-only quantized products). A bucket
+    whose rows the few-rows kernel takes whatever the route offers 'native' and 'widened' alone."""
     dtype = model.word_embeddings.weight.dtype
     user_integer = bool(quantized) and all(m.int8_activations and not m.__dict__.get("auto_integer") for m in quantized)
     may_widen = options.widen and options.path != "plain" and not compile_steps and \
@@ -438,6 +445,10 @@ def route_candidates(model: StaticBloom, options: CpuOptions, cap: capability.Ca
             (["onednn"] if onednn else [])
         decode = ["native"] + widened
     keys = {key: list(prompts) for key in routes.PROMPT_KEYS}
+    for key, (most, _) in zip(routes.PROMPT_KEYS, routes.PROMPT_BUCKETS):
+        if not quantized and most is not None and all(kernel_serves(m, most) for m in first):
+            # 'kernel' and 'onednn' would run the few-rows kernel's product here, as 'native' does.
+            keys[key] = [name for name in prompts if name not in ("kernel", "onednn")]
     keys["decode"] = decode
     rule = "integer" if decode == ["integer"] else "widened" if widened and cap.emulates_bf16 else "native"
     static = {key: rule for key in routes.PROMPT_KEYS}

@@ -26,8 +26,8 @@ and remembers it:
 ``CpuOptions.choice`` or ``$BLOOM_CPU_CHOICE`` (the option wins): 'measure' (default: cached, else
 timed), 'static' (no timing: the rule of thumb, today's defaults before measuring: widened fp32
 where bf16 products are emulated, weight-only quantized products), or a forced choice
-'prompts=widened,decode=integer' (a class names all its buckets; 'prompts:65+=widened' one; an
-error where a candidate named cannot run here).
+'prompts=widened,decode=integer' (a class names all its buckets that offer the candidate;
+'prompts:65+=widened' one; an error where a candidate named cannot run here).
 """
 
 from __future__ import annotations
@@ -153,15 +153,21 @@ def choose(candidates: dict[str, dict[str, Callable[[], float]]], static: dict[s
 
 def forced_picks(forced: dict[str, str], keys: dict[str, dict], static: dict[str, str],
                  together: tuple[str, ...]) -> dict[str, str]:
-    """Each key's forced candidate (its own, else its class's, else the static one); a ChoiceError
-    where one cannot run here, or a ``together`` name is forced on part of a class."""
+    """Each key's forced candidate (its own, else its class's where the key offers it, else the
+    static one); a ChoiceError where one cannot run here (named for a key that does not offer it,
+    or for a class none of whose keys does), or a ``together`` name is forced on part of a class."""
     for name in forced:
         buckets = [k for k in keys if class_of(k) == class_of(name) and k != class_of(k)]
         if name not in keys and name != class_of(name) and buckets:
             raise ChoiceError(f"CPU choice {name}: no such bucket; choose one of {', '.join(buckets)}")
     picks = {k: forced.get(k, forced.get(class_of(k), static[k])) for k in keys}
     for k, pick in picks.items():
-        if pick not in keys[k] and (k in forced or class_of(k) in forced):
+        if pick in keys[k] or not (k in forced or class_of(k) in forced):
+            continue
+        offered = any(pick in keys[other] for other in keys if class_of(other) == class_of(k))
+        if k not in forced and offered:  # a class's name goes to its buckets that offer it
+            picks[k] = static[k]
+        else:
             raise ChoiceError(f"CPU choice {k}={pick} cannot run here: choose one of {', '.join(keys[k])}")
     for name in together:
         for group in CLASSES:
