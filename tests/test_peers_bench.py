@@ -3,6 +3,8 @@ each peer's converter, minutes of CPU; see the script's docstring)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from bench import peers_bench as pb
@@ -91,3 +93,24 @@ def test_the_table_says_which_routes_ours_picked():
     report["rows"] = pb.build_rows(results, report["spec"])
     assert "bf16 / BF16 / -: prompts 1-16 native, 17-64 kernel, 65+ kernel, decode native (measured)" in \
         pb.markdown(report)
+
+
+def test_decode_interleaved_alternates_the_engines_pair_by_pair():
+    """bench/decode_interleaved.py: each pair times both engines (a one-token request, then the
+    long one), the first engine of a pair alternating, and the ratio is ours' over llama.cpp's."""
+    from bench import decode_interleaved
+
+    calls = []
+
+    class Fake:
+        def __init__(self, name, seconds_a_token):
+            self.name, self.seconds = name, seconds_a_token
+
+        def generate(self, ids, n):
+            calls.append((self.name, n))
+            time.sleep(self.seconds * n)
+
+    pairs = decode_interleaved.interleaved([Fake("ours", 0.001), Fake("llama.cpp", 0.002)], [1, 2, 3], 9, 3)
+    assert [name for name, n in calls if n == 9] == ["ours", "llama.cpp", "llama.cpp", "ours", "ours", "llama.cpp"]
+    assert [n for _, n in calls] == [1, 9] * 6
+    assert all(0.2 < ours / llama < 0.8 for ours, llama in pairs)  # 1 ms a token against 2
