@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Batch-1 decode of ours and llama.cpp in one process, alternated request by request.
 
 ``peers_bench.py`` runs each engine in a process of its own, one after the other; where both
