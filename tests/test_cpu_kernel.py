@@ -86,23 +86,25 @@ def test_16_bit_products_are_the_exact_product_rounded_once(isa, dtype, rows, ou
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it(isa, dtype):
-    """Each row of a call of 1 to 40 rows gets the bits it gets alone: the loop over a few rows and
-    the one for many (on AVX2, 16-bit weights widened once per call into fp32 scratch) make the same
-    FMAs in the same order. Speculation's verify pass and a batch's rows rely on it."""
+    """Each row of a call of 1 to 40 rows (210 for rows of 2560) gets the bits it gets alone: the
+    loop over a few rows and the one for many (on AVX2, 16-bit weights widened once per call into
+    fp32 scratch, a chunk of columns at a time where x outgrows L2, its sums carried from chunk to
+    chunk) make the same FMAs in the same order. Speculation's verify pass and a batch's rows rely
+    on it."""
     needs_isa(isa)
     kernel = load(isa).few_rows_linear
     generator = torch.Generator().manual_seed(3)
-    for n, k in ((1027, 64), (36, 4096)):
+    for n, k, most in ((1027, 64, 40), (36, 4096, 40), (13, 2560, 210)):
         # The first 20 rows' products are exactly 0 (w = [a, -a], x = [b, b]): what comes out is the
         # fp32 sums' rounding, which any other order of the same FMAs changes. The others random.
         a = torch.randn(n, k // 2, generator=generator)
         w = torch.cat([a, -a], dim=1).to(dtype)
         b = torch.randn(20, k // 2, generator=generator)
-        x = torch.cat([torch.cat([b, b], dim=1), torch.randn(20, k, generator=generator)]).to(dtype)
+        x = torch.cat([torch.cat([b, b], dim=1), torch.randn(most - 20, k, generator=generator)]).to(dtype)
         bias = torch.randn(n, generator=generator).to(dtype) / 1024
-        alone = torch.cat([kernel(x[i: i + 1], w, bias) for i in range(40)])
-        for rows in (2, 5, 6, 7, 16, 40):
-            assert torch.equal(kernel(x[:rows], w, bias), alone[:rows]), rows
+        alone = torch.cat([kernel(x[i: i + 1], w, bias) for i in range(most)])
+        for rows in (2, 5, 6, 7, 16, 40, most):
+            assert torch.equal(kernel(x[:rows], w, bias), alone[:rows]), (k, rows)
 
 
 @pytest.mark.parametrize("rows", [4, 5, 16, 17, 33, 80, 130])

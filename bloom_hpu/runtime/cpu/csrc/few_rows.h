@@ -162,7 +162,8 @@ struct Lanes<at::Half> {  // F16C conversions, 8 per instruction
 
 // Many input rows (a prompt, a server's batch): each pass over a block would widen its weights
 // again, so from kFewRowsWidenedFrom rows on, x is widened once per call and each block of weight rows
-// once, into fp32 scratch, and the passes run the fp32 loop (3 x rows a pass, not 2) over it. The
+// once, into fp32 scratch, and the passes run the fp32 loop (3 x rows a pass, not 2) over it (a
+// chunk of columns at a time where x outgrows L2: wide_chunk, below). The
 // scratch holds each 16-element step as the two registers Lanes<T>::dot multiplies, in its order
 // (bf16: the even elements, then the odd ones; fp16: the first 8, then the next 8), so the fp32
 // loop makes the very FMAs of the direct one, in the same order: the same sums, bit for bit, at
@@ -256,52 +257,175 @@ inline void output_rows(const T* w, const T* x, const T* bias, T* out, int64_t n
 }
 
 #if !defined(BLOOM_ISA_AVX512)
-// rows [R, K] of T widened into wide [R, K] (widen_step's layout), the rows still to come
-// prefetched as `prefetch` says, as they are read.
+// Where the widened x ([M, K] fp32) outgrows L2, it is read a chunk of columns at a time (Kc of
+// them: wide_chunk), x and the widened weights laid out chunk by chunk ([chunk][rows][Kc]), so that
+// one chunk of x (at most kWideChunkBytes) serves a group of weight blocks from L2
+// (output_group_widened) where whole rows of x were streamed again for every block of 4 weight
+// rows: 128 rows of 4096 (2 MB) made bloom-560m's product of 4096 columns into 1024 1.2x slower
+// than its product of 1024 into 4096, the same arithmetic.
+constexpr int64_t kWideChunkBytes = 512 * 1024;
+
+// The chunk length for M rows of K: K where x fits kWideChunkBytes, else the largest divisor of K
+// that is a multiple of 32 (a widening step) and keeps a chunk of x within it (at least 256
+// columns); K where there is none.
+inline int64_t wide_chunk(int64_t M, int64_t K) {
+  const int64_t most = std::max<int64_t>(256, kWideChunkBytes / (M * int64_t(sizeof(float))));
+  if (K <= most) return K;
+  for (int64_t chunks = (K + most - 1) / most; chunks <= K / 32; ++chunks)
+    if (K % chunks == 0 && (K / chunks) % 32 == 0) return K / chunks;
+  return K;
+}
+
+// rows [R, K] of T widened into wide [K / Kc][R][Kc] (widen_step's layout), the rows still to
+// come prefetched as `prefetch` says, as they are read.
 template <typename T, int R>
-inline void widen_rows(const T* w, int64_t K, int prefetch, float* wide) {
+inline void widen_rows(const T* w, int64_t K, int64_t Kc, int prefetch, float* wide) {
   for (int64_t k = 0; k < K; k += 32) {  // a 64-byte step of every row
+    float* chunk = wide + (k / Kc) * R * Kc + k % Kc;
     for (int r = 0; r < R; ++r) {
       if (prefetch != kNoPrefetch)
         prefetch_weights(w + r * K + k, R * K * int64_t(sizeof(T)), kPrefetchBytes, prefetch == kL2NextBlock);
-      widen_step(w + r * K + k, wide + r * K + k);
-      widen_step(w + r * K + k + 16, wide + r * K + k + 16);
+      widen_step(w + r * K + k, chunk + r * Kc);
+      widen_step(w + r * K + k + 16, chunk + r * Kc + 16);
     }
   }
 }
 
-// output_rows from fp32 scratch: x32 [M, K] widened once per call, each block of R weight rows
-// widened into `wide` [R, K] once, then the fp32 passes. (Its store is written out as output_rows'
-// is: one helper shared by both made these passes 1.2-1.3x slower with GCC, the same bits.)
+// dot_block's fp32 loop over one chunk of columns of R weight rows w [R, Kc] and MB input rows
+// x [MB, Kc], its running sums (whole vectors) taken from `carry` [MB][R] unless `first` and put
+// back unless `last`, which reduces them into sums[m * R + r] as dot_block does: each lane makes
+// the FMAs of one pass over whole rows, in the same order, so the sums are the same bits.
+template <int R, int MB>
+inline void dot_chunk(const float* w, const float* x, int64_t Kc, bool first, bool last, Acc* carry, float* sums) {
+  using L = Lanes<float>;
+  Acc acc[R][MB];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) acc[r][m] = first ? acc_zero() : carry[m * R + r];
+  for (int64_t k = 0; k < Kc; k += L::step * L::parts) {
+    for (int part = 0; part < L::parts; ++part) {
+      const int64_t kp = k + part * L::step;
+      L::X xv[MB];
+      for (int m = 0; m < MB; ++m) xv[m] = L::load_x(x + m * Kc + kp);
+      for (int r = 0; r < R; ++r)
+        for (int m = 0; m < MB; ++m) acc[r][m] = L::dot(acc[r][m], w + r * Kc + kp, xv[m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MB; ++m) {
+      if (last)
+        sums[m * R + r] = acc_sum(acc[r][m]);
+      else
+        carry[m * R + r] = acc[r][m];
+    }
+}
+
+template <int R, int MB>
+inline void dot_chunk_rows(int64_t mb, const float* w, const float* x, int64_t Kc, bool first, bool last, Acc* carry,
+                           float* sums) {
+  if constexpr (MB > 1) {
+    if (mb < MB) return dot_chunk_rows<R, MB - 1>(mb, w, x, Kc, first, last, carry, sums);
+  }
+  dot_chunk<R, MB>(w, x, Kc, first, last, carry, sums);
+}
+
+// output_rows from fp32 scratch: x32 [K / Kc][M][Kc] widened once per call, each block of R weight
+// rows widened into `wide` [K / Kc][R][Kc] once, then the fp32 passes, chunk by chunk where Kc < K
+// (`carry`: [M][R] vectors). (Its store is written out as output_rows' is: one helper shared by
+// both made these passes 1.2-1.3x slower with GCC, the same bits.)
 template <typename T, int R>
 inline void output_rows_widened(const T* w, const float* x32, const T* bias, T* out, int64_t n, int64_t M,
-                                int64_t N, int64_t K, int prefetch, float* wide) {
-  widen_rows<T, R>(w, K, prefetch, wide);
-  block_passes<float, R>(wide, x32, M, K, kNoPrefetch, [&](int64_t m, int r, float sum) {
-    const float value = sum + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
-    out[m * N + n + r] = T(value);
-  });
+                                int64_t N, int64_t K, int64_t Kc, int prefetch, float* wide, Acc* carry) {
+  widen_rows<T, R>(w, K, Kc, prefetch, wide);
+  if (Kc == K) {
+    block_passes<float, R>(wide, x32, M, K, kNoPrefetch, [&](int64_t m, int r, float sum) {
+      const float value = sum + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
+      out[m * N + n + r] = T(value);
+    });
+    return;
+  }
+  constexpr int xr = kXRows<float>;
+  float sums[R * xr];
+  const int64_t chunks = K / Kc, passes = (M + xr - 1) / xr;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const bool first = c == 0, last = c == chunks - 1;
+    for (int64_t p = 0, m0 = 0; p < passes; ++p) {
+      const int64_t mb = (M - m0 + passes - p - 1) / (passes - p);  // the rows of block_passes' pass p
+      dot_chunk_rows<R, xr>(mb, wide + c * R * Kc, x32 + (c * M + m0) * Kc, Kc, first, last, carry + m0 * R, sums);
+      if (last)
+        for (int64_t m = 0; m < mb; ++m)
+          for (int r = 0; r < R; ++r) {
+            const float value = sums[m * R + r] + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
+            out[(m0 + m) * N + n + r] = T(value);
+          }
+      m0 += mb;
+    }
+  }
 }
+
+// Blocks b0 .. b1 - 1 of R weight rows chunked (Kc < K): all of them widened first (`wide`
+// [b1 - b0][K / Kc][R][Kc]), then chunk by chunk every block's passes, so that x's chunk c
+// ([M][Kc]: 512 KB for 128 rows of 1024) is read from L2 by each block of the group where whole
+// rows of x (2 MB for 128 rows of 4096, past L2) were streamed again for every block.
+template <typename T, int R>
+inline void output_group_widened(const T* w, const float* x32, const T* bias, T* out, int64_t b0, int64_t b1,
+                                 int64_t M, int64_t N, int64_t K, int64_t Kc, int prefetch, float* wide, Acc* carry) {
+  for (int64_t b = b0; b < b1; ++b) widen_rows<T, R>(w + b * R * K, K, Kc, prefetch, wide + (b - b0) * R * K);
+  constexpr int xr = kXRows<float>;
+  float sums[R * xr];
+  const int64_t chunks = K / Kc, passes = (M + xr - 1) / xr;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const bool first = c == 0, last = c == chunks - 1;
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* block = wide + (b - b0) * R * K + c * R * Kc;
+      Acc* block_carry = carry + (b - b0) * M * R;
+      const int64_t n = b * R;
+      for (int64_t p = 0, m0 = 0; p < passes; ++p) {
+        const int64_t mb = (M - m0 + passes - p - 1) / (passes - p);  // the rows of block_passes' pass p
+        dot_chunk_rows<R, xr>(mb, block, x32 + (c * M + m0) * Kc, Kc, first, last, block_carry + m0 * R, sums);
+        if (last)
+          for (int64_t m = 0; m < mb; ++m)
+            for (int r = 0; r < R; ++r) {
+              const float value = sums[m * R + r] + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
+              out[(m0 + m) * N + n + r] = T(value);
+            }
+        m0 += mb;
+      }
+    }
+  }
+}
+
+constexpr int64_t kWideGroupBytes = 256 * 1024;  // widened weights of a group of blocks (L2 beside x's chunk)
 
 template <typename T>
 void linear_rows_widened(const T* x, int64_t M, const T* w, int64_t N, int64_t K, const T* bias, T* out,
                          int prefetch) {
+  const int64_t Kc = wide_chunk(M, K);
   // Scratch aligned to cache lines (PyTorch's allocator), as the fp32 loop's loads expect: a
   // 32-byte load across two lines costs about twice one within a line.
   const at::Tensor x32 = at::empty({M * K}, at::kFloat);
   float* x_wide = x32.data_ptr<float>();
-  for (int64_t i = 0; i < M * K; i += 16) widen_step(x + i, x_wide + i);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; k += 16) widen_step(x + m * K + k, x_wide + ((k / Kc) * M + m) * Kc + k % Kc);
   const int64_t blocks = N / kRows;
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kRows * K * int64_t(sizeof(T))));
+  const int64_t group = Kc < K ? std::max<int64_t>(1, kWideGroupBytes / (kRows * K * int64_t(sizeof(float)))) : 1;
+  const int64_t carried = Kc < K ? group * M * kRows * int64_t(sizeof(Acc) / sizeof(float)) : 0;
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    const at::Tensor wide = at::empty({kRows * K}, at::kFloat);
-    for (int64_t b = begin; b < end; ++b)
-      output_rows_widened<T, kRows>(w + b * kRows * K, x_wide, bias, out, b * kRows, M, N, K, prefetch,
-                                    wide.data_ptr<float>());
+    const at::Tensor wide = at::empty({group * kRows * K + carried}, at::kFloat);
+    Acc* carry = reinterpret_cast<Acc*>(wide.data_ptr<float>() + group * kRows * K);
+    for (int64_t b = begin; b < end; b += group) {
+      if (Kc < K)
+        output_group_widened<T, kRows>(w, x_wide, bias, out, b, std::min(end, b + group), M, N, K, Kc, prefetch,
+                                       wide.data_ptr<float>(), carry);
+      else
+        output_rows_widened<T, kRows>(w + b * kRows * K, x_wide, bias, out, b * kRows, M, N, K, Kc, prefetch,
+                                      wide.data_ptr<float>(), carry);
+    }
   });
-  const at::Tensor wide = at::empty({K}, at::kFloat);
+  const at::Tensor wide = at::empty({K + M * int64_t(sizeof(Acc) / sizeof(float))}, at::kFloat);
+  Acc* carry = reinterpret_cast<Acc*>(wide.data_ptr<float>() + K);
   for (int64_t n = blocks * kRows; n < N; ++n)
-    output_rows_widened<T, 1>(w + n * K, x_wide, bias, out, n, M, N, K, prefetch, wide.data_ptr<float>());
+    output_rows_widened<T, 1>(w + n * K, x_wide, bias, out, n, M, N, K, Kc, prefetch, wide.data_ptr<float>(), carry);
 }
 #endif
 
