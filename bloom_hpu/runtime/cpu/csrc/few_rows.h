@@ -328,42 +328,22 @@ inline void dot_chunk_rows(int64_t mb, const float* w, const float* x, int64_t K
   dot_chunk<R, MB>(w, x, Kc, first, last, carry, sums);
 }
 
-// output_rows from fp32 scratch: x32 [K / Kc][M][Kc] widened once per call, each block of R weight
-// rows widened into `wide` [K / Kc][R][Kc] once, then the fp32 passes, chunk by chunk where Kc < K
-// (`carry`: [M][R] vectors). (Its store is written out as output_rows' is: one helper shared by
-// both made these passes 1.2-1.3x slower with GCC, the same bits.)
+// output_rows from fp32 scratch: x32 [M, K] widened once per call, each block of R weight rows
+// widened into `wide` [R, K] once, then the fp32 passes. (Its store is written out as output_rows'
+// is: one helper shared by both made these passes 1.2-1.3x slower with GCC, the same bits.)
 template <typename T, int R>
 inline void output_rows_widened(const T* w, const float* x32, const T* bias, T* out, int64_t n, int64_t M,
-                                int64_t N, int64_t K, int64_t Kc, int prefetch, float* wide, Acc* carry) {
-  widen_rows<T, R>(w, K, Kc, prefetch, wide);
-  if (Kc == K) {
-    block_passes<float, R>(wide, x32, M, K, kNoPrefetch, [&](int64_t m, int r, float sum) {
-      const float value = sum + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
-      out[m * N + n + r] = T(value);
-    });
-    return;
-  }
-  constexpr int xr = kXRows<float>;
-  float sums[R * xr];
-  const int64_t chunks = K / Kc, passes = (M + xr - 1) / xr;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const bool first = c == 0, last = c == chunks - 1;
-    for (int64_t p = 0, m0 = 0; p < passes; ++p) {
-      const int64_t mb = (M - m0 + passes - p - 1) / (passes - p);  // the rows of block_passes' pass p
-      dot_chunk_rows<R, xr>(mb, wide + c * R * Kc, x32 + (c * M + m0) * Kc, Kc, first, last, carry + m0 * R, sums);
-      if (last)
-        for (int64_t m = 0; m < mb; ++m)
-          for (int r = 0; r < R; ++r) {
-            const float value = sums[m * R + r] + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
-            out[(m0 + m) * N + n + r] = T(value);
-          }
-      m0 += mb;
-    }
-  }
+                                int64_t N, int64_t K, int prefetch, float* wide) {
+  widen_rows<T, R>(w, K, K, prefetch, wide);
+  block_passes<float, R>(wide, x32, M, K, kNoPrefetch, [&](int64_t m, int r, float sum) {
+    const float value = sum + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
+    out[m * N + n + r] = T(value);
+  });
 }
 
-// Blocks b0 .. b1 - 1 of R weight rows chunked (Kc < K): all of them widened first (`wide`
-// [b1 - b0][K / Kc][R][Kc]), then chunk by chunk every block's passes, so that x's chunk c
+// output_rows_widened chunked (Kc < K; x32 [K / Kc][M][Kc]) for blocks b0 .. b1 - 1 of R weight
+// rows: all of them widened first (`wide` [b1 - b0][K / Kc][R][Kc]), then chunk by chunk every
+// block's passes (their sums carried in `carry` [b1 - b0][M][R] vectors), so that x's chunk c
 // ([M][Kc]: 512 KB for 128 rows of 1024) is read from L2 by each block of the group where whole
 // rows of x (2 MB for 128 rows of 4096, past L2) were streamed again for every block.
 template <typename T, int R>
@@ -418,14 +398,18 @@ void linear_rows_widened(const T* x, int64_t M, const T* w, int64_t N, int64_t K
         output_group_widened<T, kRows>(w, x_wide, bias, out, b, std::min(end, b + group), M, N, K, Kc, prefetch,
                                        wide.data_ptr<float>(), carry);
       else
-        output_rows_widened<T, kRows>(w + b * kRows * K, x_wide, bias, out, b * kRows, M, N, K, Kc, prefetch,
-                                      wide.data_ptr<float>(), carry);
+        output_rows_widened<T, kRows>(w + b * kRows * K, x_wide, bias, out, b * kRows, M, N, K, prefetch,
+                                      wide.data_ptr<float>());
     }
   });
-  const at::Tensor wide = at::empty({K + M * int64_t(sizeof(Acc) / sizeof(float))}, at::kFloat);
+  const at::Tensor wide = at::empty({K + (Kc < K ? M * int64_t(sizeof(Acc) / sizeof(float)) : 0)}, at::kFloat);
   Acc* carry = reinterpret_cast<Acc*>(wide.data_ptr<float>() + K);
-  for (int64_t n = blocks * kRows; n < N; ++n)
-    output_rows_widened<T, 1>(w + n * K, x_wide, bias, out, n, M, N, K, Kc, prefetch, wide.data_ptr<float>(), carry);
+  for (int64_t n = blocks * kRows; n < N; ++n) {  // the last rows, one at a time
+    if (Kc < K)
+      output_group_widened<T, 1>(w, x_wide, bias, out, n, n + 1, M, N, K, Kc, prefetch, wide.data_ptr<float>(), carry);
+    else
+      output_rows_widened<T, 1>(w + n * K, x_wide, bias, out, n, M, N, K, prefetch, wide.data_ptr<float>());
+  }
 }
 #endif
 
