@@ -67,7 +67,6 @@ def main() -> None:
         sys.exit(f"decode_interleaved: {args.from_json} is not a peers_bench.py --json output ({e})")
     if args.format not in spec["gguf"]:
         sys.exit(f"decode_interleaved: that run has no {args.format} conversion for llama.cpp")
-    spec["ours_extra"] = spec.get("ours_extra") or {}
     engines = [peers_bench.Ours(spec, args.format), peers_bench.LlamaCpp(spec, args.format)]
     prompt = spec["prompts"]["p16"][0]["ids"]
     for engine in engines:  # warm-up

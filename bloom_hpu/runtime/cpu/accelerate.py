@@ -407,12 +407,6 @@ def integer_allowed(model: StaticBloom, quantized: list) -> bool:
     return bool(quantized)
 
 
-def kernel_serves(linear, rows: int) -> bool:
-    """Whether the few-rows kernel computes ``linear``'s products of up to ``rows`` rows whatever
-    the route (``layers.CpuProducts.product``)."""
-    return getattr(linear, "kernel", None) is not None and rows * linear.weight.shape[1] <= linear.few_rows_limit
-
-
 def route_candidates(model: StaticBloom, options: CpuOptions, cap: capability.Capability,
                      kernels: Kernels | None, linears: list, quantized: list,
                      compile_steps: bool) -> tuple[dict[str, list[str]], dict[str, str]]:
@@ -445,10 +439,11 @@ def route_candidates(model: StaticBloom, options: CpuOptions, cap: capability.Ca
             (["onednn"] if onednn else [])
         decode = ["native"] + widened
     keys = {key: list(prompts) for key in routes.PROMPT_KEYS}
-    for key, (most, _) in zip(routes.PROMPT_KEYS, routes.PROMPT_BUCKETS):
-        if not quantized and most is not None and all(kernel_serves(m, most) for m in first):
-            # 'kernel' and 'onednn' would run the few-rows kernel's product here, as 'native' does.
-            keys[key] = [name for name in prompts if name not in ("kernel", "onednn")]
+    if "kernel" in prompts or "onednn" in prompts:  # float weights: first are CpuProducts
+        for key, (most, _) in zip(routes.PROMPT_KEYS, routes.PROMPT_BUCKETS):
+            if most is not None and all(m.kernel_serves(most) for m in first):
+                # 'kernel' and 'onednn' would run the few-rows kernel's product here, as 'native' does.
+                keys[key] = [name for name in prompts if name not in ("kernel", "onednn")]
     keys["decode"] = decode
     rule = "integer" if decode == ["integer"] else "widened" if widened and cap.emulates_bf16 else "native"
     static = {key: rule for key in routes.PROMPT_KEYS}

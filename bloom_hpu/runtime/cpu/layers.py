@@ -172,6 +172,11 @@ class CpuProducts:
             return onednn_product(x, self.packed if self.packed is not None else self.weight, bias, self.fused_gelu)
         return F.linear(x, self.weight, bias)
 
+    def kernel_serves(self, rows: int) -> bool:
+        """Whether ``product`` gives inputs of up to ``rows`` rows to the few-rows kernel whatever
+        the route (its first test, there on the input's elements)."""
+        return self.kernel is not None and rows * self.weight.shape[1] <= self.few_rows_limit
+
     def pack(self) -> None:
         """Hand the weight to oneDNN once in its blocked layout (bit-identical results; oneDNN
         reads it without reordering it at every call). The plain weight is dropped (a meta tensor keeps its shape and dtype): one
