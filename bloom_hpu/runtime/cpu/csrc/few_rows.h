@@ -280,13 +280,16 @@ inline int64_t wide_chunk(int64_t M, int64_t K) {
 // come prefetched as `prefetch` says, as they are read.
 template <typename T, int R>
 inline void widen_rows(const T* w, int64_t K, int64_t Kc, int prefetch, float* wide) {
-  for (int64_t k = 0; k < K; k += 32) {  // a 64-byte step of every row
-    float* chunk = wide + (k / Kc) * R * Kc + k % Kc;
-    for (int r = 0; r < R; ++r) {
-      if (prefetch != kNoPrefetch)
-        prefetch_weights(w + r * K + k, R * K * int64_t(sizeof(T)), kPrefetchBytes, prefetch == kL2NextBlock);
-      widen_step(w + r * K + k, chunk + r * Kc);
-      widen_step(w + r * K + k + 16, chunk + r * Kc + 16);
+  for (int64_t c0 = 0; c0 < K; c0 += Kc) {
+    float* chunk = wide + c0 * R;  // [R][Kc]
+    for (int64_t k = 0; k < Kc; k += 32) {  // a 64-byte step of every row
+      for (int r = 0; r < R; ++r) {
+        const T* step = w + r * K + c0 + k;
+        if (prefetch != kNoPrefetch)
+          prefetch_weights(step, R * K * int64_t(sizeof(T)), kPrefetchBytes, prefetch == kL2NextBlock);
+        widen_step(step, chunk + r * Kc + k);
+        widen_step(step + 16, chunk + r * Kc + k + 16);
+      }
     }
   }
 }
@@ -384,8 +387,9 @@ void linear_rows_widened(const T* x, int64_t M, const T* w, int64_t N, int64_t K
   // 32-byte load across two lines costs about twice one within a line.
   const at::Tensor x32 = at::empty({M * K}, at::kFloat);
   float* x_wide = x32.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; k += 16) widen_step(x + m * K + k, x_wide + ((k / Kc) * M + m) * Kc + k % Kc);
+  for (int64_t c0 = 0; c0 < K; c0 += Kc)  // x_wide [K / Kc][M][Kc]
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < Kc; k += 16) widen_step(x + m * K + c0 + k, x_wide + c0 * M + m * Kc + k);
   const int64_t blocks = N / kRows;
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kRows * K * int64_t(sizeof(T))));
   const int64_t group = Kc < K ? std::max<int64_t>(1, kWideGroupBytes / (kRows * K * int64_t(sizeof(float)))) : 1;
