@@ -331,24 +331,13 @@ inline void dot_chunk_rows(int64_t mb, const float* w, const float* x, int64_t K
   dot_chunk<R, MB>(w, x, Kc, first, last, carry, sums);
 }
 
-// output_rows from fp32 scratch: x32 [M, K] widened once per call, each block of R weight rows
-// widened into `wide` [R, K] once, then the fp32 passes. (Its store is written out as output_rows'
-// is: one helper shared by both made these passes 1.2-1.3x slower with GCC, the same bits.)
-template <typename T, int R>
-inline void output_rows_widened(const T* w, const float* x32, const T* bias, T* out, int64_t n, int64_t M,
-                                int64_t N, int64_t K, int prefetch, float* wide) {
-  widen_rows<T, R>(w, K, K, prefetch, wide);
-  block_passes<float, R>(wide, x32, M, K, kNoPrefetch, [&](int64_t m, int r, float sum) {
-    const float value = sum + (bias ? static_cast<float>(bias[n + r]) : 0.0f);
-    out[m * N + n + r] = T(value);
-  });
-}
-
-// output_rows_widened chunked (Kc < K; x32 [K / Kc][M][Kc]) for blocks b0 .. b1 - 1 of R weight
-// rows: all of them widened first (`wide` [b1 - b0][K / Kc][R][Kc]), then chunk by chunk every
-// block's passes (their sums carried in `carry` [b1 - b0][M][R] vectors), so that x's chunk c
-// ([M][Kc]: 512 KB for 128 rows of 1024) is read from L2 by each block of the group where whole
-// rows of x (2 MB for 128 rows of 4096, past L2) were streamed again for every block.
+// output_rows from fp32 scratch (x32 [K / Kc][M][Kc], widened once per call) for blocks b0 .. b1 - 1
+// of R weight rows: all of them widened first (`wide` [b1 - b0][K / Kc][R][Kc]), then chunk by
+// chunk every block's passes (where Kc < K, their sums carried in `carry` [b1 - b0][M][R] vectors),
+// so that x's chunk c ([M][Kc]: 512 KB for 128 rows of 1024) is read from L2 by each block of the
+// group where whole rows of x (2 MB for 128 rows of 4096, past L2) were streamed again for every
+// block. (Its store is written out as output_rows' is: one helper shared by both made these passes
+// 1.2-1.3x slower with GCC, the same bits.)
 template <typename T, int R>
 inline void output_group_widened(const T* w, const float* x32, const T* bias, T* out, int64_t b0, int64_t b1,
                                  int64_t M, int64_t N, int64_t K, int64_t Kc, int prefetch, float* wide, Acc* carry) {
@@ -393,27 +382,18 @@ void linear_rows_widened(const T* x, int64_t M, const T* w, int64_t N, int64_t K
   const int64_t blocks = N / kRows;
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (kRows * K * int64_t(sizeof(T))));
   const int64_t group = Kc < K ? std::max<int64_t>(1, kWideGroupBytes / (kRows * K * int64_t(sizeof(float)))) : 1;
-  const int64_t carried = Kc < K ? group * M * kRows * int64_t(sizeof(Acc) / sizeof(float)) : 0;
+  const int64_t carried = Kc < K ? M * kRows * int64_t(sizeof(Acc) / sizeof(float)) : 0;  // per block
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
-    const at::Tensor wide = at::empty({group * kRows * K + carried}, at::kFloat);
+    const at::Tensor wide = at::empty({group * (kRows * K + carried)}, at::kFloat);
     Acc* carry = reinterpret_cast<Acc*>(wide.data_ptr<float>() + group * kRows * K);
-    for (int64_t b = begin; b < end; b += group) {
-      if (Kc < K)
-        output_group_widened<T, kRows>(w, x_wide, bias, out, b, std::min(end, b + group), M, N, K, Kc, prefetch,
-                                       wide.data_ptr<float>(), carry);
-      else
-        output_rows_widened<T, kRows>(w + b * kRows * K, x_wide, bias, out, b * kRows, M, N, K, prefetch,
-                                      wide.data_ptr<float>());
-    }
+    for (int64_t b = begin; b < end; b += group)
+      output_group_widened<T, kRows>(w, x_wide, bias, out, b, std::min(end, b + group), M, N, K, Kc, prefetch,
+                                     wide.data_ptr<float>(), carry);
   });
-  const at::Tensor wide = at::empty({K + (Kc < K ? M * int64_t(sizeof(Acc) / sizeof(float)) : 0)}, at::kFloat);
+  const at::Tensor wide = at::empty({K + carried / kRows}, at::kFloat);
   Acc* carry = reinterpret_cast<Acc*>(wide.data_ptr<float>() + K);
-  for (int64_t n = blocks * kRows; n < N; ++n) {  // the last rows, one at a time
-    if (Kc < K)
-      output_group_widened<T, 1>(w, x_wide, bias, out, n, n + 1, M, N, K, Kc, prefetch, wide.data_ptr<float>(), carry);
-    else
-      output_rows_widened<T, 1>(w + n * K, x_wide, bias, out, n, M, N, K, prefetch, wide.data_ptr<float>());
-  }
+  for (int64_t n = blocks * kRows; n < N; ++n)  // the last rows, one at a time
+    output_group_widened<T, 1>(w, x_wide, bias, out, n, n + 1, M, N, K, Kc, prefetch, wide.data_ptr<float>(), carry);
 }
 #endif
 
