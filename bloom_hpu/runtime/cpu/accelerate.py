@@ -35,6 +35,7 @@ from ...quantize import (INT8_KERNEL_FLOAT_ROWS, INT8_KERNEL_MANY_ROWS, INT8_KER
                         use_int8_activations)
 from . import capability, choice, routes
 from .kernels import Kernels, KernelsUnavailable, load
+from .huge_pages import huge_bytes, model_tensors, move_weights
 from .prefetch import choose_prefetch
 from .layers import (AMX_MIN_ROWS, AMX_TILE_ROWS, CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, KernelGelu,
                      OneCallPromptAttention, WidenedProducts, kernel_suits, swap, unswap)
@@ -62,7 +63,9 @@ class CpuOptions:
     model before the runtime sees it) or 'off' (weight-only products).
     ``choice``: how the routes of ``routes.py`` are chosen: 'measure' (timed on this CPU once,
     cached), 'static' (the rule of thumb, no timing), or forced pairs 'prompts=widened,decode=integer'
-    (``choice.py``); None: ``$BLOOM_CPU_CHOICE``, else 'measure'."""
+    (``choice.py``); None: ``$BLOOM_CPU_CHOICE``, else 'measure'.
+    ``huge_pages``: the weights moved into transparent huge pages where Linux offers them
+    (``huge_pages.py``; off: where they were loaded, to compare)."""
 
     path: str = "auto"
     one_call_steps: bool = True
@@ -71,6 +74,7 @@ class CpuOptions:
     widen: bool = True
     int8_activations: str = "auto"
     choice: str | None = None
+    huge_pages: bool = True
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -495,8 +499,13 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     if options.int8_activations == "on" and quantized and not all(m.int8_activations for m in quantized):
         use_int8_activations(model)  # the option given to the runtime alone: as from_pretrained sets it
     used = []
+    if options.huge_pages:  # first: the steps built below hold the weights where they are then
+        move_weights(model)
+        granted = huge_bytes(model_tensors(model))  # what the kernel gave, not what was asked
+        if granted:
+            used.append(f"weights in huge pages ({granted / 2**20:.0f} MB)")
     if kernels is not None:
-        used.append(choose_prefetch(kernels, options.choice, model.parallel))
+        used.append(choose_prefetch(kernels, options.choice, model.parallel, options.huge_pages))
     amx_tiles = kernels is not None and dtype == torch.bfloat16 and cap.amx and use_amx_tiles(kernels, options.amx)
     # The kernel's row limit: higher where its bf16 products run on AMX tiles; lower where AMX
     # gives oneDNN's bf16 products of many rows the edge over the kernel's AVX-512 loop.
