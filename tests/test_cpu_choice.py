@@ -691,8 +691,9 @@ def test_each_route_runs_where_it_is_set(make_ckpt, choice_dir):
 
 @pytest.mark.parametrize("isa", KERNEL_ISAS)
 def test_the_weight_prefetch_is_timed_once_then_read(choice_dir, monkeypatch, isa):
-    """Both prefetch kinds are timed on a weight streamed from memory (the faster kept, and set in
-    the kernels), then read from the cache; static takes the vendor's rule, timing nothing;
+    """The three prefetch kinds (none, L1, L2) are timed on a weight of the model's format streamed
+    from memory (the fastest kept, and set in the kernels for that format), then read from the
+    cache, one file per format; static takes the vendor's rule, timing nothing;
     ``$BLOOM_CPU_PREFETCH`` forces one."""
     from bloom_hpu.runtime.cpu import prefetch
     from bloom_hpu.runtime.cpu.kernels import load
@@ -700,18 +701,32 @@ def test_the_weight_prefetch_is_timed_once_then_read(choice_dir, monkeypatch, is
 
     kernels = load(isa)
     monkeypatch.delenv(capability.PREFETCH_ENV, raising=False)
-    monkeypatch.setattr(prefetch, "STREAM_ROWS", 4096)  # 8 MB: the choice's machinery, not a figure
-    measured = prefetch.choose_prefetch(kernels, "measure", Parallel())
-    assert measured in ("weight prefetch l1 (measured)", "weight prefetch l2 (measured)")
-    files = list(choice_dir.iterdir())
-    assert len(files) == 1 and '"prefetch"' in files[0].read_text()
-    assert prefetch.choose_prefetch(kernels, "measure", Parallel()) == measured.replace("measured", "cached")
+    monkeypatch.setattr(prefetch, "STREAM_BYTES", 8 << 20)  # the choice's machinery, not a figure
+    products = []
+    timed_products = prefetch.streamed_product
+
+    def seen(kernels, weights, activations, huge_pages):  # the product timed is the format's own
+        products.append(weights)
+        return timed_products(kernels, weights, activations, huge_pages)
+
+    monkeypatch.setattr(prefetch, "streamed_product", seen)
+    for n, weights in enumerate(["bf16", "int8", "int4"], start=1):
+        measured = prefetch.choose_prefetch(kernels, "measure", Parallel(), weights)
+        assert measured in {f"weight prefetch {kind} (measured)" for kind in ("none", "l1", "l2")}
+        files = sorted(choice_dir.iterdir(), key=lambda f: f.stat().st_mtime)
+        assert len(files) == n and products == ["bf16", "int8", "int4"][:n]
+        content = json.loads(files[-1].read_text())
+        assert sorted(content["times"]["prefetch"]) == ["l1", "l2", "none"]
+        timed = content["times"]["prefetch"]
+        assert measured.split()[2] == min(timed, key=timed.get)  # the fastest is the one kept
+        assert prefetch.choose_prefetch(kernels, "measure", Parallel(), weights) == measured.replace("measured", "cached")
     monkeypatch.setattr(capability, "cpu_vendor", lambda: "AuthenticAMD")
     assert prefetch.choose_prefetch(kernels, "static", Parallel()) == "weight prefetch l2 (by vendor)"
     monkeypatch.setattr(capability, "cpu_vendor", lambda: "GenuineIntel")
     assert prefetch.choose_prefetch(kernels, "prompts=native", Parallel()) == "weight prefetch l1 (by vendor)"
     monkeypatch.setenv(capability.PREFETCH_ENV, "l2")
     assert prefetch.choose_prefetch(kernels, "measure", Parallel()) == "weight prefetch l2 (forced)"
-    assert len(list(choice_dir.iterdir())) == 1  # nothing more timed
+    assert len(list(choice_dir.iterdir())) == 3 and len(products) == 3  # nothing more timed
     monkeypatch.delenv(capability.PREFETCH_ENV)
-    prefetch.choose_prefetch(kernels, "static", Parallel())  # the process's default again
+    for weights in ("bf16", "int8", "int4"):  # the process's defaults again
+        prefetch.choose_prefetch(kernels, "static", Parallel(), weights)

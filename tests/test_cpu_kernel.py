@@ -148,39 +148,41 @@ def test_fp32_products_match_the_exact_product(isa, rows, out_features, in_featu
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_either_weight_prefetch_gives_the_same_bits(isa, dtype):
-    """How the few-rows products (float, int8, int4, integer) prefetch weights (L1 along the rows,
-    or L2 the next block) moves no bit of their results, for rows narrower and wider than a prefetch's reach; a kind other than
-    the two is refused; the process's kind is the CPU's (``capability.weight_prefetch``)."""
+def test_every_weight_prefetch_gives_the_same_bits(isa, dtype):
+    """How the few-rows products (float, int8, int4, integer) prefetch weights (not at all, L1 along
+    the rows, or L2 the next block) moves no bit of their results, for rows narrower and wider than
+    a prefetch's reach; a kind or weight format other than the three is refused; the process's kinds are the CPU's (``capability.weight_prefetch``)."""
     needs_isa(isa)
     kernels = load(isa)
     chosen = capability.PREFETCH_KINDS[capability.weight_prefetch()]
+    formats = sorted(set(capability.PREFETCH_FORMATS.values()))
     torch.manual_seed(5)
     try:
         for rows, (n, k) in ((1, (260, 1024)), (5, (36, 4096)), (17, (12, 64))):
             x, w, bias = (torch.randn(rows, k) / 8).to(dtype), torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
-            assert kernels.set_prefetch(1) == 1
-            along_rows = kernels.few_rows_linear(x, w, bias)
-            assert kernels.set_prefetch(2) == 2
-            next_block = kernels.few_rows_linear(x, w, bias)
-            assert torch.equal(along_rows, next_block)
-            # The quantized products of a few rows: weight-only int8 and int4, and integer.
             q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8)
             q4, s4 = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8), torch.rand(n, k // 32) / 50
             s8 = torch.rand(n) / 50
-            products = (lambda: kernels.int8_rows_linear(x, q8, s8, bias),
+            products = (lambda: kernels.few_rows_linear(x, w, bias),
+                        lambda: kernels.int8_rows_linear(x, q8, s8, bias),
                         lambda: kernels.int4_rows_linear(x, q4, s4, bias),
-                        lambda: kernels.block_q8_linear(x, q8, s8, bias),
+                        lambda: kernels.block_q8_linear(x, q8, s8, bias),  # integer products
                         lambda: kernels.block_q8_linear(x, q4, s4, bias))
             for product in products:
-                kernels.set_prefetch(1)
+                for fmt in formats:
+                    assert kernels.set_prefetch(1, fmt) == 1
                 along_rows = product()
-                kernels.set_prefetch(2)
-                assert torch.equal(along_rows, product())
-        with pytest.raises(RuntimeError, match="kind 1 or 2"):
-            kernels.set_prefetch(3)
+                for kind in (2, 0):
+                    for fmt in formats:
+                        assert kernels.set_prefetch(kind, fmt) == kind
+                    assert torch.equal(along_rows, product())
+        with pytest.raises(RuntimeError, match="kind 0, 1 or 2"):
+            kernels.set_prefetch(3, 0)
+        with pytest.raises(RuntimeError, match="format 0, 1 or 2"):
+            kernels.set_prefetch(1, 3)
     finally:
-        kernels.set_prefetch(chosen)
+        for fmt in formats:
+            kernels.set_prefetch(chosen, fmt)
 
 
 def test_the_weight_prefetch_follows_the_vendor_unless_forced(monkeypatch):
@@ -191,8 +193,10 @@ def test_the_weight_prefetch_follows_the_vendor_unless_forced(monkeypatch):
     assert capability.weight_prefetch() == "l1"
     monkeypatch.setenv(capability.PREFETCH_ENV, "L2")
     assert capability.weight_prefetch() == "l2"
+    monkeypatch.setenv(capability.PREFETCH_ENV, "none")
+    assert capability.weight_prefetch() == "none"
     monkeypatch.setenv(capability.PREFETCH_ENV, "far")
-    with pytest.raises(ValueError, match="choose l1 or l2"):
+    with pytest.raises(ValueError, match="choose none, l1, l2"):
         capability.weight_prefetch()
 
 

@@ -112,20 +112,22 @@ def cpu_vendor() -> str | None:
     return cpuinfo_field("vendor_id")
 
 
-# How the few-rows products prefetch the weight rows still to come (csrc/few_rows.h's PrefetchKind).
-PREFETCH_KINDS = {"l1": 1, "l2": 2}
+# How the few-rows products prefetch the weight rows still to come (csrc/prefetch.h's PrefetchKind),
+# each weight format's own (its WeightFormat).
+PREFETCH_KINDS = {"none": 0, "l1": 1, "l2": 2}
+PREFETCH_FORMATS = {"bf16": 0, "fp16": 0, "fp32": 0, "int8": 1, "int4": 2}
 PREFETCH_ENV = "BLOOM_CPU_PREFETCH"
 
 
 def weight_prefetch() -> str:
     """'l2' (into L2, the next block of weight rows) on AMD CPUs, where it streams a decode's
     weights at up to twice the speed of 'l1' (into L1, further along the same rows), which is what
-    the Xeons were measured at the memory's speed with and keep. ``$BLOOM_CPU_PREFETCH`` (l1 or l2)
-    forces one."""
+    the Xeons were measured at the memory's speed with and keep (the rule of thumb: the measured
+    choice, ``prefetch.py``, also weighs 'none'). ``$BLOOM_CPU_PREFETCH`` (none, l1 or l2) forces one."""
     forced = os.environ.get(PREFETCH_ENV, "").strip().lower()
     if forced:
         if forced not in PREFETCH_KINDS:
-            raise ValueError(f"{PREFETCH_ENV}={forced!r}: choose l1 or l2")
+            raise ValueError(f"{PREFETCH_ENV}={forced!r}: choose {', '.join(PREFETCH_KINDS)}")
         return forced
     return "l2" if cpu_vendor() == "AuthenticAMD" else "l1"
 

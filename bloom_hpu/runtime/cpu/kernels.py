@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from ...int4 import dequantized_int4
 from ...int8_activations import block_product, quantize_blocks
 from .build import BuildError, Recipe, load_library
-from .capability import ISA_NAMES, PREFETCH_KINDS, weight_prefetch
+from .capability import ISA_NAMES, PREFETCH_FORMATS, PREFETCH_KINDS, weight_prefetch
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / name for name in ("few_rows_linear.cpp", "decode_step.cpp", "prompt_attention.cpp",
@@ -86,7 +86,8 @@ class Kernels:
     block_q8_quantize: Callable  # (x [..., K]) -> (xq int8 [..., K], d fp32 [..., K / 32]): quantize_blocks
     block_q8_linear: Callable  # (x, q int8 [N, K] or uint8 [N, K / 2], scales, bias): block_product
     gelu_tanh: Callable  # (x) -> F.gelu(x, approximate="tanh"), the decode step's formula, threaded
-    set_prefetch: Callable  # (kind) -> the kind in force: how the few-rows products prefetch weights (1 L1, 2 L2)
+    set_prefetch: Callable  # (kind, format) -> the kind in force: how the few-rows products over one weight
+    # format (capability.PREFETCH_FORMATS) prefetch weights (capability.PREFETCH_KINDS: 0 none, 1 L1, 2 L2)
 
 
 _built: dict[str, Kernels | KernelsUnavailable] = {}
@@ -143,7 +144,8 @@ def _build_and_probe(isa: str) -> Kernels:
         raise KernelsUnavailable(f"were built without their operators ({error})") from None
     _register_fake(namespace)
     try:
-        kernels.set_prefetch(PREFETCH_KINDS[weight_prefetch()])
+        for fmt in set(PREFETCH_FORMATS.values()):
+            kernels.set_prefetch(PREFETCH_KINDS[weight_prefetch()], fmt)
     except ValueError as error:  # a malformed $BLOOM_CPU_PREFETCH
         raise KernelsUnavailable(str(error)) from None
     _probe(kernels)

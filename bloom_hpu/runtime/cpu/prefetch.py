@@ -1,12 +1,15 @@
 """How our kernels prefetch the weights a decode streams from memory (``csrc/prefetch.h``): into
-L1 further along the same rows, or into L2 the next block of rows. Which keeps the memory busier
-depends on the CPU (the Xeons streamed at the memory's speed with the first, a Zen 4 at half of it
-and at full speed with the second), so it is chosen like the routes (``choice.py``): both kinds
-timed once per machine on a product over a weight larger than the caches, the faster cached
-beside the kernels; ``static`` (and the test suite) takes the CPU vendor's rule
-(``capability.weight_prefetch``); ``$BLOOM_CPU_PREFETCH`` forces one. Both give the same bits: only
-the speed depends on it. The weight timed sits in huge pages where the model's do (``huge_pages.py``):
-the prefetch that wins can depend on the pages it crosses."""
+L1 further along the same rows, into L2 the next block of rows, or not at all (the hardware's
+stream prefetchers alone). Which keeps the memory busiest depends on the CPU and on the weights'
+format (the Xeons streamed at the memory's speed with L1; one Zen 4 at half of it, and at full
+speed with L2; another Zen 4 streamed bf16 and fp32 fastest with none, and int4 at half speed with
+none), so it is chosen like the routes (``choice.py``), per weight format: the three kinds timed
+once per machine and format on a product over a weight of that format larger than the caches, the
+fastest cached beside the kernels and set for that format's products; ``static`` (and the test
+suite) takes the CPU vendor's rule (``capability.weight_prefetch``); ``$BLOOM_CPU_PREFETCH``
+forces one. Every kind gives the same bits: only the speed depends on it. The weight timed sits in
+huge pages where the model's do (``huge_pages.py``): the prefetch that wins can depend on the
+pages it crosses."""
 
 from __future__ import annotations
 
@@ -18,41 +21,65 @@ from . import capability, choice
 from .huge_pages import huge_zeros
 from .kernels import Kernels
 
-# A bf16 weight of [STREAM_ROWS, STREAM_WIDTH]: 128 MB, beyond the caches, so a product reads it
-# from memory as a decode step reads the model's weights.
-STREAM_ROWS = 65536
+# The weight timed: 128 MB of rows STREAM_WIDTH wide, beyond the caches, so a product reads it from
+# memory as a decode step reads the model's weights.
+STREAM_BYTES = 128 << 20
 STREAM_WIDTH = 1024
+INT4_GROUP = 64  # the int4 weight's scales: one per 64 weights of a row (the default --group_size)
 
 
-def choose_prefetch(kernels: Kernels, option: str | None, parallel, huge_pages: bool = False) -> str:
-    """Set the process's weight prefetch for ``kernels`` and say which and how: 'weight prefetch l2
-    (measured)', '(cached)', '(static)', '(forced)'. ``option``: the routes' choice mode
-    (``CpuOptions.choice``); ``parallel``: the model's ranks, which take rank 0's pick;
-    ``huge_pages``: the model's weights are in huge pages (``CpuOptions.huge_pages``)."""
+def choose_prefetch(kernels: Kernels, option: str | None, parallel, weights: str = "bf16",
+                    activations: torch.dtype = torch.bfloat16, huge_pages: bool = False) -> str:
+    """Set the weight prefetch of ``kernels``' products over ``weights`` (a key of
+    ``capability.PREFETCH_FORMATS``: the model's dtype, or its quantized format), for the process,
+    and say which and how: 'weight prefetch l2 (measured)', '(cached)', '(by vendor)', '(forced)'.
+    ``activations``: the inputs' dtype; ``option``: the routes' choice mode (``CpuOptions.choice``);
+    ``parallel``: the model's ranks, which take rank 0's pick; ``huge_pages``: the model's weights
+    are in huge pages (``CpuOptions.huge_pages``)."""
     if os.environ.get(capability.PREFETCH_ENV, "").strip():
         kind, how = capability.weight_prefetch(), "forced"
     else:
-        chosen = choice.agree(parallel, lambda: decide(kernels, option, huge_pages))
+        chosen = choice.agree(parallel, lambda: decide(kernels, option, weights, activations, huge_pages))
         kind, how = chosen.picks["prefetch"], chosen.how + (", provisional" if chosen.provisional else "")
         how = "by vendor" if how in ("static", "forced") else how  # another key forced: the vendor's rule
-    kernels.set_prefetch(capability.PREFETCH_KINDS[kind])
+    kernels.set_prefetch(capability.PREFETCH_KINDS[kind], capability.PREFETCH_FORMATS[weights])
     return f"weight prefetch {kind} ({how})"
 
 
-def decide(kernels: Kernels, option: str | None, huge_pages: bool = False) -> choice.Chosen:
-    weight = []  # made at the first timing only: a cached answer allocates nothing
-    x = torch.ones(1, STREAM_WIDTH, dtype=torch.bfloat16)
+def streamed_product(kernels: Kernels, weights: str, activations: torch.dtype, huge_pages: bool):
+    """A call of ``weights``' few-rows product of one row over a weight of STREAM_BYTES (allocated
+    here: zeros, written, as pages never touched would all read one shared page)."""
+    zeros = huge_zeros if huge_pages else torch.zeros
+    x = torch.ones(1, STREAM_WIDTH, dtype=activations)
+    if weights == "int8":
+        rows = STREAM_BYTES // STREAM_WIDTH
+        q, scales = zeros((rows, STREAM_WIDTH), dtype=torch.int8), torch.ones(rows)
+        return lambda: kernels.int8_rows_linear(x, q, scales, None)
+    if weights == "int4":
+        rows = STREAM_BYTES // (STREAM_WIDTH // 2)
+        q, scales = zeros((rows, STREAM_WIDTH // 2), dtype=torch.uint8), torch.ones(rows, STREAM_WIDTH // INT4_GROUP)
+        return lambda: kernels.int4_rows_linear(x, q, scales, None)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[weights]
+    w = zeros((STREAM_BYTES // (STREAM_WIDTH * dtype.itemsize), STREAM_WIDTH), dtype=dtype)
+    x = x.to(dtype)
+    return lambda: kernels.few_rows_linear(x, w, None)
+
+
+def decide(kernels: Kernels, option: str | None, weights: str, activations: torch.dtype,
+           huge_pages: bool) -> choice.Chosen:
+    product = []  # made at the first timing only: a cached answer allocates nothing
+    fmt = capability.PREFETCH_FORMATS[weights]
 
     def streaming(kind: str):
         def run() -> float:
-            if not weight:  # zeros, written: pages never touched would all read one shared page
-                zeros = huge_zeros if huge_pages else torch.zeros
-                weight.append(zeros((STREAM_ROWS, STREAM_WIDTH), dtype=torch.bfloat16))
-            kernels.set_prefetch(capability.PREFETCH_KINDS[kind])
-            return choice.timed(lambda: kernels.few_rows_linear(x, weight[0], None))
+            if not product:
+                product.append(streamed_product(kernels, weights, activations, huge_pages))
+            kernels.set_prefetch(capability.PREFETCH_KINDS[kind], fmt)
+            return choice.timed(product[0])
         return run
 
     candidates = {"prefetch": {kind: streaming(kind) for kind in capability.PREFETCH_KINDS}}
-    determined_by = {"what": "weight prefetch", "isa": kernels.isa, "weight": [STREAM_ROWS, STREAM_WIDTH],
+    determined_by = {"what": "weight prefetch", "isa": kernels.isa, "weights": weights,
+                     "activations": str(activations), "bytes": STREAM_BYTES, "width": STREAM_WIDTH,
                      "huge_pages": huge_pages}
     return choice.choose(candidates, {"prefetch": capability.weight_prefetch()}, determined_by, option)

@@ -609,7 +609,7 @@ struct FewBlock {
                   const Q8FewInput& in, int64_t m0, int64_t K, float* sums) {
 #if defined(BLOOM_ISA_AVX512)
     const int64_t blocks = K / kQ8Block;
-    const bool next_block = prefetch_next_block();
+    const int prefetch = weight_prefetch(W == Q8Weight::kInt8 ? kInt8Weights : kInt4Weights);
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -617,7 +617,7 @@ struct FewBlock {
       __m512i w[R];
       __m512 sv[R];  // int4: the two blocks' scales, 8 lanes each
       for (int r = 0; r < R; ++r) {
-        prefetch_weights(q + r * row_bytes + b * (row_bytes / blocks), R * row_bytes, kQ8FewPrefetch, next_block);
+        prefetch_weights(q + r * row_bytes + b * (row_bytes / blocks), R * row_bytes, kQ8FewPrefetch, prefetch);
         w[r] = few_weights<W>(q + r * row_bytes, b);
         if constexpr (W == Q8Weight::kInt4) {
           const float* s = scales + r * groups;
@@ -662,12 +662,12 @@ struct FewBlock {
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
-    const bool next_block = prefetch_next_block();
+    const int prefetch = weight_prefetch(W == Q8Weight::kInt8 ? kInt8Weights : kInt4Weights);
     for (int64_t b = 0; b < blocks; ++b) {
       __m256i w[R];
       for (int r = 0; r < R; ++r) {
         const uint8_t* p = q + r * row_bytes + b * (row_bytes / blocks);
-        prefetch_weights(p, R * row_bytes, kQ8FewPrefetch, next_block);
+        prefetch_weights(p, R * row_bytes, kQ8FewPrefetch, prefetch);
         w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       }
       for (int m = 0; m < MB; ++m) {
@@ -702,7 +702,7 @@ struct FewBlock {
     for (int p = 0; p < P; ++p)
       for (int m = 0; m < MB; ++m) acc[p][m] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
-    const bool next_block = prefetch_next_block();
+    const int prefetch = weight_prefetch(W == Q8Weight::kInt8 ? kInt8Weights : kInt4Weights);
     int64_t g = 0, left = blocks_per_group;
     for (int64_t b = 0; b < blocks; ++b) {
       __m256i lo[P], hi[P];
@@ -712,8 +712,8 @@ struct FewBlock {
         const uint8_t* pa = q + a * row_bytes + b * 16;
         const uint8_t* pc = q + c * row_bytes + b * 16;
         if (b % 4 == 0) {  // one prefetch per 64-byte line of each row
-          prefetch_weights(pa, R * row_bytes, kQ8FewPrefetch, next_block);
-          prefetch_weights(pc, R * row_bytes, kQ8FewPrefetch, next_block);
+          prefetch_weights(pa, R * row_bytes, kQ8FewPrefetch, prefetch);
+          prefetch_weights(pc, R * row_bytes, kQ8FewPrefetch, prefetch);
         }
         const __m256i bytes = _mm256_inserti128_si256(
             _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(pa))),
@@ -762,7 +762,7 @@ struct FewQuad {
   static void run(const uint8_t* q, int64_t row_bytes, const float* scales, int64_t groups, int64_t G,
                   const Q8FewInput& in, int64_t K, float* sums) {
     const int64_t quads = K / (4 * kQ8Block);
-    const bool next_block = prefetch_next_block();
+    const int prefetch = weight_prefetch(kInt4Weights);
     const __m512i nibble = _mm512_set1_epi8(0x0F);
     // A quad's 4 blocks span 4 / (G / 32) groups (G a power of two from 32): shifts, not divisions,
     // find them, and one masked load (no read past the row's last scale) takes their scales.
@@ -780,13 +780,13 @@ struct FewQuad {
       __m512 sv[R];
       for (int r = 0; r < R; ++r) {
         const uint8_t* line = q + r * row_bytes + j * 64;
-        prefetch_weights(line, R * row_bytes, kQ8FewPrefetch, next_block);
+        prefetch_weights(line, R * row_bytes, kQ8FewPrefetch, prefetch);
         const __m512i z = _mm512_loadu_si512(line);
         lo[r] = _mm512_and_si512(z, nibble);
         hi[r] = _mm512_and_si512(_mm512_srli_epi16(z, 4), nibble);
         const float* s = scales + r * groups + ((4 * j) >> shift);
         if (((4 * j) >> shift) % 16 == 0)  // the next scales too, a line (16 of them) at a time
-          prefetch_weights(s, R * groups * int64_t(sizeof(float)), kQ8FewPrefetch, next_block);
+          prefetch_weights(s, R * groups * int64_t(sizeof(float)), kQ8FewPrefetch, prefetch);
         sv[r] = _mm512_permutexvar_ps(spread, _mm512_maskz_loadu_ps(scale_lanes, s));
       }
       for (int m = 0; m < MB; ++m) {

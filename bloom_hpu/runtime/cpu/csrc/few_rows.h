@@ -200,7 +200,7 @@ inline void dot_block(const T* w, const T* x, int64_t K, float* sums) {
   for (int64_t k = 0; k < K; k += L::step * L::parts) {
     if constexpr (Prefetch != kNoPrefetch)
       for (int r = 0; r < R; ++r)
-        prefetch_weights(w + r * K + k, R * K * int64_t(sizeof(T)), kPrefetchBytes, Prefetch == kL2NextBlock);
+        prefetch_weights(w + r * K + k, R * K * int64_t(sizeof(T)), kPrefetchBytes, Prefetch);
     for (int part = 0; part < L::parts; ++part) {
       const int64_t kp = k + part * L::step;
       typename L::X xv[MB];
@@ -286,7 +286,7 @@ inline void widen_rows(const T* w, int64_t K, int64_t Kc, int prefetch, float* w
       for (int r = 0; r < R; ++r) {
         const T* step = w + r * K + c0 + k;
         if (prefetch != kNoPrefetch)
-          prefetch_weights(step, R * K * int64_t(sizeof(T)), kPrefetchBytes, prefetch == kL2NextBlock);
+          prefetch_weights(step, R * K * int64_t(sizeof(T)), kPrefetchBytes, prefetch);
         widen_step(step, chunk + r * Kc + k);
         widen_step(step + 16, chunk + r * Kc + k + 16);
       }
@@ -401,7 +401,7 @@ void linear_rows_widened(const T* x, int64_t M, const T* w, int64_t N, int64_t K
 // a multiple of kStepBytes.
 template <typename T>
 void linear_rows(const T* x, int64_t M, const T* w, int64_t N, int64_t K, const T* bias, T* out) {
-  const int prefetch = prefetch_kind().load(std::memory_order_relaxed);
+  const int prefetch = weight_prefetch(kFloatWeights);
 #if !defined(BLOOM_ISA_AVX512)
   if constexpr (!std::is_same_v<T, float>) {
     if (M >= kFewRowsWidenedFrom) return linear_rows_widened(x, M, w, N, K, bias, out, prefetch);

@@ -46,12 +46,14 @@ int64_t enable_amx(int64_t min_rows) {
 #endif
 }
 
-// How the few-rows products prefetch the weight rows still to come, for the process (few_rows.h's
-// PrefetchKind: 1 into L1 along the rows, 2 into L2 the next block); returns the kind in force.
-int64_t set_prefetch(int64_t kind) {
-  TORCH_CHECK(kind == bloom_cpu::kL1Ahead || kind == bloom_cpu::kL2NextBlock, "set_prefetch: kind 1 or 2");
-  bloom_cpu::prefetch_kind().store(int(kind));
-  return bloom_cpu::prefetch_kind().load();
+// How the few-rows products over one weight format (prefetch.h's WeightFormat: 0 bf16/fp16/fp32,
+// 1 int8, 2 int4) prefetch the weight rows still to come, for the process (PrefetchKind: 0 not at
+// all, 1 into L1 along the rows, 2 into L2 the next block); returns the kind in force.
+int64_t set_prefetch(int64_t kind, int64_t format) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, "set_prefetch: kind 0, 1 or 2");
+  TORCH_CHECK(format >= 0 && format < bloom_cpu::kWeightFormats, "set_prefetch: format 0, 1 or 2");
+  bloom_cpu::prefetch_kind(int(format)).store(int(kind));
+  return bloom_cpu::prefetch_kind(int(format)).load();
 }
 
 }  // namespace
@@ -61,7 +63,7 @@ int64_t set_prefetch(int64_t kind) {
 BLOOM_LIBRARY(BLOOM_OPS, m) {
   m.def("few_rows_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("enable_amx(int min_rows) -> int", &enable_amx);
-  m.def("set_prefetch(int kind) -> int", &set_prefetch);
+  m.def("set_prefetch(int kind, int format) -> int", &set_prefetch);
 }
 
 BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {

@@ -90,7 +90,7 @@ struct Int4WidenedBlock {
     Int8Sums acc[R][MB];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = sums_zero();
-    const bool next_block = prefetch_next_block();
+    const int prefetch = weight_prefetch(kInt4Weights);
     for (int64_t g = 0; g < groups; ++g) {
       Int8Sums part[R][MB];
       for (int r = 0; r < R; ++r)
@@ -98,7 +98,7 @@ struct Int4WidenedBlock {
       for (int64_t k = g * G; k < (g + 1) * G; k += kInt4Block) {
         for (int r = 0; r < R; ++r) {
           const uint8_t* block = q + r * row_bytes + k / 2;
-          prefetch_weights(block, R * row_bytes, kInt4PrefetchBytes, next_block);
+          prefetch_weights(block, R * row_bytes, kInt4PrefetchBytes, prefetch);
           __m128i low, high;
           unpack_block(block, low, high);
           const Vec16 w_low = widen16(low), w_high = widen16(high);
@@ -148,7 +148,7 @@ struct Int4Bf16DotBlock {
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-    const bool next_block = prefetch_next_block();
+    const int prefetch = weight_prefetch(kInt4Weights);
     for (int64_t g = 0; g < groups; ++g) {
       __m512i table[R];
       for (int r = 0; r < R; ++r) table[r] = bf16_group_table(scales[r * groups + g]);
@@ -156,7 +156,7 @@ struct Int4Bf16DotBlock {
         __m512bh w[R];
         for (int r = 0; r < R; ++r) {
           const uint8_t* block = q + r * row_bytes + k / 2;
-          prefetch_weights(block, R * row_bytes, kInt4PrefetchBytes, next_block);
+          prefetch_weights(block, R * row_bytes, kInt4PrefetchBytes, prefetch);
           w[r] = load32_int4_bf16(block, table[r]);
         }
         for (int m = 0; m < MB; ++m) {

@@ -81,9 +81,9 @@ struct WidenedBlock {
     Int8Sums acc[R][MB];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = sums_zero();
-    const bool next_block = prefetch_next_block();
+    const int prefetch = weight_prefetch(kInt8Weights);
     for (int64_t k = 0; k < K; k += 16) {
-      for (int r = 0; r < R; ++r) prefetch_weights(q + r * K + k, R * K, kInt8PrefetchBytes, next_block);
+      for (int r = 0; r < R; ++r) prefetch_weights(q + r * K + k, R * K, kInt8PrefetchBytes, prefetch);
       Vec16 xv[MB];
       for (int m = 0; m < MB; ++m) xv[m] = load16(x + m * K + k);
       for (int r = 0; r < R; ++r) {
@@ -115,11 +115,11 @@ struct Bf16DotBlock {
     __m512 acc[R][MB];
     for (int r = 0; r < R; ++r)
       for (int m = 0; m < MB; ++m) acc[r][m] = _mm512_setzero_ps();
-    const bool next_block = prefetch_next_block();
+    const int prefetch = weight_prefetch(kInt8Weights);
     for (int64_t k = 0; k < K; k += 32) {
       __m512bh w[R];
       for (int r = 0; r < R; ++r) {
-        prefetch_weights(q + r * K + k, R * K, kInt8PrefetchBytes, next_block);
+        prefetch_weights(q + r * K + k, R * K, kInt8PrefetchBytes, prefetch);
         w[r] = load32_int8_as_bf16(q + r * K + k);
       }
       for (int m = 0; m < MB; ++m) {

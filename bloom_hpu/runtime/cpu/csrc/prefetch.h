@@ -3,7 +3,8 @@
 // A decode product streams every weight from memory once; a core keeps the memory busy only with
 // enough reads in flight, which the loops ask for with prefetches ahead of their loads. Which
 // prefetch keeps the memory busiest depends on the CPU (measured in docs/performance.md):
-//   kNoPrefetch   nothing (a block in scratch, or a later pass over a block already in L1);
+//   kNoPrefetch   nothing: the hardware's stream prefetchers alone (also for a block in scratch,
+//                 or a later pass over a block already in L1). Another Zen 4 streamed fastest so.
 //   kL1Ahead      into L1, a fixed distance further along the same rows (for rows longer than
 //                 that distance, the block's next row: the hardware's stream prefetchers fetch the
 //                 rest). The Xeons streamed at the memory's speed with it; a Zen 4 at about half.
@@ -13,8 +14,10 @@
 //                 next one is too close to hide the memory's latency: a Zen 4's int4 and int8 decode
 //                 products ran 1.2-1.6x slower on one thread prefetching 2 KB ahead than 8 KB).
 //                 A Zen 4 streams at the memory's speed with it.
-// set_prefetch (few_rows_linear.cpp) sets the kind once per process; the products read it once
-// per call.
+// Each weight format has its own kind, as what streams fastest differs by format on one CPU (a Zen
+// 4: bf16 and fp32 fastest with none, int4 half as fast with none as with either prefetch).
+// set_prefetch (few_rows_linear.cpp) sets a format's kind for the process; the products read
+// their format's once per call (weight_prefetch) and pass it to prefetch_weights.
 
 #pragma once
 
@@ -28,25 +31,30 @@
 BLOOM_CPU_BEGIN
 
 enum PrefetchKind : int { kNoPrefetch = 0, kL1Ahead = 1, kL2NextBlock = 2 };
+// The weights a product streams: bf16, fp16 or fp32 (few_rows.h), int8 (int8_rows.h, and block_q8.h
+// with int8 weights), int4 (int4_rows.h, and block_q8.h with int4 weights).
+enum WeightFormat : int { kFloatWeights = 0, kInt8Weights = 1, kInt4Weights = 2 };
+constexpr int kWeightFormats = 3;
 
-inline std::atomic<int>& prefetch_kind() {
-  static std::atomic<int> kind{kL1Ahead};
-  return kind;
+inline std::atomic<int>& prefetch_kind(int format) {
+  static std::atomic<int> kinds[kWeightFormats] = {kL1Ahead, kL1Ahead, kL1Ahead};
+  return kinds[format];
 }
 
-// Whether this product prefetches the next block (read once per call, before its loops).
-inline bool prefetch_next_block() { return prefetch_kind().load(std::memory_order_relaxed) == kL2NextBlock; }
+// The kind a product over `format` weights prefetches with (read once per call, before its loops).
+inline int weight_prefetch(int format) { return prefetch_kind(format).load(std::memory_order_relaxed); }
 
 constexpr int64_t kL2AheadBytes = 8192;  // the least distance of kL2NextBlock's prefetches
 
-// The prefetch of a loop reading `here`, in a block of weight rows `block_bytes` long: the same
-// column of the first block at least kL2AheadBytes on into L2 (`next_block`), else `ahead_bytes`
-// further on into L1. Prefetches never fault: the last blocks' point past the weight's end.
-inline void prefetch_weights(const void* here, int64_t block_bytes, int64_t ahead_bytes, bool next_block) {
+// The prefetch of a loop reading `here`, in a block of weight rows `block_bytes` long, as `kind`
+// says: kL2NextBlock the same column of the first block at least kL2AheadBytes on into L2,
+// kL1Ahead `ahead_bytes` further on into L1, kNoPrefetch none. Prefetches never fault: the last
+// blocks' point past the weight's end.
+inline void prefetch_weights(const void* here, int64_t block_bytes, int64_t ahead_bytes, int kind) {
   const char* at = static_cast<const char*>(here);
-  if (next_block)
+  if (kind == kL2NextBlock)
     _mm_prefetch(at + block_bytes * ((kL2AheadBytes + block_bytes - 1) / block_bytes), _MM_HINT_T1);
-  else
+  else if (kind == kL1Ahead)
     _mm_prefetch(at + ahead_bytes, _MM_HINT_T0);
 }
 
