@@ -75,8 +75,9 @@ def test_linear_agrees_with_the_reference(isa, dtype, kind):
     for n in (20, 100):
         q, scales = weight(kind, n, seed=n)
         bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
-        # 7, 10 and 17: a tile of 4 rows and the last 3, 2 or 1 in a smaller tile
-        for rows in (1, 3, 7, 10, 17, 128):
+        # 7, 10 and 17: a tile of 4 rows and the last 3, 2 or 1 in a smaller tile (on AVX-512, 7
+        # and 8 rows: two passes of the few-rows path, 4 rows and the last 3 or 4)
+        for rows in (1, 3, 7, 8, 10, 17, 128):
             x = inputs(rows, dtype, seed=rows)
             for b in (None, bias):
                 got = kernels.block_q8_linear(x, q, scales, b)
@@ -93,9 +94,11 @@ def test_linear_keeps_leading_dimensions_and_matches_in_dtype(isa):
     kernels = kernels_for(isa)
     q, scales = weight("int4 G=64", 48)
     x = inputs(6, torch.float32).view(2, 3, K)
-    got = kernels.block_q8_linear(x, q, scales, None)
+    got, exact = kernels.block_q8_linear(x, q, scales, None), block_product(x, q, scales, None)
     assert got.shape == (2, 3, 48)
-    torch.testing.assert_close(got, block_product(x, q, scales, None), rtol=1e-5, atol=1e-4)
+    # As in test_linear_agrees_with_the_reference: the sums' order differs from the reference's, so
+    # an output near zero in a row of large ones is held to the row's scale.
+    torch.testing.assert_close(got, exact, rtol=1e-5, atol=1e-5 * exact.abs().amax().item())
 
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)

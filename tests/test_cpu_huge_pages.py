@@ -51,6 +51,20 @@ def test_each_storage_moves_once_with_its_views_and_bits():
 
 
 @needs_thp
+def test_weights_made_in_inference_mode_move_too_and_others_keep_their_gradients():
+    with torch.inference_mode():
+        frozen = torch.nn.Linear(1024, 1024)
+    trained = torch.nn.Linear(1024, 1024)
+    before = frozen.weight.clone(), trained.weight.detach().clone()
+    assert move_weights(frozen) == move_weights(trained) == 1024 * 1024 * 4
+    assert torch.equal(frozen.weight, before[0]) and torch.equal(trained.weight, before[1])
+    assert storage_of(frozen.weight) % HUGE_PAGE == 0 and storage_of(trained.weight) % HUGE_PAGE == 0
+    assert not trained.weight.is_inference() and trained.weight.requires_grad
+    trained(torch.randn(3, 1024)).sum().backward()
+    assert trained.weight.grad.shape == (1024, 1024)
+
+
+@needs_thp
 def test_zeros_in_huge_pages():
     zeros = huge_zeros((4096, 1024), dtype=torch.bfloat16)
     assert zeros.shape == (4096, 1024) and zeros.dtype == torch.bfloat16 and not zeros.any()

@@ -34,8 +34,8 @@ from ...int8_activations import Int8ActivationsError, check_rows
 from ...quantize import (INT8_KERNEL_FLOAT_ROWS, INT8_KERNEL_MANY_ROWS, INT8_KERNEL_ROWS, quantized_mode, quantized_products,
                         use_int8_activations)
 from . import capability, choice, routes
-from .kernels import Kernels, KernelsUnavailable, load
 from .huge_pages import huge_bytes, model_tensors, move_weights
+from .kernels import Kernels, KernelsUnavailable, load
 from .prefetch import choose_prefetch
 from .layers import (AMX_MIN_ROWS, AMX_TILE_ROWS, CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, KernelGelu,
                      OneCallPromptAttention, WidenedProducts, kernel_suits, swap, unswap)

@@ -93,7 +93,7 @@ def move_weights(model: torch.nn.Module) -> int:
         if tensor.device.type == "cpu" and storage.data_ptr() not in _moved:
             groups.setdefault(storage.data_ptr(), []).append(tensor)
     moved = 0
-    with torch.no_grad():
+    with torch.inference_mode():  # set_ of a model loaded in inference mode is allowed there alone
         for tensors in groups.values():
             spans = [byte_span(t) for t in tensors]
             first = min(start for start, _ in spans) // 64 * 64  # a multiple of every element size
