@@ -180,8 +180,10 @@ def test_fake_shapes(isa):
 @pytest.mark.parametrize("k", [64, 160, 256])
 def test_int8_products_on_amx_int8_tiles_are_the_panel_kernels_bit_for_bit(dtype, k):
     """K = 64, 160, 256: 2, 5 and 8 blocks, so the tiles' pipelined loop (4 blocks a turn) runs not at
-    all, once with a block left over, and twice. Rows past 16 and 32 take more input tiles; 5 rows
-    is the fewest the tiles serve. 40 outputs are not whole tiles: the panel kernel serves them."""
+    all, once with a block left over, and twice. Rows past 16 and 32 take more input tiles; 9 rows
+    is the fewest the panel kernel serves with the tiles off (the tiles serve 5 and more; without
+    them 5-8 rows take the few-rows path's two passes, summed in another order). 40 outputs are
+    not whole tiles: the panel kernel serves them."""
     kernels = needs_amx_tiles()
     if "amx_int8" not in (capability.cpu_flags() or set()):
         pytest.skip("no AMX-INT8 here")
@@ -191,7 +193,7 @@ def test_int8_products_on_amx_int8_tiles_are_the_panel_kernels_bit_for_bit(dtype
             q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
             scales = torch.rand(n, generator=g) / 64 + 1e-3
             bias = torch.randn(n, generator=g).to(dtype)
-            for rows in (5, 16, 37):
+            for rows in (9, 16, 37):
                 x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
                 for b in (None, bias):
                     kernels.enable_amx(AMX_MIN_ROWS)

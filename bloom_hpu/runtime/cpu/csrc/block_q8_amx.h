@@ -21,7 +21,7 @@
 // were no faster than VPDPBUSD at 8-37 rows and at most 1.3x at 128.
 //
 // Used where the process has the tile state (enable_amx, amx_rows.h) and the CPU has AMX-INT8
-// (CPUID, checked once), for N a multiple of 16 and more than kQ8FewRows input rows.
+// (CPUID, checked once), for N a multiple of 16 and more than kQ8FewPass input rows.
 
 #pragma once
 
