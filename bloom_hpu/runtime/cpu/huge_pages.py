@@ -3,7 +3,7 @@ stream them from memory.
 
 A batch-1 decode step reads every weight once: 1 GB a token for bloom-560m in bf16, in 4 KB pages
 a quarter of a million pages, each a TLB entry to find. In 2 MB pages the same weights are ~500
-entries, and the step reads them faster (on a Zen 4, bloom-560m's bf16 and fp32 decode took 3-4%
+entries, and the step reads them faster (on a Zen 5, bloom-560m's bf16 and fp32 decode took 3-4%
 less time a token: docs/performance.md). Linux hands out such pages to anonymous memory that asks
 for them (``madvise(MADV_HUGEPAGE)``) where ``/sys/kernel/mm/transparent_hugepage/enabled`` says
 ``madvise`` (the common default) or ``always``; the weights as loaded live where the allocator or
@@ -11,8 +11,8 @@ the checkpoint's file mapping put them, neither of which asks.
 
 So the weights of each storage (2 MB or more of it) are copied, once, into an anonymous mapping
 aligned to 2 MB and advised so, and the model's tensors are pointed at the copy (``Tensor.set_``:
-every tensor object of the model keeps its identity, so a tied weight stays one). The values are the same bits;
-only where they sit changes. Nothing is done where transparent huge pages are off (``never``), on
+every tensor object of the model keeps its identity, so a tied weight stays one). The values are
+the same bits; only where they sit changes. Nothing is done where transparent huge pages are off (``never``), on
 another OS, or for a storage already moved (a second ``accelerate`` of the same model).
 """
 
@@ -65,11 +65,10 @@ def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
     """Every parameter and buffer object of the model, each once (shared ones too)."""
     seen, out = set(), []
-    for module in model.modules():
-        for tensor in [*module._parameters.values(), *module._buffers.values()]:
-            if tensor is not None and id(tensor) not in seen:
-                seen.add(id(tensor))
-                out.append(tensor)
+    for _, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            out.append(tensor)
     return out
 
 
