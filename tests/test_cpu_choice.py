@@ -472,7 +472,7 @@ def test_two_deepspeed_ranks_load_with_rank_0s_routes(make_ckpt, tmp_path):
     routes_seen = {line.rsplit("; routes ", 1)[-1] for line in lines}
     assert len(lines) == 2 and len(routes_seen) == 1 and "routes prompts" in lines[0], lines
     prefetch_seen = {line.split("weight prefetch ", 1)[1].split(" ", 1)[0] for line in lines}
-    assert len(prefetch_seen) == 1 and "weight prefetch l" in lines[0], lines
+    assert len(prefetch_seen) == 1 and prefetch_seen <= set(capability.PREFETCH_KINDS), lines
     files = [json.loads(path.read_text()) for path in tmp_path.glob("bloom_cpu_choice_*.json")]
     assert sorted("prefetch" in f["picks"] for f in files) == [False, True]  # the routes' file, the prefetch's
 
