@@ -2,7 +2,7 @@
 L1 further along the same rows, into L2 the next block of rows, or not at all (the hardware's
 stream prefetchers alone). Which keeps the memory busiest depends on the CPU and on the weights'
 format (the Xeons streamed at the memory's speed with L1; one Zen 4 at half of it, and at full
-speed with L2; another Zen 4 streamed bf16 and fp32 fastest with none, and int4 at half speed with
+speed with L2; a Zen 5 streamed bf16 and fp32 fastest with none, and int4 at half speed with
 none), so it is chosen like the routes (``choice.py``), per weight format: the three kinds timed
 once per machine and format on a product over a weight of that format larger than the caches, the
 fastest cached beside the kernels and set for that format's products; ``static`` (and the test

@@ -4,7 +4,7 @@
 // enough reads in flight, which the loops ask for with prefetches ahead of their loads. Which
 // prefetch keeps the memory busiest depends on the CPU (measured in docs/performance.md):
 //   kNoPrefetch   nothing: the hardware's stream prefetchers alone (also for a block in scratch,
-//                 or a later pass over a block already in L1). Another Zen 4 streamed fastest so.
+//                 or a later pass over a block already in L1). A Zen 5 streamed fastest so.
 //   kL1Ahead      into L1, a fixed distance further along the same rows (for rows longer than
 //                 that distance, the block's next row: the hardware's stream prefetchers fetch the
 //                 rest). The Xeons streamed at the memory's speed with it; a Zen 4 at about half.
@@ -15,7 +15,7 @@
 //                 products ran 1.2-1.6x slower on one thread prefetching 2 KB ahead than 8 KB).
 //                 A Zen 4 streams at the memory's speed with it.
 // Each weight format has its own kind, as what streams fastest differs by format on one CPU (a Zen
-// 4: bf16 and fp32 fastest with none, int4 half as fast with none as with either prefetch).
+// 5: bf16 and fp32 fastest with none, int4 half as fast with none as with either prefetch).
 // set_prefetch (few_rows_linear.cpp) sets a format's kind for the process; the products read
 // their format's once per call (weight_prefetch) and pass it to prefetch_weights.
 
