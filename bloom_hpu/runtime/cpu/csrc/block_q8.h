@@ -124,6 +124,11 @@ inline FVec fvec_load(const float* p) { return _mm512_loadu_ps(p); }
 inline void fvec_store(float* p, FVec v) { _mm512_storeu_ps(p, v); }
 inline FVec fvec_fmadd_int(IVec sums, FVec scale, FVec acc) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), scale, acc); }
 inline FVec fvec_mul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
+// p[0], p[stride], ..., p[15 * stride].
+inline FVec fvec_gather(const float* p, int32_t stride) {
+  return _mm512_i32gather_ps(_mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32(stride)), p, 4);
+}
 #else
 constexpr int kQ8Lanes = 8;
 using IVec = __m256i;
@@ -134,6 +139,10 @@ inline FVec fvec_load(const float* p) { return _mm256_loadu_ps(p); }
 inline void fvec_store(float* p, FVec v) { _mm256_storeu_ps(p, v); }
 inline FVec fvec_fmadd_int(IVec sums, FVec scale, FVec acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc); }
 inline FVec fvec_mul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
+// p[0], p[stride], ..., p[7 * stride].
+inline FVec fvec_gather(const float* p, int32_t stride) {
+  return _mm256_i32gather_ps(p, _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride)), 4);
+}
 #endif
 constexpr int kQ8VecBytes = kQ8Lanes * 4;
 
@@ -277,9 +286,17 @@ void pack_panel(const uint8_t* q, const float* scales, int64_t N, int64_t K, int
       for (int l = 0; l < kQ8Lanes; ++l) src[l] = rows[l] ? rows[l] + b * block_bytes : zeros;
       uint8_t* dst = panel.block(b, c);
       if constexpr (W == Q8Weight::kInt4) {
+        // The block's scale of each column: its group's, copied from the block before within a
+        // group, else gathered (one instruction for a whole vector of columns, not one load each).
         const int64_t g = b * kQ8Block / G;
-        for (int l = 0; l < kQ8Lanes; ++l)
-          panel.scales[(b * panel.C + c) * kQ8Lanes + l] = first + l < N ? scales[(first + l) * groups + g] : 0.0f;
+        float* to = panel.scales.data() + (b * panel.C + c) * kQ8Lanes;
+        if (b > 0 && (b - 1) * kQ8Block / G == g) {
+          fvec_store(to, fvec_load(to - panel.C * kQ8Lanes));
+        } else if (first + kQ8Lanes <= N) {
+          fvec_store(to, fvec_gather(scales + first * groups + g, int32_t(groups)));
+        } else {
+          for (int l = 0; l < kQ8Lanes; ++l) to[l] = first + l < N ? scales[(first + l) * groups + g] : 0.0f;
+        }
       }
 #if defined(BLOOM_ISA_AVX512)
       __m512i v[8];
