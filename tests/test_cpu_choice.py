@@ -711,8 +711,8 @@ def test_the_weight_prefetch_is_timed_once_then_read(choice_dir, monkeypatch, is
 
     monkeypatch.setattr(prefetch, "streamed_product", seen)
     files = set()
-    for n, weights in enumerate(["bf16", "int8", "int4"], start=1):
-        measured = prefetch.choose_prefetch(kernels, "measure", Parallel(), weights)
+    for n, quantized in enumerate([None, "int8", "int4"], start=1):
+        measured = prefetch.choose_prefetch(kernels, "measure", Parallel(), quantized=quantized)
         assert measured in {f"weight prefetch {kind} (measured)" for kind in ("none", "l1", "l2")}
         new = set(choice_dir.iterdir()) - files  # one file per format
         files |= new
@@ -721,7 +721,8 @@ def test_the_weight_prefetch_is_timed_once_then_read(choice_dir, monkeypatch, is
         assert sorted(content["times"]["prefetch"]) == ["l1", "l2", "none"]
         timed = content["times"]["prefetch"]
         assert measured.split()[2] == min(timed, key=timed.get)  # the fastest is the one kept
-        assert prefetch.choose_prefetch(kernels, "measure", Parallel(), weights) == measured.replace("measured", "cached")
+        assert prefetch.choose_prefetch(kernels, "measure", Parallel(), quantized=quantized) == \
+            measured.replace("measured", "cached")
     monkeypatch.setattr(capability, "cpu_vendor", lambda: "AuthenticAMD")
     assert prefetch.choose_prefetch(kernels, "static", Parallel()) == "weight prefetch l2 (by vendor)"
     monkeypatch.setattr(capability, "cpu_vendor", lambda: "GenuineIntel")
@@ -730,5 +731,5 @@ def test_the_weight_prefetch_is_timed_once_then_read(choice_dir, monkeypatch, is
     assert prefetch.choose_prefetch(kernels, "measure", Parallel()) == "weight prefetch l2 (forced)"
     assert len(list(choice_dir.iterdir())) == 3 and len(products) == 3  # nothing more timed
     monkeypatch.delenv(capability.PREFETCH_ENV)
-    for weights in ("bf16", "int8", "int4"):  # the process's defaults again
-        prefetch.choose_prefetch(kernels, "static", Parallel(), weights)
+    for quantized in (None, "int8", "int4"):  # the process's defaults again
+        prefetch.choose_prefetch(kernels, "static", Parallel(), quantized=quantized)

@@ -151,7 +151,8 @@ def test_fp32_products_match_the_exact_product(isa, rows, out_features, in_featu
 def test_every_weight_prefetch_gives_the_same_bits(isa, dtype):
     """How the few-rows products (float, int8, int4, integer) prefetch weights (not at all, L1 along
     the rows, or L2 the next block) moves no bit of their results, for rows narrower and wider than
-    a prefetch's reach; a kind or weight format other than the three is refused; the process's kinds are the CPU's (``capability.weight_prefetch``)."""
+    a prefetch's reach; a kind or weight format other than the three is refused; the process's
+    kinds are the CPU's (``capability.weight_prefetch``)."""
     needs_isa(isa)
     kernels = load(isa)
     chosen = capability.PREFETCH_KINDS[capability.weight_prefetch()]

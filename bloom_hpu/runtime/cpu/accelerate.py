@@ -505,8 +505,8 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         if granted:
             used.append(f"weights in huge pages ({granted / 2**20:.0f} MB)")
     if kernels is not None:
-        weights = quantized_mode(model) or {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
-        used.append(choose_prefetch(kernels, options.choice, model.parallel, weights, dtype, options.huge_pages))
+        used.append(choose_prefetch(kernels, options.choice, model.parallel, dtype, quantized_mode(model),
+                                    options.huge_pages))
     amx_tiles = kernels is not None and dtype == torch.bfloat16 and cap.amx and use_amx_tiles(kernels, options.amx)
     # The kernel's row limit: higher where its bf16 products run on AMX tiles; lower where AMX
     # gives oneDNN's bf16 products of many rows the edge over the kernel's AVX-512 loop.

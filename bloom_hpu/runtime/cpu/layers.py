@@ -165,7 +165,7 @@ class CpuProducts:
         route = route_of(self, x)
         if route == "widened":
             return self.wide.linear(x, self.weight, bias, self.fused_gelu)
-        if self.kernel is not None and (route == "kernel" or x.numel() <= self.few_rows_limit):
+        if (route == "kernel" and self.kernel is not None) or self.kernel_serves(x.numel() // x.shape[-1]):
             out = self.kernel(x, self.weight, bias)
             return F.gelu(out, approximate="tanh") if self.fused_gelu else out
         if route == "onednn" or self.packed is not None or self.fused_gelu:

@@ -26,16 +26,18 @@ from .kernels import Kernels
 STREAM_BYTES = 128 << 20
 STREAM_WIDTH = 1024
 INT4_GROUP = 64  # the int4 weight's scales: one per 64 weights of a row (the default --group_size)
+FLOAT_WEIGHTS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # PREFETCH_FORMATS' keys
 
 
-def choose_prefetch(kernels: Kernels, option: str | None, parallel, weights: str = "bf16",
-                    activations: torch.dtype = torch.bfloat16, huge_pages: bool = False) -> str:
-    """Set the weight prefetch of ``kernels``' products over ``weights`` (a key of
-    ``capability.PREFETCH_FORMATS``: the model's dtype, or its quantized format), for the process,
+def choose_prefetch(kernels: Kernels, option: str | None, parallel, activations: torch.dtype = torch.bfloat16,
+                    quantized: str | None = None, huge_pages: bool = False) -> str:
+    """Set the weight prefetch of ``kernels``' products over the model's weights, for the process,
     and say which and how: 'weight prefetch l2 (measured)', '(cached)', '(by vendor)', '(forced)'.
-    ``activations``: the inputs' dtype; ``option``: the routes' choice mode (``CpuOptions.choice``);
+    ``activations``: the model's dtype (its float weights' too); ``quantized``: 'int8' or 'int4'
+    where its weights are; ``option``: the routes' choice mode (``CpuOptions.choice``);
     ``parallel``: the model's ranks, which take rank 0's pick; ``huge_pages``: the model's weights
     are in huge pages (``CpuOptions.huge_pages``)."""
+    weights = quantized or FLOAT_WEIGHTS[activations]  # a key of capability.PREFETCH_FORMATS
     if os.environ.get(capability.PREFETCH_ENV, "").strip():
         kind, how = capability.weight_prefetch(), "forced"
     else:
@@ -47,8 +49,9 @@ def choose_prefetch(kernels: Kernels, option: str | None, parallel, weights: str
 
 
 def streamed_product(kernels: Kernels, weights: str, activations: torch.dtype, huge_pages: bool):
-    """A call of ``weights``' few-rows product of one row over a weight of STREAM_BYTES (allocated
-    here: zeros, written, as pages never touched would all read one shared page)."""
+    """A call of ``weights``' few-rows product of one row of ``activations`` over a weight of
+    STREAM_BYTES (allocated here: zeros, written, as pages never touched would all read one shared
+    page); float weights are of the activations' dtype."""
     zeros = huge_zeros if huge_pages else torch.zeros
     x = torch.ones(1, STREAM_WIDTH, dtype=activations)
     if weights == "int8":
@@ -59,9 +62,7 @@ def streamed_product(kernels: Kernels, weights: str, activations: torch.dtype, h
         rows = STREAM_BYTES // (STREAM_WIDTH // 2)
         q, scales = zeros((rows, STREAM_WIDTH // 2), dtype=torch.uint8), torch.ones(rows, STREAM_WIDTH // INT4_GROUP)
         return lambda: kernels.int4_rows_linear(x, q, scales, None)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[weights]
-    w = zeros((STREAM_BYTES // (STREAM_WIDTH * dtype.itemsize), STREAM_WIDTH), dtype=dtype)
-    x = x.to(dtype)
+    w = zeros((STREAM_BYTES // (STREAM_WIDTH * activations.itemsize), STREAM_WIDTH), dtype=activations)
     return lambda: kernels.few_rows_linear(x, w, None)
 
 

@@ -932,6 +932,7 @@ void block_q8_linear(const T* x, int64_t M, const uint8_t* q, const float* scale
   if (tiles < 4 * threads) chunks = std::min<int64_t>((M + R - 1) / R, (4 * threads + tiles - 1) / tiles);
   const int64_t chunk_rows = ((M + chunks - 1) / chunks + R - 1) / R * R;
   chunks = (M + chunk_rows - 1) / chunk_rows;
+  const int64_t row_bytes = W == Q8Weight::kInt8 ? K : K / 2;
   at::parallel_for(0, tiles * chunks, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals flushed;
     Q8Panel<W> panel(C, blocks);
@@ -944,7 +945,6 @@ void block_q8_linear(const T* x, int64_t M, const uint8_t* q, const float* scale
         // the packing reads its rows a block at a time, too many streams for the hardware's
         // prefetchers. (A bloom-560m layer of int4 at 16 rows, weights streamed: 0.82-0.86 ->
         // 0.79-0.81 ms; int8 level. Two tiles ahead, or its scales too: no better.)
-        const int64_t row_bytes = W == Q8Weight::kInt8 ? K : K / 2;
         const int64_t next = std::min<int64_t>(N, n0 + tile), next_end = std::min<int64_t>(N, n0 + 2 * tile);
         const char* region = reinterpret_cast<const char*>(q + next * row_bytes);
         for (int64_t at = 0; at < (next_end - next) * row_bytes; at += 64) _mm_prefetch(region + at, _MM_HINT_T1);

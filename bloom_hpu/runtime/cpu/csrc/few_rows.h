@@ -198,9 +198,8 @@ inline void dot_block(const T* w, const T* x, int64_t K, float* sums) {
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < MB; ++m) acc[r][m] = acc_zero();
   for (int64_t k = 0; k < K; k += L::step * L::parts) {
-    if constexpr (Prefetch != kNoPrefetch)
-      for (int r = 0; r < R; ++r)
-        prefetch_weights(w + r * K + k, R * K * int64_t(sizeof(T)), kPrefetchBytes, Prefetch);
+    for (int r = 0; r < R; ++r)
+      prefetch_weights(w + r * K + k, R * K * int64_t(sizeof(T)), kPrefetchBytes, Prefetch);
     for (int part = 0; part < L::parts; ++part) {
       const int64_t kp = k + part * L::step;
       typename L::X xv[MB];
@@ -285,8 +284,7 @@ inline void widen_rows(const T* w, int64_t K, int64_t Kc, int prefetch, float* w
     for (int64_t k = 0; k < Kc; k += 32) {  // a 64-byte step of every row
       for (int r = 0; r < R; ++r) {
         const T* step = w + r * K + c0 + k;
-        if (prefetch != kNoPrefetch)
-          prefetch_weights(step, R * K * int64_t(sizeof(T)), kPrefetchBytes, prefetch);
+        prefetch_weights(step, R * K * int64_t(sizeof(T)), kPrefetchBytes, prefetch);
         widen_step(step, chunk + r * Kc + k);
         widen_step(step + 16, chunk + r * Kc + k + 16);
       }
