@@ -30,9 +30,11 @@
 //
 // The integer dots, per ISA:
 // * AVX-512 (VNNI): VPDPBUSD multiplies unsigned bytes by signed ones into int32 lanes, 64 products
-//   an instruction. The input is stored as xq + 128 (unsigned), the weight signed (int4: v - 8,
-//   unpacked in the panel), and the 128 * sum of a block's weights, computed while packing, starts
-//   each block's sums negated, so the sums are exact.
+//   an instruction. Int8 weights: the input is stored as xq + 128 (unsigned), the weight signed,
+//   and the 128 * sum of a block's weights, computed while packing, starts each block's sums
+//   negated. Int4 weights: the nibbles v = q + 8 are the unsigned operand, as they are (unpacked
+//   in the panel), the input xq the signed one, and 8 * the block's sum of xq, computed at
+//   quantization once per row, starts the sums negated. Either way the sums are exact.
 // * AVX2, int4 weights: VPMADDUBSW multiplies the unsigned nibbles v (0..15) by the signed xq into
 //   int16 pair sums of at most 2 * 15 * 127; eight such sums still fit int16, so a whole block is
 //   summed in int16 and widened once (VPMADDWD by ones). The 8 of v - 8 comes off as 8 * the
@@ -151,8 +153,8 @@ constexpr int kQ8VecBytes = kQ8Lanes * 4;
 template <Q8Weight W>
 struct Q8Input {
 #if defined(BLOOM_ISA_AVX512)
-  static constexpr int kBytes = 1;  // xq + 128, unsigned
-  static constexpr bool kSums = false;
+  static constexpr int kBytes = 1;                    // int8: xq + 128, unsigned; int4: xq, signed
+  static constexpr bool kSums = W == Q8Weight::kInt4;  // -8 * sum of xq per block
 #else
   static constexpr int kBytes = W == Q8Weight::kInt8 ? 2 : 1;  // int16 or signed int8
   static constexpr bool kSums = W == Q8Weight::kInt4;          // -8 * sum of xq per block
@@ -180,8 +182,13 @@ void quantize_rows(const T* x, int64_t M, int64_t K, uint8_t* values, float* d, 
         d[at] = quantize_block(x + m * K + b * kQ8Block, xq, &sum);
         uint8_t* out = values + (m * K + b * kQ8Block) * Q8Input<W>::kBytes;
 #if defined(BLOOM_ISA_AVX512)
-        const __m256i bytes = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_xor_si256(bytes, _mm256_set1_epi8(char(0x80))));
+        if constexpr (W == Q8Weight::kInt8) {
+          const __m256i bytes = _mm256_load_si256(reinterpret_cast<const __m256i*>(xq));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_xor_si256(bytes, _mm256_set1_epi8(char(0x80))));
+        } else {
+          std::memcpy(out, xq, kQ8Block);
+          corrections[at] = -8 * sum;
+        }
 #else
         if constexpr (W == Q8Weight::kInt8) {
           const __m128i lo = _mm_load_si128(reinterpret_cast<const __m128i*>(xq));
@@ -249,13 +256,13 @@ struct Q8Panel {
   int C;            // vectors of columns in the tile
   int64_t blocks;   // K / 32
   std::vector<uint8_t> weights;  // [blocks][C][panel_vectors][kQ8VecBytes]
-  std::vector<int32_t> starts;   // AVX-512: [blocks][C][kQ8Lanes]
+  std::vector<int32_t> starts;   // AVX-512, int8: [blocks][C][kQ8Lanes]
   std::vector<float> scales;     // int4: [blocks][C][kQ8Lanes]; int8: [C][kQ8Lanes]
 
   Q8Panel(int C_, int64_t blocks_) : C(C_), blocks(blocks_) {
     weights.resize(size_t(blocks * C * panel_vectors<W>() * kQ8VecBytes) + 64);
 #if defined(BLOOM_ISA_AVX512)
-    starts.resize(size_t(blocks * C * kQ8Lanes));
+    if (W == Q8Weight::kInt8) starts.resize(size_t(blocks * C * kQ8Lanes));
 #endif
     scales.resize(size_t((W == Q8Weight::kInt4 ? blocks : 1) * C * kQ8Lanes));
   }
@@ -309,7 +316,8 @@ void pack_panel(const uint8_t* q, const float* scales, int64_t N, int64_t K, int
       } else {
         // rows l, l + 4, l + 8, l + 12 (16 bytes = 4 dwords each) -> dword t (t < 4) of the 16
         // columns, by a 4 x 4 transpose in each 128-bit lane; then low nibbles (k = 4t..4t+3) and
-        // high nibbles (k = 16 + 4t..) as q = v - 8.
+        // high nibbles (k = 16 + 4t..) as they are, v = q + 8, unsigned: the input's -8 * its sum
+        // starts the block's sums (tile_sums), so there is no start per column to compute here.
         __m512i r[4], t[4];
         for (int i = 0; i < 4; ++i) {
           __m512i z = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src[i])));
@@ -323,21 +331,23 @@ void pack_panel(const uint8_t* q, const float* scales, int64_t N, int64_t K, int
         t[3] = _mm512_unpackhi_epi32(r[2], r[3]);
         const __m512i dw[4] = {_mm512_unpacklo_epi64(t[0], t[2]), _mm512_unpackhi_epi64(t[0], t[2]),
                                _mm512_unpacklo_epi64(t[1], t[3]), _mm512_unpackhi_epi64(t[1], t[3])};
-        const __m512i mask = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+        const __m512i mask = _mm512_set1_epi8(0x0F);
         for (int i = 0; i < 4; ++i) {
-          v[i] = _mm512_sub_epi8(_mm512_and_si512(dw[i], mask), eight);
-          v[i + 4] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(dw[i], 4), mask), eight);
+          _mm512_storeu_si512(dst + i * 64, _mm512_and_si512(dw[i], mask));
+          _mm512_storeu_si512(dst + (i + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(dw[i], 4), mask));
         }
       }
-      // The start of the sums: -128 * each column's sum of weights over the block.
-      __m512i sums = _mm512_setzero_si512();
-      const __m512i ones = _mm512_set1_epi8(1);
-      for (int i = 0; i < 8; ++i) {
-        _mm512_storeu_si512(dst + i * 64, v[i]);
-        sums = _mm512_dpbusd_epi32(sums, ones, v[i]);
+      if constexpr (W == Q8Weight::kInt8) {
+        // The start of the sums: -128 * each column's sum of weights over the block.
+        __m512i sums = _mm512_setzero_si512();
+        const __m512i ones = _mm512_set1_epi8(1);
+        for (int i = 0; i < 8; ++i) {
+          _mm512_storeu_si512(dst + i * 64, v[i]);
+          sums = _mm512_dpbusd_epi32(sums, ones, v[i]);
+        }
+        _mm512_storeu_si512(panel.starts.data() + (b * panel.C + c) * kQ8Lanes,
+                            _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7)));
       }
-      _mm512_storeu_si512(panel.starts.data() + (b * panel.C + c) * kQ8Lanes,
-                          _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7)));
 #else
       if constexpr (W == Q8Weight::kInt8) {
         // Each row's 32 weights as 16 int16 pairs (two vectors of 8 dwords); two 8 x 8 transposes.
@@ -390,9 +400,18 @@ inline void tile_sums(const uint8_t* const* x, const float* const* d, const int3
     constexpr int64_t vectors = panel_vectors<W>();
     constexpr int64_t x_bytes = kQ8Block * Q8Input<W>::kBytes;
 #if defined(BLOOM_ISA_AVX512)
-    for (int c = 0; c < C; ++c) {
-      const IVec start = _mm512_loadu_si512(panel.starts.data() + (b * C + c) * kQ8Lanes);
-      for (int r = 0; r < R; ++r) sums[r][c] = start;
+    // int8: x + 128 (unsigned) times the signed weight, from each column's start; int4: the
+    // unsigned nibbles times the signed x, from the row's -8 * its sum.
+    if constexpr (W == Q8Weight::kInt8) {
+      for (int c = 0; c < C; ++c) {
+        const IVec start = _mm512_loadu_si512(panel.starts.data() + (b * C + c) * kQ8Lanes);
+        for (int r = 0; r < R; ++r) sums[r][c] = start;
+      }
+    } else {
+      for (int r = 0; r < R; ++r) {
+        const IVec start = _mm512_set1_epi32(corrections[r][b]);
+        for (int c = 0; c < C; ++c) sums[r][c] = start;
+      }
     }
 #pragma GCC unroll 16
     for (int t = 0; t < vectors; ++t) {
@@ -402,7 +421,9 @@ inline void tile_sums(const uint8_t* const* x, const float* const* d, const int3
         int32_t four;
         std::memcpy(&four, x[r] + b * x_bytes + 4 * t, 4);
         const IVec xv = _mm512_set1_epi32(four);
-        for (int c = 0; c < C; ++c) sums[r][c] = _mm512_dpbusd_epi32(sums[r][c], xv, wv[c]);
+        for (int c = 0; c < C; ++c)
+          sums[r][c] = W == Q8Weight::kInt8 ? _mm512_dpbusd_epi32(sums[r][c], xv, wv[c])
+                                            : _mm512_dpbusd_epi32(sums[r][c], wv[c], xv);
       }
     }
 #else
@@ -937,24 +958,33 @@ void block_q8_linear(const T* x, int64_t M, const uint8_t* q, const float* scale
     FlushDenormals flushed;
     Q8Panel<W> panel(C, blocks);
     int64_t packed = -1;
+    // The next tile's weight rows (contiguous), fetched while this tile is multiplied: the packing
+    // reads its rows a block at a time, too many streams for the hardware's prefetchers. A slice
+    // of them before each pass of R rows, not all at once, so the fetches overlap the arithmetic
+    // rather than queue up before it. (A bloom-560m layer of int4 at 16 rows, weights streamed,
+    // builds alternated in one process: all at once into L2 before the packing 0.79 ms, none 0.79,
+    // spread 0.70, spread into L1 0.66; the weights in cache 0.47-0.51 whichever.)
+    const char* next_rows = nullptr;
+    int64_t next_bytes = 0, fetched = 0;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n_tile = task / chunks, chunk = task % chunks;
       const int64_t n0 = n_tile * tile;
       if (n_tile != packed) {
-        // The next tile's weight rows (contiguous) into L2 while this one is packed and multiplied:
-        // the packing reads its rows a block at a time, too many streams for the hardware's
-        // prefetchers. (A bloom-560m layer of int4 at 16 rows, weights streamed: 0.82-0.86 ->
-        // 0.79-0.81 ms; int8 level. Two tiles ahead, or its scales too: no better.)
-        const int64_t next = std::min<int64_t>(N, n0 + tile), next_end = std::min<int64_t>(N, n0 + 2 * tile);
-        const char* region = reinterpret_cast<const char*>(q + next * row_bytes);
-        for (int64_t at = 0; at < (next_end - next) * row_bytes; at += 64) _mm_prefetch(region + at, _MM_HINT_T1);
         pack_panel<W>(q, scales, N, K, G, n0, panel);
         packed = n_tile;
+        const int64_t next = std::min<int64_t>(N, n0 + tile), next_end = std::min<int64_t>(N, n0 + 2 * tile);
+        next_rows = reinterpret_cast<const char*>(q + next * row_bytes);
+        next_bytes = (next_end - next) * row_bytes;
+        fetched = 0;
       }
-      const int64_t m_end = std::min<int64_t>(M, (chunk + 1) * chunk_rows);
-      for (int64_t m0 = chunk * chunk_rows; m0 < m_end; m0 += R)
+      const int64_t m_begin = chunk * chunk_rows, m_end = std::min<int64_t>(M, (chunk + 1) * chunk_rows);
+      const int64_t slice = (next_bytes / ((m_end - m_begin + R - 1) / R) + 63) / 64 * 64;
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += R) {
+        for (const int64_t stop = std::min(next_bytes, fetched + slice); fetched < stop; fetched += 64)
+          _mm_prefetch(next_rows + fetched, _MM_HINT_T0);
         tile_rows<W, R, C>(std::min<int64_t>(R, m_end - m0), values.data(), d.data(), corr, m0, K, panel, n0, N, bias,
                            out);
+      }
     }
   });
 }
