@@ -536,13 +536,14 @@ template <Q8Weight W> constexpr int kQ8Cols = 2;
 // here each weight vector is loaded once and multiplied into every row straight away, so the
 // product keeps up with the memory streaming the weight. The sums of a block stay spread over
 // lanes (a float sum per lane, the block's scale per lane), and one horizontal sum per output
-// ends the row. Up to kQ8FewPass rows are multiplied a pass; more rows (AVX-512, up to 8) take a
-// second pass over each block of weight rows while it is still in L1, rather than the panel: the
-// panel's packing waits on the memory for the weight, and at 8 rows of a bloom-560m layer of int4
-// weights streamed from memory the two passes took 0.5 ms where the panel took 0.63.
+// ends the row. Up to kQ8FewPass rows are multiplied a pass; more rows (AVX-512, up to 7) take a
+// second pass over each block of weight rows while it is still in L1, rather than the panel. From
+// 8 rows the panel is as fast or faster, its next tile fetched during the arithmetic (a bloom-560m
+// layer streamed from memory, the two alternated in one process, few-rows / panel time: int4 1.30
+// at 7 rows, 0.82-1.02 at 8; int8 0.97-1.25 at 6-7 rows, 1.0-1.75 at 8, by the prefetch kind).
 
 #if defined(BLOOM_ISA_AVX512)
-constexpr int64_t kQ8FewRows = 8;        // up to this many input rows take this path
+constexpr int64_t kQ8FewRows = 7;        // up to this many input rows take this path
 #else
 constexpr int64_t kQ8FewRows = 4;
 #endif
@@ -929,7 +930,7 @@ void block_q8_linear(const T* x, int64_t M, const uint8_t* q, const float* scale
 #endif
 #if defined(BLOOM_AMX)
   // AMX-INT8 tiles take int8 weights past one pass of the few-rows path, as they did before that
-  // path took a second pass (no AMX machine measured the two at 5-8 rows).
+  // path took a second pass (no AMX machine measured the two at 5-7 rows).
   if constexpr (W == Q8Weight::kInt8) {
     if (M > kQ8FewPass && N % 16 == 0 && q8_amx_ready())
       return amx_q8_linear(x, M, reinterpret_cast<const int8_t*>(q), scales, N, K, bias, out);
