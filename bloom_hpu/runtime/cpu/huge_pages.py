@@ -47,11 +47,16 @@ def huge_storage(nbytes: int) -> tuple[torch.UntypedStorage, mmap.mmap]:
     """An untyped storage of ``nbytes`` at a 2 MB boundary of an anonymous mapping advised to take
     huge pages (its pages not touched yet: the advice applies as they are first written)."""
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
+    advise_huge_pages(mapping)
     address = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     skip = -address % HUGE_PAGE
     storage = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=skip).untyped_storage()
     return storage, mapping
+
+
+def advise_huge_pages(mapping: mmap.mmap) -> None:
+    """Asks Linux to back ``mapping`` with huge pages as its pages are first written."""
+    mapping.madvise(mmap.MADV_HUGEPAGE)
 
 
 def huge_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
