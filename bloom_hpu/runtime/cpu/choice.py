@@ -53,7 +53,7 @@ MODES = ("measure", "static")
 CLASSES = ("prompts", "decode")  # a key is a class, or a class and a bucket: 'prompts:17-64'
 BUSY = 0.5  # a 1-minute load average above this many per CPU: the machine is busy
 REPEATS = 5  # alternated, after one warm-up call of each candidate: the fastest of five
-PRUNED = 3.0  # a candidate whose warm-up call took this many times the fastest one's is not timed again
+PRUNED = 3.0  # a candidate whose warm-up call and one more took this many times the fastest one's: not timed again
 # Environment switches that change which instructions torch, oneDNN and MKL run.
 CAP_ENVS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "DNNL_MAX_CPU_ISA")
 # The Python sources whose routes are timed: a change to them is a new file.
@@ -228,9 +228,13 @@ def measure(candidates: dict[str, Callable[[], float]]) -> dict[str, float]:
     candidates alternated within a round so that a change of load falls on all of them. The best,
     not the median: other work on the machine only ever adds time, so a candidate's fastest round is
     the nearest to its own speed, where a median lets a few disturbed rounds decide. A candidate
-    ``PRUNED`` times slower than the fastest at warm-up keeps that one time (it cannot win)."""
+    ``PRUNED`` times slower than the fastest at warm-up, and again in a second call, keeps the
+    faster of those two times (it cannot win); one slow first call (a page fault, a thread waking)
+    does not drop a candidate, nor, by its time, turn a choice made for a whole class."""
     warm = {name: run() for name, run in candidates.items()}
     fastest = min(warm.values())
+    for name in [name for name in candidates if warm[name] > PRUNED * fastest]:
+        warm[name] = min(warm[name], candidates[name]())
     rounds = {name: [] for name in candidates if warm[name] <= PRUNED * fastest}
     for _ in range(REPEATS):
         for name in rounds:
