@@ -76,7 +76,7 @@ def test_linear_agrees_with_the_reference(isa, dtype, kind):
         q, scales = weight(kind, n, seed=n)
         bias = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(dtype)
         # 7, 10 and 17: a tile of 4 rows and the last 3, 2 or 1 in a smaller tile (on AVX-512, 7
-        # and 8 rows: two passes of the few-rows path, 4 rows and the last 3 or 4)
+        # rows: two passes of the few-rows path, 4 rows and the last 3; 8 rows the panel's first)
         for rows in (1, 3, 7, 8, 10, 17, 128):
             x = inputs(rows, dtype, seed=rows)
             for b in (None, bias):
@@ -181,8 +181,8 @@ def test_fake_shapes(isa):
 def test_int8_products_on_amx_int8_tiles_are_the_panel_kernels_bit_for_bit(dtype, k):
     """K = 64, 160, 256: 2, 5 and 8 blocks, so the tiles' pipelined loop (4 blocks a turn) runs not at
     all, once with a block left over, and twice. Rows past 16 and 32 take more input tiles; 9 rows
-    is the fewest the panel kernel serves with the tiles off (the tiles serve 5 and more; without
-    them 5-8 rows take the few-rows path's two passes, summed in another order). 40 outputs are
+    is a count the panel kernel serves with the tiles off (the tiles serve 5 and more; without
+    them 5-7 rows take the few-rows path's two passes, summed in another order). 40 outputs are
     not whole tiles: the panel kernel serves them."""
     kernels = needs_amx_tiles()
     if "amx_int8" not in (capability.cpu_flags() or set()):

@@ -306,13 +306,22 @@ void pack_panel(const uint8_t* q, const float* scales, int64_t N, int64_t K, int
         }
       }
 #if defined(BLOOM_ISA_AVX512)
-      __m512i v[8];
       if constexpr (W == Q8Weight::kInt8) {
         // rows l and l + 8 (32 bytes each = 8 dwords) -> dword t of the 16 columns.
+        __m512i v[8];
         for (int i = 0; i < 8; ++i)
           v[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[i]))),
                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src[i + 8])), 1);
         transpose16x8(v);
+        // The start of the sums: -128 * each column's sum of weights over the block.
+        __m512i sums = _mm512_setzero_si512();
+        const __m512i ones = _mm512_set1_epi8(1);
+        for (int i = 0; i < 8; ++i) {
+          _mm512_storeu_si512(dst + i * 64, v[i]);
+          sums = _mm512_dpbusd_epi32(sums, ones, v[i]);
+        }
+        _mm512_storeu_si512(panel.starts.data() + (b * panel.C + c) * kQ8Lanes,
+                            _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7)));
       } else {
         // rows l, l + 4, l + 8, l + 12 (16 bytes = 4 dwords each) -> dword t (t < 4) of the 16
         // columns, by a 4 x 4 transpose in each 128-bit lane; then low nibbles (k = 4t..4t+3) and
@@ -336,17 +345,6 @@ void pack_panel(const uint8_t* q, const float* scales, int64_t N, int64_t K, int
           _mm512_storeu_si512(dst + i * 64, _mm512_and_si512(dw[i], mask));
           _mm512_storeu_si512(dst + (i + 4) * 64, _mm512_and_si512(_mm512_srli_epi16(dw[i], 4), mask));
         }
-      }
-      if constexpr (W == Q8Weight::kInt8) {
-        // The start of the sums: -128 * each column's sum of weights over the block.
-        __m512i sums = _mm512_setzero_si512();
-        const __m512i ones = _mm512_set1_epi8(1);
-        for (int i = 0; i < 8; ++i) {
-          _mm512_storeu_si512(dst + i * 64, v[i]);
-          sums = _mm512_dpbusd_epi32(sums, ones, v[i]);
-        }
-        _mm512_storeu_si512(panel.starts.data() + (b * panel.C + c) * kQ8Lanes,
-                            _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sums, 7)));
       }
 #else
       if constexpr (W == Q8Weight::kInt8) {
