@@ -23,6 +23,18 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ.setdefault("BLOOM_CPU_CHOICE", "static")
 
 
+@pytest.fixture(autouse=True)
+def integer_rows_by_default():
+    """After each test, the rows our integer products take in place are the build's default again
+    (a test's measured choice sets them for the process): which rows another test's products
+    multiply in place must not depend on the tests before it, nor on this machine's timing."""
+    yield
+    from bloom_hpu.runtime.cpu import integer_rows, kernels
+
+    for built in kernels.loaded():
+        integer_rows.restore_default(built)
+
+
 @pytest.fixture
 def verify_any_batch(monkeypatch):
     """Speculation verifies batches of any size here: on the CPU a greedy batch past

@@ -90,6 +90,37 @@ def test_linear_agrees_with_the_reference(isa, dtype, kind):
 
 
 @pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+def test_the_rows_taken_in_place_are_set_per_format(isa):
+    """``set_q8_few_rows``: up to that many rows the weight is read in place, where every row's
+    sums run as they do alone; past it the panel sums in another order (both within the reference's
+    tolerance). Per weight format; from one pass (4 rows) to what the build's path takes (8 on
+    AVX-512, 4 on AVX2), anything else refused."""
+    from bloom_hpu.runtime.cpu.integer_rows import ONE_PASS
+
+    kernels = kernels_for(isa)
+    most = 8 if isa == "avx512_bf16" else ONE_PASS
+    x = inputs(most, torch.float32, seed=3)
+    # The build's default comes back after the test (conftest.integer_rows_by_default).
+    for kind, fmt in (("int8", 1), ("int4 G=64", 2)):
+        q, scales = weight(kind, 100, seed=4)
+        alone = torch.cat([kernels.block_q8_linear(x[i:i + 1], q, scales, None) for i in range(most)])
+        assert kernels.set_q8_few_rows(most, fmt) == most
+        assert torch.equal(kernels.block_q8_linear(x, q, scales, None), alone)  # in place: each row alone
+        if most > ONE_PASS:
+            assert kernels.set_q8_few_rows(most - 1, fmt) == most - 1
+            panel = kernels.block_q8_linear(x, q, scales, None)
+            assert not torch.equal(panel, alone)  # the panel's order: other bits
+            exact = block_product(x, q, scales, None)
+            torch.testing.assert_close(panel, exact, rtol=1e-5, atol=1e-5 * exact.abs().amax().item())
+            other = 2 if fmt == 1 else 1  # the other format keeps its own count
+            assert kernels.set_q8_few_rows(most, other) == most
+            assert not torch.equal(kernels.block_q8_linear(x, q, scales, None), alone)
+    for rows, fmt in ((ONE_PASS - 1, 1), (most + 1, 2), (ONE_PASS, 0), (ONE_PASS, 3)):
+        with pytest.raises(RuntimeError, match="set_q8_few_rows"):
+            kernels.set_q8_few_rows(rows, fmt)
+
+
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
 def test_linear_keeps_leading_dimensions_and_matches_in_dtype(isa):
     kernels = kernels_for(isa)
     q, scales = weight("int4 G=64", 48)

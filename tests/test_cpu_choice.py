@@ -15,6 +15,7 @@ principle 15) and the accuracy contract every route keeps (docs/performance.md#t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -745,3 +746,66 @@ def test_the_weight_prefetch_is_timed_once_then_read(choice_dir, monkeypatch, is
     monkeypatch.delenv(capability.PREFETCH_ENV)
     for quantized in (None, "int8", "int4"):  # the process's defaults again
         prefetch.choose_prefetch(kernels, "static", Parallel(), quantized=quantized)
+
+
+# --- the rows integer products take in place -------------------------------------------------
+
+
+def test_the_rows_in_place_make_the_least_summed_time():
+    """The limit whose times (counts up to it in place, the rest through the panel) add up to the
+    least: one count timed slow does not end the in-place counts early; without times (static,
+    forced), the counts up to the first the panel was picked for."""
+    from bloom_hpu.runtime.cpu.integer_rows import rows_in_place
+
+    def timed(in_place, panel):
+        times = {f"rows:{m}": {"in place": a, "panel": b} for m, a, b in zip((5, 6, 7, 8), in_place, panel)}
+        picks = {k: min(t, key=t.get) for k, t in times.items()}
+        return choice.Chosen(picks, "measured", times)
+
+    assert rows_in_place(timed([3, 3, 3, 4], [4, 4, 4, 5])) == 8
+    assert rows_in_place(timed([7, 7, 8, 10], [8, 9, 11, 9])) == 7
+    assert rows_in_place(timed([10, 7, 8, 10], [8, 9, 11, 9])) == 7  # 5 rows timed slow in place
+    assert rows_in_place(timed([9, 9, 9, 9], [8, 8, 8, 8])) == 4
+    picks = {"rows:5": "in place", "rows:6": "panel", "rows:7": "in place", "rows:8": "in place"}
+    assert rows_in_place(choice.Chosen(picks, "forced", {})) == 5
+
+
+@pytest.mark.parametrize("quantized", ["int8", "int4"])
+def test_the_rows_in_place_are_timed_once_then_read(choice_dir, monkeypatch, quantized):
+    """Both paths timed at 5-8 rows over a weight of the format (with the prefetch in force), the
+    limit set in the kernels for that format and said, then read from the cache; static keeps the
+    build's default, timing nothing; the AVX2 build has nothing to choose."""
+    from bloom_hpu.runtime.cpu import integer_rows
+    from bloom_hpu.runtime.cpu.kernels import load
+    from bloom_hpu.tp import Parallel
+
+    needs_isa("avx512_bf16")
+    kernels = load("avx512_bf16")
+    monkeypatch.setattr(integer_rows, "STREAM_BYTES", 8 << 20)  # the choice's machinery, not a figure
+    fmt = capability.PREFETCH_FORMATS[quantized]
+    calls, limits = [], []
+    product, set_rows = kernels.block_q8_linear, kernels.set_q8_few_rows
+    spied = dataclasses.replace(
+        kernels, block_q8_linear=lambda x, q, s, b: (calls.append((x.shape[0], q.dtype)), product(x, q, s, b))[1],
+        set_q8_few_rows=lambda rows, f: (limits.append((rows, f)), set_rows(rows, f))[1])
+    try:
+        line = integer_rows.choose_integer_rows(spied, "measure", Parallel(), quantized, torch.bfloat16, False)
+        assert line.startswith("integer products in place up to ") and line.endswith(" rows (measured)")
+        rows = int(line.split()[6])
+        assert 4 <= rows <= 8 and limits[-1] == (rows, fmt)
+        weight_dtype = torch.int8 if quantized == "int8" else torch.uint8
+        assert {m for m, _ in calls} == {5, 6, 7, 8} and {d for _, d in calls} == {weight_dtype}
+        (file,) = choice_dir.iterdir()
+        content = json.loads(file.read_text())
+        assert sorted(content["times"]) == ["rows:5", "rows:6", "rows:7", "rows:8"]
+        assert content["times"]["rows:5"].keys() == {"in place", "panel"}
+        timed = len(calls)
+        assert integer_rows.choose_integer_rows(spied, "measure", Parallel(), quantized, torch.bfloat16,
+                                                False) == line.replace("measured", "cached")
+        assert integer_rows.choose_integer_rows(spied, "static", Parallel(), quantized, torch.bfloat16,
+                                                False) == "integer products in place up to 7 rows (by default)"
+        assert len(calls) == timed and limits[-1] == (7, fmt)  # nothing more timed; the default set
+    finally:
+        set_rows(integer_rows.DEFAULT, fmt)
+    avx2 = dataclasses.replace(kernels, isa="avx2")  # in place: 4 rows, one pass, whatever is timed
+    assert integer_rows.choose_integer_rows(avx2, "measure", Parallel(), quantized, torch.bfloat16, False) is None

@@ -35,6 +35,7 @@ from ...quantize import (INT8_KERNEL_FLOAT_ROWS, INT8_KERNEL_MANY_ROWS, INT8_KER
                         use_int8_activations)
 from . import capability, choice, routes
 from .huge_pages import huge_bytes, model_tensors, move_weights
+from .integer_rows import choose_integer_rows
 from .kernels import Kernels, KernelsUnavailable, load
 from .prefetch import choose_prefetch
 from .layers import (AMX_MIN_ROWS, AMX_TILE_ROWS, CPU_LINEAR, FEW_ROWS, FEW_ROWS_AMX, CpuTiedHead, KernelGelu,
@@ -411,6 +412,15 @@ def integer_allowed(model: StaticBloom, quantized: list) -> bool:
     return bool(quantized)
 
 
+def integer_possible(model: StaticBloom, options: CpuOptions, quantized: list, compile_steps: bool) -> bool:
+    """Some product may run as integer products: the user's or the options' choice, or a
+    candidate of the routes (``route_candidates``)."""
+    user_integer = bool(quantized) and all(m.int8_activations and not m.__dict__.get("auto_integer") for m in quantized)
+    on = options.int8_activations == "on" and bool(quantized)
+    return user_integer or on or (options.int8_activations == "auto" and not compile_steps and
+                                  integer_allowed(model, quantized))
+
+
 def route_candidates(model: StaticBloom, options: CpuOptions, cap: capability.Capability,
                      kernels: Kernels | None, linears: list, quantized: list,
                      compile_steps: bool) -> tuple[dict[str, list[str]], dict[str, str]]:
@@ -508,6 +518,13 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         used.append(choose_prefetch(kernels, options.choice, model.parallel, dtype, quantized_mode(model),
                                     options.huge_pages))
     amx_tiles = kernels is not None and dtype == torch.bfloat16 and cap.amx and use_amx_tiles(kernels, options.amx)
+    # Where integer products may run, how many rows they take in place (after the prefetch: timed
+    # with it); not for int8 on AMX-INT8 tiles, which take every count past one pass.
+    int8_on_tiles = amx_tiles and "amx_int8" in (capability.cpu_flags() or set()) and quantized_mode(model) == "int8"
+    if kernels is not None and integer_possible(model, options, quantized, compile_steps) and not int8_on_tiles:
+        in_place = choose_integer_rows(kernels, options.choice, model.parallel, quantized_mode(model), dtype,
+                                       options.huge_pages)
+        used += [in_place] if in_place else []
     # The kernel's row limit: higher where its bf16 products run on AMX tiles; lower where AMX
     # gives oneDNN's bf16 products of many rows the edge over the kernel's AVX-512 loop.
     untiled_rows = FEW_ROWS_AMX if cap.amx and dtype == torch.bfloat16 else FEW_ROWS

@@ -88,6 +88,8 @@ class Kernels:
     gelu_tanh: Callable  # (x) -> F.gelu(x, approximate="tanh"), the decode step's formula, threaded
     set_prefetch: Callable  # (kind, format) -> the kind in force: how the few-rows products over one weight
     # format (capability.PREFETCH_FORMATS) prefetch weights (capability.PREFETCH_KINDS: 0 none, 1 L1, 2 L2)
+    set_q8_few_rows: Callable  # (rows, format 1 int8 / 2 int4) -> the rows in force: the most input rows
+    # block_q8_linear multiplies with the weight read in place, more through its panel (integer_rows.py)
 
 
 _built: dict[str, Kernels | KernelsUnavailable] = {}
@@ -112,6 +114,11 @@ def load(isa: str) -> Kernels:
     if isinstance(result, KernelsUnavailable):
         raise result
     return result
+
+
+def loaded() -> list[Kernels]:
+    """The builds this process has loaded."""
+    return [built for built in _built.values() if isinstance(built, Kernels)]
 
 
 def recipe(isa: str) -> Recipe:
@@ -139,7 +146,7 @@ def _build_and_probe(isa: str) -> Kernels:
         kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention, ops.extend_attention,
                           ops.int8_rows_linear, ops.int4_rows_linear, ops.int4_dequantize, ops.decode_step_quantized,
                           ops.enable_amx, ops.counter_uniform, ops.block_q8_quantize, ops.block_q8_linear, ops.gelu_tanh,
-                          ops.set_prefetch)
+                          ops.set_prefetch, ops.set_q8_few_rows)
     except AttributeError as error:  # a library built from other sources
         raise KernelsUnavailable(f"were built without their operators ({error})") from None
     _register_fake(namespace)

@@ -53,6 +53,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -534,17 +535,27 @@ template <Q8Weight W> constexpr int kQ8Cols = 2;
 // here each weight vector is loaded once and multiplied into every row straight away, so the
 // product keeps up with the memory streaming the weight. The sums of a block stay spread over
 // lanes (a float sum per lane, the block's scale per lane), and one horizontal sum per output
-// ends the row. Up to kQ8FewPass rows are multiplied a pass; more rows (AVX-512, up to 7) take a
-// second pass over each block of weight rows while it is still in L1, rather than the panel. From
-// 8 rows the panel is as fast or faster, its next tile fetched during the arithmetic (a bloom-560m
-// layer streamed from memory, the two alternated in one process, few-rows / panel time: int4 1.30
-// at 7 rows, 0.82-1.02 at 8; int8 0.97-1.25 at 6-7 rows, 1.0-1.75 at 8, by the prefetch kind).
+// ends the row. Up to kQ8FewPass rows are multiplied a pass; more rows (AVX-512, up to 8) take a
+// second pass over each block of weight rows while it is still in L1, where that is faster than the
+// panel: how many rows this path takes is set per weight format for the process (set_q8_few_rows,
+// timed per machine by integer_rows.py), as it depends on the CPU and the weight prefetch (on a Zen
+// 5, a bloom-560m layer streamed from memory, few-rows / panel time: int4 1.30 at 7 rows, 0.82-1.02
+// at 8; int8 0.97-1.25 at 6-7 rows, 1.0-1.75 at 8, by the prefetch kind).
 
 #if defined(BLOOM_ISA_AVX512)
-constexpr int64_t kQ8FewRows = 7;        // up to this many input rows take this path
+constexpr int64_t kQ8FewRows = 8;         // the most input rows this path can take
+constexpr int64_t kQ8FewRowsDefault = 7;  // until set_q8_few_rows says otherwise (the Zen 5's)
 #else
 constexpr int64_t kQ8FewRows = 4;
+constexpr int64_t kQ8FewRowsDefault = 4;
 #endif
+
+// The most input rows the few-rows path takes over int8 (format 1) or int4 (2) weights, for the
+// process (prefetch.h's WeightFormat numbering); more go to the panel.
+inline std::atomic<int64_t>& q8_few_rows(int format) {
+  static std::atomic<int64_t> rows[2] = {kQ8FewRowsDefault, kQ8FewRowsDefault};
+  return rows[format == kInt4Weights ? 1 : 0];
+}
 constexpr int64_t kQ8FewPass = 4;        // input rows multiplied in one pass over a block of weight rows
 constexpr int kQ8FewWeightRows = 4;      // weight rows per task step
 constexpr int64_t kQ8FewPrefetch = 2048;  // weight bytes ahead of the loads
@@ -934,7 +945,8 @@ void block_q8_linear(const T* x, int64_t M, const uint8_t* q, const float* scale
       return amx_q8_linear(x, M, reinterpret_cast<const int8_t*>(q), scales, N, K, bias, out);
   }
 #endif
-  if (M <= kQ8FewRows && pairs) return block_q8_few<W>(x, M, q, scales, N, K, G, bias, out);
+  const int64_t few_rows = q8_few_rows(W == Q8Weight::kInt8 ? kInt8Weights : kInt4Weights).load(std::memory_order_relaxed);
+  if (M <= few_rows && pairs) return block_q8_few<W>(x, M, q, scales, N, K, G, bias, out);
   constexpr int R = kQ8Rows<W>, C = kQ8Cols<W>;
   const int64_t blocks = K / kQ8Block;
   std::vector<uint8_t> values(size_t(M * K * Q8Input<W>::kBytes));

@@ -131,6 +131,18 @@ at::Tensor block_q8_linear(const at::Tensor& input, const at::Tensor& q, const a
   });
 }
 
+// The most input rows the integer products over int8 (format 1) or int4 (2) weights multiply with
+// the weight read in place, for the process; more go to the panel (block_q8.h). From kQ8FewPass
+// (one pass) to kQ8FewRows; returns the count in force.
+int64_t set_q8_few_rows(int64_t rows, int64_t format) {
+  TORCH_CHECK(format == bloom_cpu::kInt8Weights || format == bloom_cpu::kInt4Weights,
+              "set_q8_few_rows: format 1 (int8) or 2 (int4)");
+  TORCH_CHECK(rows >= bloom_cpu::kQ8FewPass && rows <= bloom_cpu::kQ8FewRows, "set_q8_few_rows: rows from ",
+              bloom_cpu::kQ8FewPass, " to ", bloom_cpu::kQ8FewRows, " on this build, not ", rows);
+  bloom_cpu::q8_few_rows(int(format)).store(rows);
+  return bloom_cpu::q8_few_rows(int(format)).load();
+}
+
 }  // namespace
 
 BLOOM_LIBRARY_FRAGMENT(BLOOM_OPS, m) {
@@ -139,6 +151,7 @@ BLOOM_LIBRARY_FRAGMENT(BLOOM_OPS, m) {
   m.def("int4_dequantize(Tensor q, Tensor scales, Tensor(a!) out) -> ()");
   m.def("block_q8_quantize(Tensor x) -> (Tensor, Tensor)");
   m.def("block_q8_linear(Tensor x, Tensor q, Tensor scales, Tensor? bias) -> Tensor");
+  m.def("set_q8_few_rows(int rows, int format) -> int", &set_q8_few_rows);
 }
 
 BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {

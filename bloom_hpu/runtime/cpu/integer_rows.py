@@ -1,0 +1,103 @@
+"""How many input rows the integer products (``csrc/block_q8.h``) multiply with the weight read in
+place before they go through the panel, per weight format (int8, int4).
+
+The few-rows path multiplies each weight vector into every input row as it loads it, 4 rows a
+pass over each block of weight rows (a second pass finds the block in L1); the panel repacks a
+tile of weight rows once and reuses it for every row. At 4 rows or fewer the few-rows path wins
+everywhere; at 5-8 (the AVX-512 build) it depends on the CPU and on the weight prefetch in force
+(``prefetch.py``): on a Zen 5 the panel was 1.3x slower at 7 rows of int4 and up to 1.75x faster at
+8 of int8. So it is chosen like the routes (``choice.py``): each row count timed both ways once per
+machine and format, on a product over a weight larger than the caches, the prefetch chosen; the
+few-rows path keeps the counts up to the one that makes the least time summed over 5-8 rows (one
+count timed slow by other work does not end it early). ``static`` (and the test suite)
+keeps the build's default; on the AVX2 build the few-rows path takes 4 rows, nothing to choose.
+A row's bits depend on the path (both within the integer products' contract); a batch's rows are
+computed alike whatever their number up to the chosen count."""
+
+from __future__ import annotations
+
+import torch
+
+from . import capability, choice
+from .huge_pages import huge_zeros
+from .kernels import Kernels
+from .prefetch import INT4_GROUP, STREAM_BYTES, STREAM_WIDTH, kind_in_force
+
+ONE_PASS = 4  # rows the few-rows path takes in one pass: always its own
+ROWS = (5, 6, 7, 8)  # the counts chosen between the two paths, on the AVX-512 build
+DEFAULT = 7  # the build's own (csrc/block_q8.h: kQ8FewRowsDefault)
+
+
+def rows_in_place(chosen: choice.Chosen) -> int:
+    """The most rows the few-rows path takes: the limit whose times, the counts up to it in place
+    and the rest through the panel, add up to the least; without times (a static or forced
+    choice), every count up to the first the panel was picked for."""
+    keys = [f"rows:{m}" for m in ROWS]
+    if all(key in chosen.times for key in keys):
+        def total(limit: int) -> float:
+            return sum(chosen.times[f"rows:{m}"]["in place" if m <= limit else "panel"] for m in ROWS)
+        return min((ONE_PASS, *ROWS), key=total)
+    rows = ONE_PASS
+    for m in ROWS:
+        if chosen.picks[f"rows:{m}"] != "in place":
+            break
+        rows = m
+    return rows
+
+
+def choose_integer_rows(kernels: Kernels, option: str | None, parallel, quantized: str,
+                        activations: torch.dtype, huge_pages: bool) -> str | None:
+    """Set how many rows ``kernels``' integer products over ``quantized`` ('int8' or 'int4')
+    weights multiply in place, for the process, and say it for the load line ('integer products
+    in place up to 7 rows (measured)'); None where the build has nothing to choose (AVX2). Run
+    after the weight prefetch is set: the timing depends on it. ``option``, ``parallel`` and
+    ``huge_pages`` as for ``prefetch.choose_prefetch``."""
+    if kernels.isa != "avx512_bf16":
+        return None
+    fmt = capability.PREFETCH_FORMATS[quantized]
+    chosen = choice.agree(parallel, lambda: decide(kernels, option, quantized, activations, huge_pages))
+    rows = rows_in_place(chosen)
+    how = chosen.how + (", provisional" if chosen.provisional else "")
+    how = "by default" if how in ("static", "forced") else how  # another key forced: the default
+    kernels.set_q8_few_rows(rows, fmt)
+    return f"integer products in place up to {rows} rows ({how})"
+
+
+def restore_default(kernels: Kernels) -> None:
+    """The build's own counts for both formats again."""
+    for quantized in ("int8", "int4"):
+        kernels.set_q8_few_rows(DEFAULT if kernels.isa == "avx512_bf16" else ONE_PASS,
+                                capability.PREFETCH_FORMATS[quantized])
+
+
+def streamed_weight(quantized: str, huge_pages: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``quantized`` weight of STREAM_BYTES and its scales (zeros, written: pages never touched
+    would all read one shared page), in huge pages where the model's are."""
+    zeros = huge_zeros if huge_pages else torch.zeros
+    if quantized == "int8":
+        rows = STREAM_BYTES // STREAM_WIDTH
+        return zeros((rows, STREAM_WIDTH), dtype=torch.int8), torch.ones(rows)
+    rows = STREAM_BYTES // (STREAM_WIDTH // 2)
+    return zeros((rows, STREAM_WIDTH // 2), dtype=torch.uint8), torch.ones(rows, STREAM_WIDTH // INT4_GROUP)
+
+
+def decide(kernels: Kernels, option: str | None, quantized: str, activations: torch.dtype,
+           huge_pages: bool) -> choice.Chosen:
+    weight = []  # made at the first timing only: a cached answer allocates nothing
+    fmt = capability.PREFETCH_FORMATS[quantized]
+
+    def product(m: int, in_place: bool):
+        def run() -> float:
+            if not weight:
+                weight.extend(streamed_weight(quantized, huge_pages))
+            x = torch.randn(m, STREAM_WIDTH, generator=torch.Generator().manual_seed(m)).to(activations)
+            kernels.set_q8_few_rows(max(ROWS) if in_place else m - 1, fmt)
+            return choice.timed(lambda: kernels.block_q8_linear(x, weight[0], weight[1], None))
+        return run
+
+    candidates = {f"rows:{m}": {"in place": product(m, True), "panel": product(m, False)} for m in ROWS}
+    static = {f"rows:{m}": "in place" if m <= DEFAULT else "panel" for m in ROWS}
+    determined_by = {"what": "integer rows in place", "isa": kernels.isa, "weights": quantized,
+                     "activations": str(activations), "bytes": STREAM_BYTES, "width": STREAM_WIDTH,
+                     "huge_pages": huge_pages, "prefetch": kind_in_force(kernels, quantized)}
+    return choice.choose(candidates, static, determined_by, option)
