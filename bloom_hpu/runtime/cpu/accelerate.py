@@ -520,9 +520,11 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     amx_tiles = kernels is not None and dtype == torch.bfloat16 and cap.amx and use_amx_tiles(kernels, options.amx)
     # Where integer products may run, how many rows they take in place (after the prefetch: timed
     # with it); not for int8 on AMX-INT8 tiles, which take every count past one pass.
-    int8_on_tiles = amx_tiles and "amx_int8" in (capability.cpu_flags() or set()) and quantized_mode(model) == "int8"
-    if kernels is not None and integer_possible(model, options, quantized, compile_steps) and not int8_on_tiles:
-        in_place = choose_integer_rows(kernels, options.choice, model.parallel, quantized_mode(model), dtype,
+    weight_format = quantized_mode(model)
+    int8_on_tiles = amx_tiles and "amx_int8" in (capability.cpu_flags() or set()) and weight_format == "int8"
+    if kernels is not None and weight_format and integer_possible(model, options, quantized, compile_steps) and \
+            not int8_on_tiles:
+        in_place = choose_integer_rows(kernels, options.choice, model.parallel, weight_format, dtype,
                                        options.huge_pages)
         used += [in_place] if in_place else []
     # The kernel's row limit: higher where its bf16 products run on AMX tiles; lower where AMX
