@@ -802,8 +802,9 @@ def test_the_rows_in_place_are_timed_once_then_read(choice_dir, monkeypatch, qua
         timed = len(calls)
         assert integer_rows.choose_integer_rows(spied, "measure", Parallel(), quantized, torch.bfloat16,
                                                 False) == line.replace("measured", "cached")
-        assert integer_rows.choose_integer_rows(spied, "static", Parallel(), quantized, torch.bfloat16,
-                                                False) == "integer products in place up to 7 rows (by default)"
+        for option in ("static", "prompts=native"):  # another key forced: the default too
+            assert integer_rows.choose_integer_rows(spied, option, Parallel(), quantized, torch.bfloat16,
+                                                    False) == "integer products in place up to 7 rows (by default)"
         assert len(calls) == timed and limits[-1] == (7, fmt)  # nothing more timed; the default set
     finally:
         set_rows(integer_rows.DEFAULT, fmt)
