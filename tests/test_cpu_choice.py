@@ -775,13 +775,13 @@ def test_the_rows_in_place_are_timed_once_then_read(choice_dir, monkeypatch, qua
     """Both paths timed at 5-8 rows over a weight of the format (with the prefetch in force), the
     limit set in the kernels for that format and said, then read from the cache; static keeps the
     build's default, timing nothing; the AVX2 build has nothing to choose."""
-    from bloom_hpu.runtime.cpu import integer_rows
+    from bloom_hpu.runtime.cpu import integer_rows, prefetch
     from bloom_hpu.runtime.cpu.kernels import load
     from bloom_hpu.tp import Parallel
 
     needs_isa("avx512_bf16")
     kernels = load("avx512_bf16")
-    monkeypatch.setattr(integer_rows, "STREAM_BYTES", 8 << 20)  # the choice's machinery, not a figure
+    monkeypatch.setattr(prefetch, "STREAM_BYTES", 8 << 20)  # the choice's machinery, not a figure
     fmt = capability.PREFETCH_FORMATS[quantized]
     calls, limits = [], []
     product, set_rows = kernels.block_q8_linear, kernels.set_q8_few_rows

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from . import capability, choice
-from .huge_pages import huge_zeros
+from . import capability, choice, prefetch
 from .kernels import Kernels
-from .prefetch import INT4_GROUP, STREAM_BYTES, STREAM_WIDTH, kind_in_force
 
 ONE_PASS = 4  # rows the few-rows path takes in one pass: always its own
 ROWS = (5, 6, 7, 8)  # the counts chosen between the two paths, on the AVX-512 build
@@ -70,17 +68,6 @@ def restore_default(kernels: Kernels) -> None:
                                 capability.PREFETCH_FORMATS[quantized])
 
 
-def streamed_weight(quantized: str, huge_pages: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """A ``quantized`` weight of STREAM_BYTES and its scales (zeros, written: pages never touched
-    would all read one shared page), in huge pages where the model's are."""
-    zeros = huge_zeros if huge_pages else torch.zeros
-    if quantized == "int8":
-        rows = STREAM_BYTES // STREAM_WIDTH
-        return zeros((rows, STREAM_WIDTH), dtype=torch.int8), torch.ones(rows)
-    rows = STREAM_BYTES // (STREAM_WIDTH // 2)
-    return zeros((rows, STREAM_WIDTH // 2), dtype=torch.uint8), torch.ones(rows, STREAM_WIDTH // INT4_GROUP)
-
-
 def decide(kernels: Kernels, option: str | None, quantized: str, activations: torch.dtype,
            huge_pages: bool) -> choice.Chosen:
     weight = []  # made at the first timing only: a cached answer allocates nothing
@@ -89,8 +76,8 @@ def decide(kernels: Kernels, option: str | None, quantized: str, activations: to
     def product(m: int, in_place: bool):
         def run() -> float:
             if not weight:
-                weight.extend(streamed_weight(quantized, huge_pages))
-            x = torch.randn(m, STREAM_WIDTH, generator=torch.Generator().manual_seed(m)).to(activations)
+                weight.extend(prefetch.streamed_weight(quantized, activations, huge_pages))
+            x = torch.randn(m, prefetch.STREAM_WIDTH, generator=torch.Generator().manual_seed(m)).to(activations)
             kernels.set_q8_few_rows(max(ROWS) if in_place else m - 1, fmt)
             return choice.timed(lambda: kernels.block_q8_linear(x, weight[0], weight[1], None))
         return run
@@ -98,6 +85,7 @@ def decide(kernels: Kernels, option: str | None, quantized: str, activations: to
     candidates = {f"rows:{m}": {"in place": product(m, True), "panel": product(m, False)} for m in ROWS}
     static = {f"rows:{m}": "in place" if m <= DEFAULT else "panel" for m in ROWS}
     determined_by = {"what": "integer rows in place", "isa": kernels.isa, "weights": quantized,
-                     "activations": str(activations), "bytes": STREAM_BYTES, "width": STREAM_WIDTH,
-                     "huge_pages": huge_pages, "prefetch": kind_in_force(kernels, quantized)}
+                     "activations": str(activations), "bytes": prefetch.STREAM_BYTES,
+                     "width": prefetch.STREAM_WIDTH, "huge_pages": huge_pages,
+                     "prefetch": prefetch.kind_in_force(kernels, quantized)}
     return choice.choose(candidates, static, determined_by, option)

@@ -57,21 +57,29 @@ def choose_prefetch(kernels: Kernels, option: str | None, parallel, activations:
     return f"weight prefetch {kind} ({how})"
 
 
-def streamed_product(kernels: Kernels, weights: str, activations: torch.dtype, huge_pages: bool):
-    """A call of ``weights``' few-rows product of one row of ``activations`` over a weight of
-    STREAM_BYTES (allocated here: zeros, written, as pages never touched would all read one shared
-    page); float weights are of the activations' dtype."""
+def streamed_weight(weights: str, activations: torch.dtype, huge_pages: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A weight of STREAM_BYTES in the format ``weights`` and its scales (None for float weights,
+    which are of the activations' dtype), in huge pages where the model's are: zeros, written, as
+    pages never touched would all read one shared page."""
     zeros = huge_zeros if huge_pages else torch.zeros
-    x = torch.ones(1, STREAM_WIDTH, dtype=activations)
     if weights == "int8":
         rows = STREAM_BYTES // STREAM_WIDTH
-        q, scales = zeros((rows, STREAM_WIDTH), dtype=torch.int8), torch.ones(rows)
-        return lambda: kernels.int8_rows_linear(x, q, scales, None)
+        return zeros((rows, STREAM_WIDTH), dtype=torch.int8), torch.ones(rows)
     if weights == "int4":
         rows = STREAM_BYTES // (STREAM_WIDTH // 2)
-        q, scales = zeros((rows, STREAM_WIDTH // 2), dtype=torch.uint8), torch.ones(rows, STREAM_WIDTH // INT4_GROUP)
-        return lambda: kernels.int4_rows_linear(x, q, scales, None)
-    w = zeros((STREAM_BYTES // (STREAM_WIDTH * activations.itemsize), STREAM_WIDTH), dtype=activations)
+        return zeros((rows, STREAM_WIDTH // 2), dtype=torch.uint8), torch.ones(rows, STREAM_WIDTH // INT4_GROUP)
+    return zeros((STREAM_BYTES // (STREAM_WIDTH * activations.itemsize), STREAM_WIDTH), dtype=activations), None
+
+
+def streamed_product(kernels: Kernels, weights: str, activations: torch.dtype, huge_pages: bool):
+    """A call of ``weights``' few-rows product of one row of ``activations`` over a weight of
+    STREAM_BYTES (``streamed_weight``, allocated here)."""
+    x = torch.ones(1, STREAM_WIDTH, dtype=activations)
+    w, scales = streamed_weight(weights, activations, huge_pages)
+    if weights == "int8":
+        return lambda: kernels.int8_rows_linear(x, w, scales, None)
+    if weights == "int4":
+        return lambda: kernels.int4_rows_linear(x, w, scales, None)
     return lambda: kernels.few_rows_linear(x, w, None)
 
 
