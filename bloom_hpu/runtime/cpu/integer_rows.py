@@ -6,11 +6,12 @@ pass over each block of weight rows (a second pass finds the block in L1); the p
 tile of weight rows once and reuses it for every row. At 4 rows or fewer the few-rows path wins
 everywhere; at 5-8 (the AVX-512 build) it depends on the CPU and on the weight prefetch in force
 (``prefetch.py``): on a Zen 5 the panel was 1.3x slower at 7 rows of int4, and at 8 rows of int8
-1.75x faster with the L1 prefetch, level with the L2 one. So it is chosen like the routes (``choice.py``): each row count timed both ways once per
-machine and format, on a product over a weight larger than the caches, the prefetch chosen; the
-few-rows path keeps the counts up to the one that makes the least time summed over 5-8 rows (one
-count timed slow by other work does not end it early). ``static`` (and the test suite)
-keeps the build's default; on the AVX2 build the few-rows path takes 4 rows, nothing to choose.
+1.75x faster with the L1 prefetch, level with the L2 one. So it is chosen like the routes
+(``choice.py``): each row count timed both ways once per machine and format, on a product over a
+weight larger than the caches, the prefetch chosen; the few-rows path keeps the counts up to the
+one that makes the least time summed over 5-8 rows (one count timed slow by other work does not
+end it early). ``static`` (and the test suite) keeps the build's default; on the AVX2 build the
+few-rows path takes 4 rows, nothing to choose.
 A row's bits depend on the path (both within the integer products' contract); a batch's rows are
 computed alike whatever their number up to the chosen count."""
 
