@@ -725,8 +725,9 @@ def test_the_weight_prefetch_is_timed_once_then_read(choice_dir, monkeypatch, is
     monkeypatch.setattr(prefetch, "streamed_product", seen)
     files = set()
     for n, quantized in enumerate([None, "int8", "int4"], start=1):
-        measured = prefetch.choose_prefetch(kernels, "measure", Parallel(), quantized=quantized)
+        kind, measured = prefetch.choose_prefetch(kernels, "measure", Parallel(), quantized=quantized)
         assert measured in {f"weight prefetch {kind} (measured)" for kind in ("none", "l1", "l2")}
+        assert measured.split()[2] == kind
         new = set(choice_dir.iterdir()) - files  # one file per format
         files |= new
         assert len(new) == 1 and products == ["bf16", "int8", "int4"][:n]
@@ -735,13 +736,13 @@ def test_the_weight_prefetch_is_timed_once_then_read(choice_dir, monkeypatch, is
         timed = content["times"]["prefetch"]
         assert measured.split()[2] == min(timed, key=timed.get)  # the fastest is the one kept
         assert prefetch.choose_prefetch(kernels, "measure", Parallel(), quantized=quantized) == \
-            measured.replace("measured", "cached")
+            (kind, measured.replace("measured", "cached"))
     monkeypatch.setattr(capability, "cpu_vendor", lambda: "AuthenticAMD")
-    assert prefetch.choose_prefetch(kernels, "static", Parallel()) == "weight prefetch l2 (by vendor)"
+    assert prefetch.choose_prefetch(kernels, "static", Parallel()) == ("l2", "weight prefetch l2 (by vendor)")
     monkeypatch.setattr(capability, "cpu_vendor", lambda: "GenuineIntel")
-    assert prefetch.choose_prefetch(kernels, "prompts=native", Parallel()) == "weight prefetch l1 (by vendor)"
+    assert prefetch.choose_prefetch(kernels, "prompts=native", Parallel()) == ("l1", "weight prefetch l1 (by vendor)")
     monkeypatch.setenv(capability.PREFETCH_ENV, "l2")
-    assert prefetch.choose_prefetch(kernels, "measure", Parallel()) == "weight prefetch l2 (forced)"
+    assert prefetch.choose_prefetch(kernels, "measure", Parallel()) == ("l2", "weight prefetch l2 (forced)")
     assert len(list(choice_dir.iterdir())) == 3 and len(products) == 3  # nothing more timed
     monkeypatch.delenv(capability.PREFETCH_ENV)
     for quantized in (None, "int8", "int4"):  # the process's defaults again
@@ -774,7 +775,8 @@ def test_the_rows_in_place_make_the_least_summed_time():
 def test_the_rows_in_place_are_timed_once_then_read(choice_dir, monkeypatch, quantized):
     """Both paths timed at 5-8 rows over a weight of the format (with the prefetch in force), the
     limit set in the kernels for that format and said, then read from the cache; static keeps the
-    build's default, timing nothing; the AVX2 build has nothing to choose."""
+    build's default, timing nothing; another prefetch kind is another answer; the AVX2 build has
+    nothing to choose."""
     from bloom_hpu.runtime.cpu import integer_rows, prefetch
     from bloom_hpu.runtime.cpu.kernels import load
     from bloom_hpu.tp import Parallel
@@ -788,25 +790,25 @@ def test_the_rows_in_place_are_timed_once_then_read(choice_dir, monkeypatch, qua
     spied = dataclasses.replace(
         kernels, block_q8_linear=lambda x, q, s, b: (calls.append((x.shape[0], q.dtype)), product(x, q, s, b))[1],
         set_q8_few_rows=lambda rows, f: (limits.append((rows, f)), set_rows(rows, f))[1])
-    try:
-        line = integer_rows.choose_integer_rows(spied, "measure", Parallel(), quantized, torch.bfloat16, False)
-        assert line.startswith("integer products in place up to ") and line.endswith(" rows (measured)")
-        rows = int(line.split()[6])
-        assert 4 <= rows <= 8 and limits[-1] == (rows, fmt)
-        weight_dtype = torch.int8 if quantized == "int8" else torch.uint8
-        assert {m for m, _ in calls} == {5, 6, 7, 8} and {d for _, d in calls} == {weight_dtype}
-        (file,) = choice_dir.iterdir()
-        content = json.loads(file.read_text())
-        assert sorted(content["times"]) == ["rows:5", "rows:6", "rows:7", "rows:8"]
-        assert content["times"]["rows:5"].keys() == {"in place", "panel"}
-        timed = len(calls)
-        assert integer_rows.choose_integer_rows(spied, "measure", Parallel(), quantized, torch.bfloat16,
-                                                False) == line.replace("measured", "cached")
-        for option in ("static", "prompts=native"):  # another key forced: the default too
-            assert integer_rows.choose_integer_rows(spied, option, Parallel(), quantized, torch.bfloat16,
-                                                    False) == "integer products in place up to 7 rows (by default)"
-        assert len(calls) == timed and limits[-1] == (7, fmt)  # nothing more timed; the default set
-    finally:
-        set_rows(integer_rows.DEFAULT, fmt)
+    choose = integer_rows.choose_integer_rows  # the build's default comes back after the test (conftest)
+    line = choose(spied, "measure", Parallel(), quantized, torch.bfloat16, False, "l1")
+    assert line.startswith("integer products in place up to ") and line.endswith(" rows (measured)")
+    rows = int(line.split()[6])
+    assert 4 <= rows <= 8 and limits[-1] == (rows, fmt)
+    weight_dtype = torch.int8 if quantized == "int8" else torch.uint8
+    assert {m for m, _ in calls} == {5, 6, 7, 8} and {d for _, d in calls} == {weight_dtype}
+    (file,) = choice_dir.iterdir()
+    content = json.loads(file.read_text())
+    assert sorted(content["times"]) == ["rows:5", "rows:6", "rows:7", "rows:8"]
+    assert content["times"]["rows:5"].keys() == {"in place", "panel"}
+    timed = len(calls)
+    assert choose(spied, "measure", Parallel(), quantized, torch.bfloat16, False, "l1") == \
+        line.replace("measured", "cached")
+    for option in ("static", "prompts=native"):  # another key forced: the default too
+        assert choose(spied, option, Parallel(), quantized, torch.bfloat16, False, "l1") == \
+            "integer products in place up to 7 rows (by default)"
+    assert len(calls) == timed and limits[-1] == (7, fmt)  # nothing more timed; the default set
+    assert choose(spied, "measure", Parallel(), quantized, torch.bfloat16, False, "l2").endswith("(measured)")
+    assert len(calls) > timed and len(list(choice_dir.iterdir())) == 2  # another prefetch: timed again
     avx2 = dataclasses.replace(kernels, isa="avx2")  # in place: 4 rows, one pass, whatever is timed
-    assert integer_rows.choose_integer_rows(avx2, "measure", Parallel(), quantized, torch.bfloat16, False) is None
+    assert choose(avx2, "measure", Parallel(), quantized, torch.bfloat16, False, "l1") is None

@@ -412,13 +412,13 @@ def integer_allowed(model: StaticBloom, quantized: list) -> bool:
     return bool(quantized)
 
 
-def integer_possible(model: StaticBloom, options: CpuOptions, quantized: list, compile_steps: bool) -> bool:
-    """Some product may run as integer products: the user's or the options' choice, or a
-    candidate of the routes (``route_candidates``)."""
-    user_integer = bool(quantized) and all(m.int8_activations and not m.__dict__.get("auto_integer") for m in quantized)
-    on = options.int8_activations == "on" and bool(quantized)
-    return user_integer or on or (options.int8_activations == "auto" and not compile_steps and
-                                  integer_allowed(model, quantized))
+def integer_modes(model: StaticBloom, options: CpuOptions, quantized: list, compile_steps: bool) -> tuple[bool, bool]:
+    """Whether the quantized products must run as integer products (the user's choice, or
+    ``--int8_activations on``), and whether they may (``auto``, where every product's rows allow)."""
+    must = bool(quantized) and (options.int8_activations == "on" or
+                                all(m.int8_activations and not m.__dict__.get("auto_integer") for m in quantized))
+    may = options.int8_activations == "auto" and not compile_steps and integer_allowed(model, quantized)
+    return must, may
 
 
 def route_candidates(model: StaticBloom, options: CpuOptions, cap: capability.Capability,
@@ -429,16 +429,15 @@ def route_candidates(model: StaticBloom, options: CpuOptions, cap: capability.Ca
     more than 16 rows where bf16 products are emulated, weight-only quantized products). A bucket
     whose rows the few-rows kernel takes whatever the route offers 'native' and 'widened' alone."""
     dtype = model.word_embeddings.weight.dtype
-    user_integer = bool(quantized) and all(m.int8_activations and not m.__dict__.get("auto_integer") for m in quantized)
+    must_integer, may_integer = integer_modes(model, options, quantized, compile_steps)
     may_widen = options.widen and options.path != "plain" and not compile_steps and \
         dtype in (torch.bfloat16, torch.float16)
-    may_integer = options.int8_activations == "auto" and not compile_steps and integer_allowed(model, quantized)
     block = model.h[0]
     first = [block.self_attention.query_key_value, block.self_attention.dense, block.mlp.dense_h_to_4h,
              block.mlp.dense_4h_to_h]
     widened = ["widened"] if may_widen else []
     prompts, decode = [], []
-    if user_integer or (options.int8_activations == "on" and quantized):
+    if must_integer:
         prompts, decode = ["integer"], ["integer"]
     elif quantized:
         prompts = ["native"] + widened + (["integer"] if may_integer else [])
@@ -514,18 +513,20 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         granted = huge_bytes(model_tensors(model))  # what the kernel gave, not what was asked
         if granted:
             used.append(f"weights in huge pages ({granted / 2**20:.0f} MB)")
+    prefetch_kind = None
     if kernels is not None:
-        used.append(choose_prefetch(kernels, options.choice, model.parallel, dtype, quantized_mode(model),
-                                    options.huge_pages))
+        prefetch_kind, prefetch_line = choose_prefetch(kernels, options.choice, model.parallel, dtype,
+                                                       quantized_mode(model), options.huge_pages)
+        used.append(prefetch_line)
     amx_tiles = kernels is not None and dtype == torch.bfloat16 and cap.amx and use_amx_tiles(kernels, options.amx)
     # Where integer products may run, how many rows they take in place (after the prefetch: timed
     # with it); not for int8 on AMX-INT8 tiles, which take every count past one pass.
     weight_format = quantized_mode(model)
     int8_on_tiles = amx_tiles and "amx_int8" in (capability.cpu_flags() or set()) and weight_format == "int8"
-    if kernels is not None and weight_format and integer_possible(model, options, quantized, compile_steps) and \
+    if kernels is not None and weight_format and any(integer_modes(model, options, quantized, compile_steps)) and \
             not int8_on_tiles:
         in_place = choose_integer_rows(kernels, options.choice, model.parallel, weight_format, dtype,
-                                       options.huge_pages)
+                                       options.huge_pages, prefetch_kind)
         used += [in_place] if in_place else []
     # The kernel's row limit: higher where its bf16 products run on AMX tiles; lower where AMX
     # gives oneDNN's bf16 products of many rows the edge over the kernel's AVX-512 loop.

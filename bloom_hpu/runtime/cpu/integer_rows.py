@@ -45,16 +45,17 @@ def rows_in_place(chosen: choice.Chosen) -> int:
 
 
 def choose_integer_rows(kernels: Kernels, option: str | None, parallel, quantized: str,
-                        activations: torch.dtype, huge_pages: bool) -> str | None:
+                        activations: torch.dtype, huge_pages: bool, prefetch_kind: str) -> str | None:
     """Set how many rows ``kernels``' integer products over ``quantized`` ('int8' or 'int4')
     weights multiply in place, for the process, and say it for the load line ('integer products
     in place up to 7 rows (measured)'); None where the build has nothing to choose (AVX2). Run
-    after the weight prefetch is set: the timing depends on it. ``option``, ``parallel`` and
-    ``huge_pages`` as for ``prefetch.choose_prefetch``."""
+    after the weight prefetch is set: the timing depends on it, and ``prefetch_kind``, the kind
+    ``prefetch.choose_prefetch`` set for the format, is part of the cached answer's name.
+    ``option``, ``parallel`` and ``huge_pages`` as for ``prefetch.choose_prefetch``."""
     if kernels.isa != "avx512_bf16":
         return None
     fmt = capability.PREFETCH_FORMATS[quantized]
-    chosen = choice.agree(parallel, lambda: decide(kernels, option, quantized, activations, huge_pages))
+    chosen = choice.agree(parallel, lambda: decide(kernels, option, quantized, activations, huge_pages, prefetch_kind))
     rows = rows_in_place(chosen)
     how = chosen.how + (", provisional" if chosen.provisional else "")
     how = "by default" if how in ("static", "forced") else how  # another key forced: the default
@@ -70,7 +71,7 @@ def restore_default(kernels: Kernels) -> None:
 
 
 def decide(kernels: Kernels, option: str | None, quantized: str, activations: torch.dtype,
-           huge_pages: bool) -> choice.Chosen:
+           huge_pages: bool, prefetch_kind: str) -> choice.Chosen:
     weight = []  # made at the first timing only: a cached answer allocates nothing
     fmt = capability.PREFETCH_FORMATS[quantized]
 
@@ -88,5 +89,5 @@ def decide(kernels: Kernels, option: str | None, quantized: str, activations: to
     determined_by = {"what": "integer rows in place", "isa": kernels.isa, "weights": quantized,
                      "activations": str(activations), "bytes": prefetch.STREAM_BYTES,
                      "width": prefetch.STREAM_WIDTH, "huge_pages": huge_pages,
-                     "prefetch": prefetch.kind_in_force(kernels, quantized)}
+                     "prefetch": prefetch_kind}
     return choice.choose(candidates, static, determined_by, option)

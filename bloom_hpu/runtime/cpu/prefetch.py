@@ -28,19 +28,12 @@ STREAM_WIDTH = 1024
 INT4_GROUP = 64  # the int4 weight's scales: one per 64 weights of a row (the default --group_size)
 FLOAT_WEIGHTS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # PREFETCH_FORMATS' keys
 
-_in_force: dict[tuple[str, str], str] = {}  # (kernels' ISA, weights) -> the kind choose_prefetch set
-
-
-def kind_in_force(kernels: Kernels, weights: str) -> str:
-    """The kind ``kernels``' products over ``weights`` prefetch with: the one ``choose_prefetch``
-    set last in this process, else the one the kernels were loaded with (the vendor's rule)."""
-    return _in_force.get((kernels.isa, weights)) or capability.weight_prefetch()
-
 
 def choose_prefetch(kernels: Kernels, option: str | None, parallel, activations: torch.dtype = torch.bfloat16,
-                    quantized: str | None = None, huge_pages: bool = False) -> str:
-    """Set the weight prefetch of ``kernels``' products over the model's weights, for the process,
-    and say which and how: 'weight prefetch l2 (measured)', '(cached)', '(by vendor)', '(forced)'.
+                    quantized: str | None = None, huge_pages: bool = False) -> tuple[str, str]:
+    """Set the weight prefetch of ``kernels``' products over the model's weights, for the process:
+    the kind set ('none', 'l1' or 'l2'), and which and how, for the load line: 'weight prefetch l2
+    (measured)', '(cached)', '(by vendor)', '(forced)'.
     ``activations``: the model's dtype (its float weights' too); ``quantized``: 'int8' or 'int4'
     where its weights are; ``option``: the routes' choice mode (``CpuOptions.choice``);
     ``parallel``: the model's ranks, which take rank 0's pick; ``huge_pages``: the model's weights
@@ -53,8 +46,7 @@ def choose_prefetch(kernels: Kernels, option: str | None, parallel, activations:
         kind, how = chosen.picks["prefetch"], chosen.how + (", provisional" if chosen.provisional else "")
         how = "by vendor" if how in ("static", "forced") else how  # another key forced: the vendor's rule
     kernels.set_prefetch(capability.PREFETCH_KINDS[kind], capability.PREFETCH_FORMATS[weights])
-    _in_force[(kernels.isa, weights)] = kind
-    return f"weight prefetch {kind} ({how})"
+    return kind, f"weight prefetch {kind} ({how})"
 
 
 def streamed_weight(weights: str, activations: torch.dtype, huge_pages: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
