@@ -484,10 +484,11 @@ def test_two_deepspeed_ranks_load_with_rank_0s_routes(make_ckpt, tmp_path):
     lines = [line for line in log.splitlines() if "CPU fast path" in line]
     routes_seen = {line.rsplit("; routes ", 1)[-1] for line in lines}
     assert len(lines) == 2 and len(routes_seen) == 1 and "routes prompts" in lines[0], lines
-    prefetch_seen = {line.split("weight prefetch ", 1)[1].split(" ", 1)[0] for line in lines}
-    assert len(prefetch_seen) == 1 and prefetch_seen <= set(capability.PREFETCH_KINDS), lines
+    prefetch_seen = {line.split("weight prefetch ", 1)[1].split(" (", 1)[0] for line in lines}  # 'none, l2 from 2 rows'
+    assert len(prefetch_seen) == 1 and re.match(r"\w+", *prefetch_seen).group() in capability.PREFETCH_KINDS, lines
     files = [json.loads(path.read_text()) for path in tmp_path.glob("bloom_cpu_choice_*.json")]
-    assert sorted("prefetch" in f["picks"] for f in files) == [False, True]  # the routes' file, the prefetch's
+    prefetch_files = sorted(any(key.startswith("prefetch:") for key in f["picks"]) for f in files)
+    assert prefetch_files == [False, True]  # the routes' file, the prefetch's
 
 
 # --- forcing and skipping ----------------------------------------------------------------------
@@ -705,36 +706,50 @@ def test_each_route_runs_where_it_is_set(make_ckpt, choice_dir):
 @pytest.mark.parametrize("isa", KERNEL_ISAS)
 def test_the_weight_prefetch_is_timed_once_then_read(choice_dir, monkeypatch, isa):
     """The three prefetch kinds (none, L1, L2) are timed on a weight of the model's format streamed
-    from memory (the fastest kept, and set in the kernels for that format), then read from the
-    cache, one file per format; static takes the vendor's rule, timing nothing;
-    ``$BLOOM_CPU_PREFETCH`` forces one."""
+    from memory (for float weights, once per row class, with its first row count; int8 and int4
+    once, with one row), the fastest kept and set in the kernels for that format and class, then
+    read from the cache, one file per format; static takes the vendor's rule for every row count,
+    timing nothing; ``$BLOOM_CPU_PREFETCH`` forces one."""
     from bloom_hpu.runtime.cpu import prefetch
     from bloom_hpu.runtime.cpu.kernels import load
     from bloom_hpu.tp import Parallel
 
     kernels = load(isa)
+    classes = list(kernels.prefetch_row_classes())
+    assert classes[0] == 1 and classes == sorted(set(classes)) and len(classes) > 1
     monkeypatch.delenv(capability.PREFETCH_ENV, raising=False)
     monkeypatch.setattr(prefetch, "STREAM_BYTES", 8 << 20)  # the choice's machinery, not a figure
-    products = []
+    products, rows_timed = [], []
     timed_products = prefetch.streamed_product
 
     def seen(kernels, weights, activations, huge_pages):  # the product timed is the format's own
         products.append(weights)
-        return timed_products(kernels, weights, activations, huge_pages)
+        product = timed_products(kernels, weights, activations, huge_pages)
+
+        def call(rows):
+            rows_timed.append((weights, rows))
+            return product(rows)
+        return call
 
     monkeypatch.setattr(prefetch, "streamed_product", seen)
     files = set()
-    for n, quantized in enumerate([None, "int8", "int4"], start=1):
+    for n, (quantized, fmt) in enumerate([(None, 0), ("int8", 1), ("int4", 2)], start=1):
+        weights = quantized or "bf16"
         kind, measured = prefetch.choose_prefetch(kernels, "measure", Parallel(), quantized=quantized)
-        assert measured in {f"weight prefetch {kind} (measured)" for kind in ("none", "l1", "l2")}
-        assert measured.split()[2] == kind
         new = set(choice_dir.iterdir()) - files  # one file per format
         files |= new
         assert len(new) == 1 and products == ["bf16", "int8", "int4"][:n]
-        content = json.loads(new.pop().read_text())
-        assert sorted(content["times"]["prefetch"]) == ["l1", "l2", "none"]
-        timed = content["times"]["prefetch"]
-        assert measured.split()[2] == min(timed, key=timed.get)  # the fastest is the one kept
+        own = classes if quantized is None else [1]
+        assert sorted({rows for w, rows in rows_timed if w == weights}) == own
+        times = json.loads(new.pop().read_text())["times"]
+        assert sorted(times) == [f"prefetch:{rows}" for rows in own]
+        fastest = {rows: min(times[f"prefetch:{rows}"], key=times[f"prefetch:{rows}"].get) for rows in own}
+        assert all(sorted(times[f"prefetch:{rows}"]) == ["l1", "l2", "none"] for rows in own)
+        assert kind == fastest[1] and measured == f"weight prefetch {prefetch.described(fastest)} (measured)"
+        in_force = [kernels.prefetch_in_force(fmt, rows) for rows in range(1, 2 * classes[-1] + 1)]
+        kept = fastest if quantized is None else {start: kind for start in classes}  # int: one kind for every count
+        assert in_force == [capability.PREFETCH_KINDS[kept[max(start for start in classes if start <= rows)]]
+                            for rows in range(1, 2 * classes[-1] + 1)]
         assert prefetch.choose_prefetch(kernels, "measure", Parallel(), quantized=quantized) == \
             (kind, measured.replace("measured", "cached"))
     monkeypatch.setattr(capability, "cpu_vendor", lambda: "AuthenticAMD")
@@ -747,6 +762,15 @@ def test_the_weight_prefetch_is_timed_once_then_read(choice_dir, monkeypatch, is
     monkeypatch.delenv(capability.PREFETCH_ENV)
     for quantized in (None, "int8", "int4"):  # the process's defaults again
         prefetch.choose_prefetch(kernels, "static", Parallel(), quantized=quantized)
+
+
+def test_the_prefetch_line_names_each_row_count_from_which_another_kind_holds():
+    from bloom_hpu.runtime.cpu.prefetch import described
+
+    assert described({1: "none"}) == "none"
+    assert described({1: "l2", 2: "l2", 4: "l2", 8: "l2"}) == "l2"
+    assert described({1: "none", 2: "l2", 4: "l2", 8: "l2"}) == "none, l2 from 2 rows"
+    assert described({1: "none", 2: "none", 4: "l2", 8: "l1"}) == "none, l2 from 4 rows, l1 from 8 rows"
 
 
 # --- the rows integer products take in place -------------------------------------------------

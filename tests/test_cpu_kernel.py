@@ -186,6 +186,34 @@ def test_every_weight_prefetch_gives_the_same_bits(isa, dtype):
             kernels.set_prefetch(chosen, fmt)
 
 
+@pytest.mark.parametrize("isa", ALL_KERNEL_ISAS)
+def test_the_weight_prefetch_is_set_from_a_row_count_up(isa):
+    """``set_prefetch(kind, format, from_rows)`` sets the kind of the products of from_rows input
+    rows and more (whole row classes: the class holding from_rows and those above it), leaving
+    fewer rows and the other formats as they were; from_rows 1 sets every count."""
+    needs_isa(isa)
+    kernels = load(isa)
+    classes = list(kernels.prefetch_row_classes())
+    chosen = capability.PREFETCH_KINDS[capability.weight_prefetch()]
+    counts = range(1, 2 * classes[-1] + 1)
+    try:
+        for fmt in (0, 1, 2):
+            assert kernels.set_prefetch(0, fmt) == 0
+        assert kernels.set_prefetch(2, 0, classes[1]) == 2
+        assert kernels.set_prefetch(1, 0, classes[-1]) == 1
+        assert [kernels.prefetch_in_force(0, n) for n in counts] == \
+            [0 if n < classes[1] else 2 if n < classes[-1] else 1 for n in counts]
+        assert all(kernels.prefetch_in_force(fmt, n) == 0 for fmt in (1, 2) for n in counts)
+        assert kernels.set_prefetch(2, 0) == 2 and all(kernels.prefetch_in_force(0, n) == 2 for n in counts)
+        with pytest.raises(RuntimeError, match="from_rows 1 or more"):
+            kernels.set_prefetch(1, 0, 0)
+        with pytest.raises(RuntimeError, match="rows 1 or more"):
+            kernels.prefetch_in_force(0, 0)
+    finally:
+        for fmt in (0, 1, 2):
+            kernels.set_prefetch(chosen, fmt)
+
+
 def test_the_weight_prefetch_follows_the_vendor_unless_forced(monkeypatch):
     monkeypatch.delenv(capability.PREFETCH_ENV, raising=False)
     monkeypatch.setattr(capability, "cpu_vendor", lambda: "AuthenticAMD")

@@ -86,8 +86,11 @@ class Kernels:
     block_q8_quantize: Callable  # (x [..., K]) -> (xq int8 [..., K], d fp32 [..., K / 32]): quantize_blocks
     block_q8_linear: Callable  # (x, q int8 [N, K] or uint8 [N, K / 2], scales, bias): block_product
     gelu_tanh: Callable  # (x) -> F.gelu(x, approximate="tanh"), the decode step's formula, threaded
-    set_prefetch: Callable  # (kind, format) -> the kind in force: how the few-rows products over one weight
-    # format (capability.PREFETCH_FORMATS) prefetch weights (capability.PREFETCH_KINDS: 0 none, 1 L1, 2 L2)
+    set_prefetch: Callable  # (kind, format, from_rows=1) -> the kind in force: how the few-rows products over
+    # one weight format (capability.PREFETCH_FORMATS) of from_rows input rows or more prefetch weights
+    # (capability.PREFETCH_KINDS: 0 none, 1 L1, 2 L2)
+    prefetch_in_force: Callable  # (format, rows) -> the kind the products of that many rows read
+    prefetch_row_classes: Callable  # () -> the first row count of each class set_prefetch tells apart
     set_q8_few_rows: Callable  # (rows, format 1 int8 / 2 int4) -> the rows in force: the most input rows
     # block_q8_linear multiplies with the weight read in place, more through its panel (integer_rows.py)
 
@@ -146,7 +149,8 @@ def _build_and_probe(isa: str) -> Kernels:
         kernels = Kernels(isa, ops.few_rows_linear, ops.decode_step, ops.prompt_attention, ops.extend_attention,
                           ops.int8_rows_linear, ops.int4_rows_linear, ops.int4_dequantize, ops.decode_step_quantized,
                           ops.enable_amx, ops.counter_uniform, ops.block_q8_quantize, ops.block_q8_linear, ops.gelu_tanh,
-                          ops.set_prefetch, ops.set_q8_few_rows)
+                          ops.set_prefetch, ops.prefetch_in_force, ops.prefetch_row_classes,
+                          ops.set_q8_few_rows)
     except AttributeError as error:  # a library built from other sources
         raise KernelsUnavailable(f"were built without their operators ({error})") from None
     _register_fake(namespace)

@@ -1,15 +1,17 @@
 """How our kernels prefetch the weights a decode streams from memory (``csrc/prefetch.h``): into
 L1 further along the same rows, into L2 the next block of rows, or not at all (the hardware's
-stream prefetchers alone). Which keeps the memory busiest depends on the CPU and on the weights'
+stream prefetchers alone). Which keeps the memory busiest depends on the CPU, on the weights'
 format (the Xeons streamed at the memory's speed with L1; one Zen 4 at half of it, and at full
 speed with L2; a Zen 5 streamed bf16 and fp32 fastest with none, and int4 at half speed with
-none), so it is chosen like the routes (``choice.py``), per weight format: the three kinds timed
-once per machine and format on a product over a weight of that format larger than the caches, the
-fastest cached beside the kernels and set for that format's products; ``static`` (and the test
-suite) takes the CPU vendor's rule (``capability.weight_prefetch``); ``$BLOOM_CPU_PREFETCH``
-forces one. Every kind gives the same bits: only the speed depends on it. The weight timed sits in
-huge pages where the model's do (``huge_pages.py``): the prefetch that wins can depend on the
-pages it crosses."""
+none) and, for float weights, on how many rows a product multiplies (that Zen 5's bf16 products
+of 2 rows or more, and fp32's of 4 or more, streamed fastest with L2). So it is chosen like the
+routes (``choice.py``): the three kinds timed once per machine and format on a product over a
+weight of that format larger than the caches (for float weights, once per row class of the
+kernels: a product of 1, 2, 4 and 8 rows), the fastest cached beside the kernels and set for that
+format's products; ``static`` (and the test suite) takes the CPU vendor's rule
+(``capability.weight_prefetch``) for every row count; ``$BLOOM_CPU_PREFETCH`` forces one. Every
+kind gives the same bits: only the speed depends on it. The weight timed sits in huge pages where
+the model's do (``huge_pages.py``): the prefetch that wins can depend on the pages it crosses."""
 
 from __future__ import annotations
 
@@ -32,21 +34,39 @@ FLOAT_WEIGHTS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 def choose_prefetch(kernels: Kernels, option: str | None, parallel, activations: torch.dtype = torch.bfloat16,
                     quantized: str | None = None, huge_pages: bool = False) -> tuple[str, str]:
     """Set the weight prefetch of ``kernels``' products over the model's weights, for the process:
-    the kind set ('none', 'l1' or 'l2'), and which and how, for the load line: 'weight prefetch l2
-    (measured)', '(cached)', '(by vendor)', '(forced)'.
+    the kind set for one row ('none', 'l1' or 'l2'), and which and how, for the load line: 'weight
+    prefetch l2 (measured)', 'weight prefetch none, l2 from 2 rows (cached)', '(by vendor)',
+    '(forced)'.
     ``activations``: the model's dtype (its float weights' too); ``quantized``: 'int8' or 'int4'
     where its weights are; ``option``: the routes' choice mode (``CpuOptions.choice``);
     ``parallel``: the model's ranks, which take rank 0's pick; ``huge_pages``: the model's weights
     are in huge pages (``CpuOptions.huge_pages``)."""
     weights = quantized or FLOAT_WEIGHTS[activations]  # a key of capability.PREFETCH_FORMATS
+    classes = row_classes(kernels, weights)
     if os.environ.get(capability.PREFETCH_ENV, "").strip():
-        kind, how = capability.weight_prefetch(), "forced"
+        kinds, how = {rows: capability.weight_prefetch() for rows in classes}, "forced"
     else:
         chosen = choice.agree(parallel, lambda: decide(kernels, option, weights, activations, huge_pages))
-        kind, how = chosen.picks["prefetch"], chosen.how + (", provisional" if chosen.provisional else "")
+        kinds = {rows: chosen.picks[f"prefetch:{rows}"] for rows in classes}
+        how = chosen.how + (", provisional" if chosen.provisional else "")
         how = "by vendor" if how in ("static", "forced") else how  # another key forced: the vendor's rule
-    kernels.set_prefetch(capability.PREFETCH_KINDS[kind], capability.PREFETCH_FORMATS[weights])
-    return kind, f"weight prefetch {kind} ({how})"
+    for rows, kind in kinds.items():  # fewest rows first: each sets its class and those above it
+        kernels.set_prefetch(capability.PREFETCH_KINDS[kind], capability.PREFETCH_FORMATS[weights], rows)
+    return kinds[1], f"weight prefetch {described(kinds)} ({how})"
+
+
+def row_classes(kernels: Kernels, weights: str) -> list[int]:
+    """The first row count of each class the products over ``weights`` take their own kind for: the
+    kernels' classes for float weights, one class for int8 and int4 (``csrc/prefetch.h``)."""
+    return list(kernels.prefetch_row_classes()) if weights in FLOAT_WEIGHTS.values() else [1]
+
+
+def described(kinds: dict[int, str]) -> str:
+    """{1: 'none', 2: 'l2', 4: 'l2', 8: 'l2'} -> 'none, l2 from 2 rows': the one-row kind, then each
+    row count from which another holds."""
+    rows = sorted(kinds)
+    changes = [f"{kinds[r]} from {r} rows" for before, r in zip(rows, rows[1:]) if kinds[r] != kinds[before]]
+    return ", ".join([kinds[rows[0]], *changes])
 
 
 def streamed_weight(weights: str, activations: torch.dtype, huge_pages: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -64,32 +84,42 @@ def streamed_weight(weights: str, activations: torch.dtype, huge_pages: bool) ->
 
 
 def streamed_product(kernels: Kernels, weights: str, activations: torch.dtype, huge_pages: bool):
-    """A call of ``weights``' few-rows product of one row of ``activations`` over a weight of
-    STREAM_BYTES (``streamed_weight``, allocated here)."""
-    x = torch.ones(1, STREAM_WIDTH, dtype=activations)
+    """``weights``' few-rows product over a weight of STREAM_BYTES (``streamed_weight``, allocated
+    here), as a function of the rows of ``activations`` it multiplies (ones)."""
     w, scales = streamed_weight(weights, activations, huge_pages)
-    if weights == "int8":
-        return lambda: kernels.int8_rows_linear(x, w, scales, None)
-    if weights == "int4":
-        return lambda: kernels.int4_rows_linear(x, w, scales, None)
-    return lambda: kernels.few_rows_linear(x, w, None)
+    inputs: dict[int, torch.Tensor] = {}
+
+    def call(rows: int) -> torch.Tensor:
+        x = inputs.setdefault(rows, torch.ones(rows, STREAM_WIDTH, dtype=activations))
+        if weights == "int8":
+            return kernels.int8_rows_linear(x, w, scales, None)
+        if weights == "int4":
+            return kernels.int4_rows_linear(x, w, scales, None)
+        return kernels.few_rows_linear(x, w, None)
+    return call
 
 
 def decide(kernels: Kernels, option: str | None, weights: str, activations: torch.dtype,
            huge_pages: bool) -> choice.Chosen:
-    product = []  # made at the first timing only: a cached answer allocates nothing
+    """The kind of each row class (keys 'prefetch:1', 'prefetch:2', ...: ``row_classes``), timed
+    with the class's first row count on one product (made at the first timing only: a cached answer
+    allocates nothing)."""
+    product = []
     fmt = capability.PREFETCH_FORMATS[weights]
 
-    def streaming(kind: str):
+    def streaming(kind: str, rows: int):
         def run() -> float:
             if not product:
                 product.append(streamed_product(kernels, weights, activations, huge_pages))
-            kernels.set_prefetch(capability.PREFETCH_KINDS[kind], fmt)
-            return choice.timed(product[0])
+            kernels.set_prefetch(capability.PREFETCH_KINDS[kind], fmt, rows)
+            return choice.timed(lambda: product[0](rows))
         return run
 
-    candidates = {"prefetch": {kind: streaming(kind) for kind in capability.PREFETCH_KINDS}}
+    classes = row_classes(kernels, weights)
+    candidates = {f"prefetch:{rows}": {kind: streaming(kind, rows) for kind in capability.PREFETCH_KINDS}
+                  for rows in classes}
     determined_by = {"what": "weight prefetch", "isa": kernels.isa, "weights": weights,
                      "activations": str(activations), "bytes": STREAM_BYTES, "width": STREAM_WIDTH,
                      "huge_pages": huge_pages}
-    return choice.choose(candidates, {"prefetch": capability.weight_prefetch()}, determined_by, option)
+    vendor = capability.weight_prefetch()
+    return choice.choose(candidates, {key: vendor for key in candidates}, determined_by, option)

@@ -416,7 +416,7 @@ void linear_rows_widened(const T* x, int64_t M, const T* w, int64_t N, int64_t K
 // a multiple of kStepBytes.
 template <typename T>
 void linear_rows(const T* x, int64_t M, const T* w, int64_t N, int64_t K, const T* bias, T* out) {
-  const int prefetch = weight_prefetch(kFloatWeights);
+  const int prefetch = weight_prefetch(kFloatWeights, M);
 #if !defined(BLOOM_ISA_AVX512)
   if constexpr (!std::is_same_v<T, float>) {
     if (M >= kFewRowsWidenedFrom) return linear_rows_widened(x, M, w, N, K, bias, out, prefetch);

@@ -47,13 +47,29 @@ int64_t enable_amx(int64_t min_rows) {
 }
 
 // How the few-rows products over one weight format (prefetch.h's WeightFormat: 0 bf16/fp16/fp32,
-// 1 int8, 2 int4) prefetch the weight rows still to come, for the process (PrefetchKind: 0 not at
-// all, 1 into L1 along the rows, 2 into L2 the next block); returns the kind in force.
-int64_t set_prefetch(int64_t kind, int64_t format) {
+// 1 int8, 2 int4) of from_rows input rows or more prefetch the weight rows still to come, for the
+// process (PrefetchKind: 0 not at all, 1 into L1 along the rows, 2 into L2 the next block; from_rows
+// 1 sets every row count, and a later call for more rows overrides those); returns the kind in
+// force at from_rows.
+int64_t set_prefetch(int64_t kind, int64_t format, int64_t from_rows) {
   TORCH_CHECK(kind >= 0 && kind <= 2, "set_prefetch: kind 0, 1 or 2");
   TORCH_CHECK(format >= 0 && format < bloom_cpu::kWeightFormats, "set_prefetch: format 0, 1 or 2");
-  bloom_cpu::prefetch_kind(int(format)).store(int(kind));
-  return bloom_cpu::prefetch_kind(int(format)).load();
+  TORCH_CHECK(from_rows >= 1, "set_prefetch: from_rows 1 or more");
+  for (int c = bloom_cpu::row_class(from_rows); c < bloom_cpu::kRowClasses; ++c)
+    bloom_cpu::prefetch_kind(int(format), c).store(int(kind));
+  return bloom_cpu::weight_prefetch(int(format), from_rows);
+}
+
+// The kind in force for products of `rows` input rows over `format` weights.
+int64_t prefetch_in_force(int64_t format, int64_t rows) {
+  TORCH_CHECK(format >= 0 && format < bloom_cpu::kWeightFormats, "prefetch_in_force: format 0, 1 or 2");
+  TORCH_CHECK(rows >= 1, "prefetch_in_force: rows 1 or more");
+  return bloom_cpu::weight_prefetch(int(format), rows);
+}
+
+// The first input row count of each row class the prefetch is set by (prefetch.h).
+std::vector<int64_t> prefetch_row_classes() {
+  return std::vector<int64_t>(bloom_cpu::kRowClassStart, bloom_cpu::kRowClassStart + bloom_cpu::kRowClasses);
 }
 
 }  // namespace
@@ -63,7 +79,9 @@ int64_t set_prefetch(int64_t kind, int64_t format) {
 BLOOM_LIBRARY(BLOOM_OPS, m) {
   m.def("few_rows_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("enable_amx(int min_rows) -> int", &enable_amx);
-  m.def("set_prefetch(int kind, int format) -> int", &set_prefetch);
+  m.def("set_prefetch(int kind, int format, int from_rows=1) -> int", &set_prefetch);
+  m.def("prefetch_in_force(int format, int rows) -> int", &prefetch_in_force);
+  m.def("prefetch_row_classes() -> int[]", &prefetch_row_classes);
 }
 
 BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {

@@ -15,9 +15,14 @@
 //                 products ran 1.2-1.6x slower on one thread prefetching 2 KB ahead than 8 KB).
 //                 A Zen 4 streams at the memory's speed with it.
 // Each weight format has its own kind, as what streams fastest differs by format on one CPU (a Zen
-// 5: bf16 and fp32 fastest with none, int4 half as fast with none as with either prefetch).
-// set_prefetch (few_rows_linear.cpp) sets a format's kind for the process; the products read
-// their format's once per call (weight_prefetch) and pass it to prefetch_weights.
+// 5: bf16 and fp32 fastest with none, int4 half as fast with none as with either prefetch). The
+// float products also pick it by how many input rows they multiply (a row class: 1, 2-3, 4-7, 8
+// or more): the more rows, the more arithmetic per weight byte and the fewer loads in flight, so a
+// kind that only costs issue slots at one row can keep the memory busy at eight (that Zen 5's bf16
+// products of 8 rows: 1.3x as fast with L2 as with none). The int8 and int4 products read one kind
+// for every row count (their row classes are set alike). set_prefetch (few_rows_linear.cpp) sets a
+// format's kind for a row count and those above it, for the process; the products read theirs once
+// per call (weight_prefetch) and pass it to prefetch_weights.
 
 #pragma once
 
@@ -36,13 +41,27 @@ enum PrefetchKind : int { kNoPrefetch = 0, kL1Ahead = 1, kL2NextBlock = 2 };
 enum WeightFormat : int { kFloatWeights = 0, kInt8Weights = 1, kInt4Weights = 2 };
 constexpr int kWeightFormats = 3;
 
-inline std::atomic<int>& prefetch_kind(int format) {
-  static std::atomic<int> kinds[kWeightFormats] = {kL1Ahead, kL1Ahead, kL1Ahead};
-  return kinds[format];
+// The row classes: the first input row count of each.
+constexpr int kRowClasses = 4;
+constexpr int64_t kRowClassStart[kRowClasses] = {1, 2, 4, 8};
+inline int row_class(int64_t rows) {
+  int c = 0;
+  while (c + 1 < kRowClasses && rows >= kRowClassStart[c + 1]) ++c;
+  return c;
 }
 
-// The kind a product over `format` weights prefetches with (read once per call, before its loops).
-inline int weight_prefetch(int format) { return prefetch_kind(format).load(std::memory_order_relaxed); }
+inline std::atomic<int>& prefetch_kind(int format, int row_class) {
+  static std::atomic<int> kinds[kWeightFormats][kRowClasses] = {
+      {kL1Ahead, kL1Ahead, kL1Ahead, kL1Ahead}, {kL1Ahead, kL1Ahead, kL1Ahead, kL1Ahead},
+      {kL1Ahead, kL1Ahead, kL1Ahead, kL1Ahead}};
+  return kinds[format][row_class];
+}
+
+// The kind a product of `rows` input rows over `format` weights prefetches with (read once per call,
+// before its loops; the int8 and int4 products, whose classes are alike, read the one-row class).
+inline int weight_prefetch(int format, int64_t rows = 1) {
+  return prefetch_kind(format, row_class(rows)).load(std::memory_order_relaxed);
+}
 
 constexpr int64_t kL2AheadBytes = 8192;  // the least distance of kL2NextBlock's prefetches
 
