@@ -95,10 +95,9 @@ def test_the_rows_taken_in_place_are_set_per_format(isa):
     sums run as they do alone; past it the panel sums in another order (both within the reference's
     tolerance). Per weight format; from one pass (4 rows) to what the build's path takes (8 on
     AVX-512, 4 on AVX2), anything else refused."""
-    from bloom_hpu.runtime.cpu.integer_rows import ONE_PASS
-
     kernels = kernels_for(isa)
-    most = 8 if isa == "avx512_bf16" else ONE_PASS
+    one_pass, default, most = kernels.q8_few_rows_bounds()
+    assert (one_pass, most) == ((4, 8) if isa == "avx512_bf16" else (4, 4)) and one_pass <= default <= most
     x = inputs(most, torch.float32, seed=3)
     # The build's default comes back after the test (conftest.integer_rows_by_default).
     for kind, fmt in (("int8", 1), ("int4 G=64", 2)):
@@ -106,7 +105,7 @@ def test_the_rows_taken_in_place_are_set_per_format(isa):
         alone = torch.cat([kernels.block_q8_linear(x[i:i + 1], q, scales, None) for i in range(most)])
         assert kernels.set_q8_few_rows(most, fmt) == most
         assert torch.equal(kernels.block_q8_linear(x, q, scales, None), alone)  # in place: each row alone
-        if most > ONE_PASS:
+        if most > one_pass:
             assert kernels.set_q8_few_rows(most - 1, fmt) == most - 1
             panel = kernels.block_q8_linear(x, q, scales, None)
             assert not torch.equal(panel, alone)  # the panel's order: other bits
@@ -115,7 +114,7 @@ def test_the_rows_taken_in_place_are_set_per_format(isa):
             other = 2 if fmt == 1 else 1  # the other format keeps its own count
             assert kernels.set_q8_few_rows(most, other) == most
             assert not torch.equal(kernels.block_q8_linear(x, q, scales, None), alone)
-    for rows, fmt in ((ONE_PASS - 1, 1), (most + 1, 2), (ONE_PASS, 0), (ONE_PASS, 3)):
+    for rows, fmt in ((one_pass - 1, 1), (most + 1, 2), (one_pass, 0), (one_pass, 3)):
         with pytest.raises(RuntimeError, match="set_q8_few_rows"):
             kernels.set_q8_few_rows(rows, fmt)
 

@@ -787,12 +787,12 @@ def test_the_rows_in_place_make_the_least_summed_time():
         picks = {k: min(t, key=t.get) for k, t in times.items()}
         return choice.Chosen(picks, "measured", times)
 
-    assert rows_in_place(timed([3, 3, 3, 4], [4, 4, 4, 5])) == 8
-    assert rows_in_place(timed([7, 7, 8, 10], [8, 9, 11, 9])) == 7
-    assert rows_in_place(timed([10, 7, 8, 10], [8, 9, 11, 9])) == 7  # 5 rows timed slow in place
-    assert rows_in_place(timed([9, 9, 9, 9], [8, 8, 8, 8])) == 4
+    assert rows_in_place(timed([3, 3, 3, 4], [4, 4, 4, 5]), 4) == 8
+    assert rows_in_place(timed([7, 7, 8, 10], [8, 9, 11, 9]), 4) == 7
+    assert rows_in_place(timed([10, 7, 8, 10], [8, 9, 11, 9]), 4) == 7  # 5 rows timed slow in place
+    assert rows_in_place(timed([9, 9, 9, 9], [8, 8, 8, 8]), 4) == 4
     picks = {"rows:5": "in place", "rows:6": "panel", "rows:7": "in place", "rows:8": "in place"}
-    assert rows_in_place(choice.Chosen(picks, "forced", {})) == 5
+    assert rows_in_place(choice.Chosen(picks, "forced", {}), 4) == 5
 
 
 @pytest.mark.parametrize("quantized", ["int8", "int4"])
@@ -828,11 +828,13 @@ def test_the_rows_in_place_are_timed_once_then_read(choice_dir, monkeypatch, qua
     timed = len(calls)
     assert choose(spied, "measure", Parallel(), quantized, torch.bfloat16, False, "l1") == \
         line.replace("measured", "cached")
+    one_pass, default, most = kernels.q8_few_rows_bounds()  # csrc/block_q8.h's counts on this build
+    assert (one_pass, most) == (4, 8) and one_pass <= default <= most
     for option in ("static", "prompts=native"):  # another key forced: the default too
         assert choose(spied, option, Parallel(), quantized, torch.bfloat16, False, "l1") == \
-            "integer products in place up to 7 rows (by default)"
-    assert len(calls) == timed and limits[-1] == (7, fmt)  # nothing more timed; the default set
+            f"integer products in place up to {default} rows (by default)"
+    assert len(calls) == timed and limits[-1] == (default, fmt)  # nothing more timed; the default set
     assert choose(spied, "measure", Parallel(), quantized, torch.bfloat16, False, "l2").endswith("(measured)")
     assert len(calls) > timed and len(list(choice_dir.iterdir())) == 2  # another prefetch: timed again
-    avx2 = dataclasses.replace(kernels, isa="avx2")  # in place: 4 rows, one pass, whatever is timed
-    assert choose(avx2, "measure", Parallel(), quantized, torch.bfloat16, False, "l1") is None
+    one_pass_only = dataclasses.replace(kernels, q8_few_rows_bounds=lambda: [4, 4, 4])  # as the AVX2 build
+    assert choose(one_pass_only, "measure", Parallel(), quantized, torch.bfloat16, False, "l1") is None

@@ -22,22 +22,26 @@ import torch
 from . import capability, choice, prefetch
 from .kernels import Kernels
 
-ONE_PASS = 4  # rows the few-rows path takes in one pass: always its own
-ROWS = (5, 6, 7, 8)  # the counts chosen between the two paths, on the AVX-512 build
-DEFAULT = 7  # the build's own (csrc/block_q8.h: kQ8FewRowsDefault)
+def bounds(kernels: Kernels) -> tuple[int, int, int]:
+    """``kernels``' few-rows path (``csrc/block_q8.h``): the rows it takes in one pass (always its
+    own), its build's default limit and the most it can take (8 and 4 on the AVX-512 build, where
+    the counts between are chosen; 4 throughout on AVX2)."""
+    one_pass, default, most = kernels.q8_few_rows_bounds()
+    return one_pass, default, most
 
 
-def rows_in_place(chosen: choice.Chosen) -> int:
-    """The most rows the few-rows path takes: the limit whose times, the counts up to it in place
-    and the rest through the panel, add up to the least; without times (a static or forced
-    choice), every count up to the first the panel was picked for."""
-    keys = [f"rows:{m}" for m in ROWS]
-    if all(key in chosen.times for key in keys):
+def rows_in_place(chosen: choice.Chosen, one_pass: int) -> int:
+    """The most rows the few-rows path takes, given the choice over each count past ``one_pass``
+    (keys 'rows:5' ... 'rows:8'): the limit whose times, the counts up to it in place and the rest
+    through the panel, add up to the least; without times (a static or forced choice), every count
+    up to the first the panel was picked for."""
+    counts = sorted(int(key.partition(":")[2]) for key in chosen.picks)
+    if all(f"rows:{m}" in chosen.times for m in counts):
         def total(limit: int) -> float:
-            return sum(chosen.times[f"rows:{m}"]["in place" if m <= limit else "panel"] for m in ROWS)
-        return min((ONE_PASS, *ROWS), key=total)
-    rows = ONE_PASS
-    for m in ROWS:
+            return sum(chosen.times[f"rows:{m}"]["in place" if m <= limit else "panel"] for m in counts)
+        return min((one_pass, *counts), key=total)
+    rows = one_pass
+    for m in counts:
         if chosen.picks[f"rows:{m}"] != "in place":
             break
         rows = m
@@ -52,11 +56,12 @@ def choose_integer_rows(kernels: Kernels, option: str | None, parallel, quantize
     after the weight prefetch is set: the timing depends on it, and ``prefetch_kind``, the kind
     ``prefetch.choose_prefetch`` set for the format, is part of the cached answer's name.
     ``option``, ``parallel`` and ``huge_pages`` as for ``prefetch.choose_prefetch``."""
-    if kernels.isa != "avx512_bf16":
+    one_pass, _, most = bounds(kernels)
+    if most == one_pass:
         return None
     fmt = capability.PREFETCH_FORMATS[quantized]
     chosen = choice.agree(parallel, lambda: decide(kernels, option, quantized, activations, huge_pages, prefetch_kind))
-    rows = rows_in_place(chosen)
+    rows = rows_in_place(chosen, one_pass)
     how = chosen.how + (", provisional" if chosen.provisional else "")
     how = "by default" if how in ("static", "forced") else how  # another key forced: the default
     kernels.set_q8_few_rows(rows, fmt)
@@ -65,27 +70,29 @@ def choose_integer_rows(kernels: Kernels, option: str | None, parallel, quantize
 
 def restore_default(kernels: Kernels) -> None:
     """The build's own counts for both formats again."""
+    _, default, _ = bounds(kernels)
     for quantized in ("int8", "int4"):
-        kernels.set_q8_few_rows(DEFAULT if kernels.isa == "avx512_bf16" else ONE_PASS,
-                                capability.PREFETCH_FORMATS[quantized])
+        kernels.set_q8_few_rows(default, capability.PREFETCH_FORMATS[quantized])
 
 
 def decide(kernels: Kernels, option: str | None, quantized: str, activations: torch.dtype,
            huge_pages: bool, prefetch_kind: str) -> choice.Chosen:
     weight = []  # made at the first timing only: a cached answer allocates nothing
     fmt = capability.PREFETCH_FORMATS[quantized]
+    one_pass, default, most = bounds(kernels)
+    counts = range(one_pass + 1, most + 1)  # the counts chosen between the two paths
 
     def product(m: int, in_place: bool):
         def run() -> float:
             if not weight:
                 weight.extend(prefetch.streamed_weight(quantized, activations, huge_pages))
             x = torch.randn(m, prefetch.STREAM_WIDTH, generator=torch.Generator().manual_seed(m)).to(activations)
-            kernels.set_q8_few_rows(max(ROWS) if in_place else m - 1, fmt)
+            kernels.set_q8_few_rows(most if in_place else m - 1, fmt)
             return choice.timed(lambda: kernels.block_q8_linear(x, weight[0], weight[1], None))
         return run
 
-    candidates = {f"rows:{m}": {"in place": product(m, True), "panel": product(m, False)} for m in ROWS}
-    static = {f"rows:{m}": "in place" if m <= DEFAULT else "panel" for m in ROWS}
+    candidates = {f"rows:{m}": {"in place": product(m, True), "panel": product(m, False)} for m in counts}
+    static = {f"rows:{m}": "in place" if m <= default else "panel" for m in counts}
     determined_by = {"what": "integer rows in place", "isa": kernels.isa, "weights": quantized,
                      "activations": str(activations), "bytes": prefetch.STREAM_BYTES,
                      "width": prefetch.STREAM_WIDTH, "huge_pages": huge_pages,

@@ -93,6 +93,7 @@ class Kernels:
     prefetch_row_classes: Callable  # () -> the first row count of each class set_prefetch tells apart
     set_q8_few_rows: Callable  # (rows, format 1 int8 / 2 int4) -> the rows in force: the most input rows
     # block_q8_linear multiplies with the weight read in place, more through its panel (integer_rows.py)
+    q8_few_rows_bounds: Callable  # () -> [rows of one pass, the default, the most] set_q8_few_rows takes
 
 
 _built: dict[str, Kernels | KernelsUnavailable] = {}
@@ -150,7 +151,7 @@ def _build_and_probe(isa: str) -> Kernels:
                           ops.int8_rows_linear, ops.int4_rows_linear, ops.int4_dequantize, ops.decode_step_quantized,
                           ops.enable_amx, ops.counter_uniform, ops.block_q8_quantize, ops.block_q8_linear, ops.gelu_tanh,
                           ops.set_prefetch, ops.prefetch_in_force, ops.prefetch_row_classes,
-                          ops.set_q8_few_rows)
+                          ops.set_q8_few_rows, ops.q8_few_rows_bounds)
     except AttributeError as error:  # a library built from other sources
         raise KernelsUnavailable(f"were built without their operators ({error})") from None
     _register_fake(namespace)

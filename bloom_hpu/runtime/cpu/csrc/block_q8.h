@@ -544,7 +544,7 @@ template <Q8Weight W> constexpr int kQ8Cols = 2;
 
 #if defined(BLOOM_ISA_AVX512)
 constexpr int64_t kQ8FewRows = 8;         // the most input rows this path can take
-constexpr int64_t kQ8FewRowsDefault = 7;  // until set_q8_few_rows says otherwise (the Zen 5's)
+constexpr int64_t kQ8FewRowsDefault = 7;  // until set_q8_few_rows says otherwise (the Zen 5's; q8_few_rows_bounds)
 #else
 constexpr int64_t kQ8FewRows = 4;
 constexpr int64_t kQ8FewRowsDefault = 4;

@@ -143,6 +143,11 @@ int64_t set_q8_few_rows(int64_t rows, int64_t format) {
   return bloom_cpu::q8_few_rows(int(format)).load();
 }
 
+// The few-rows path's row counts on this build: [the rows of one pass, the default limit, the most].
+std::vector<int64_t> q8_few_rows_bounds() {
+  return {bloom_cpu::kQ8FewPass, bloom_cpu::kQ8FewRowsDefault, bloom_cpu::kQ8FewRows};
+}
+
 }  // namespace
 
 BLOOM_LIBRARY_FRAGMENT(BLOOM_OPS, m) {
@@ -152,6 +157,7 @@ BLOOM_LIBRARY_FRAGMENT(BLOOM_OPS, m) {
   m.def("block_q8_quantize(Tensor x) -> (Tensor, Tensor)");
   m.def("block_q8_linear(Tensor x, Tensor q, Tensor scales, Tensor? bias) -> Tensor");
   m.def("set_q8_few_rows(int rows, int format) -> int", &set_q8_few_rows);
+  m.def("q8_few_rows_bounds() -> int[]", &q8_few_rows_bounds);
 }
 
 BLOOM_LIBRARY_IMPL(BLOOM_OPS, CPU, m) {
