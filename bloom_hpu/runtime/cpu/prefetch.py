@@ -90,7 +90,9 @@ def streamed_product(kernels: Kernels, weights: str, activations: torch.dtype, h
     inputs: dict[int, torch.Tensor] = {}
 
     def call(rows: int) -> torch.Tensor:
-        x = inputs.setdefault(rows, torch.ones(rows, STREAM_WIDTH, dtype=activations))
+        if rows not in inputs:  # once per row count
+            inputs[rows] = torch.ones(rows, STREAM_WIDTH, dtype=activations)
+        x = inputs[rows]
         if weights == "int8":
             return kernels.int8_rows_linear(x, w, scales, None)
         if weights == "int4":
