@@ -513,15 +513,15 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
         granted = huge_bytes(model_tensors(model))  # what the kernel gave, not what was asked
         if granted:
             used.append(f"weights in huge pages ({granted / 2**20:.0f} MB)")
+    weight_format = quantized_mode(model)  # 'int8', 'int4' or None
     prefetch_kind = None
     if kernels is not None:
         prefetch_kind, prefetch_line = choose_prefetch(kernels, options.choice, model.parallel, dtype,
-                                                       quantized_mode(model), options.huge_pages)
+                                                       weight_format, options.huge_pages)
         used.append(prefetch_line)
     amx_tiles = kernels is not None and dtype == torch.bfloat16 and cap.amx and use_amx_tiles(kernels, options.amx)
     # Where integer products may run, how many rows they take in place (after the prefetch: timed
     # with it); not for int8 on AMX-INT8 tiles, which take every count past one pass.
-    weight_format = quantized_mode(model)
     int8_on_tiles = amx_tiles and "amx_int8" in (capability.cpu_flags() or set()) and weight_format == "int8"
     if kernels is not None and weight_format and any(integer_modes(model, options, quantized, compile_steps)) and \
             not int8_on_tiles:
@@ -569,11 +569,11 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
     integer_scope = apply_routes(model, linears, quantized, row_routes, wide, kernels)
     if quantized:
         public = "" if kernels is not None else " in public ops"
-        mode_name = f"{quantized_mode(model)} " if kernels is not None else ""
+        mode_name = f"{weight_format} " if kernels is not None else ""
         if integer_scope is not None:
             used.append(f"{mode_name}integer products{integer_scope}{public} (activations int8 per block of 32)")
         if kernels is not None and integer_scope != "":
-            used.append(f"{quantized_mode(model)} few-rows products")
+            used.append(f"{weight_format} few-rows products")
     integer = [m for m in quantized if m.int8_activations]
     integer_decode = bool(integer) and all(m.integer_decode for m in integer)
     widened = row_routes.uses("widened")
@@ -618,7 +618,7 @@ def accelerate(model: StaticBloom, options: CpuOptions = CpuOptions(), compile_s
                 plan.mixed_rows = AMX_TILE_ROWS
             else:
                 plan.mixed_rows = MIXED_ROWS_QUANTIZED if quantized else MIXED_ROWS
-            kind = f" ({quantized_mode(model)}{', integer' if integer_decode else ''})" if quantized else ""
+            kind = f" ({weight_format}{', integer' if integer_decode else ''})" if quantized else ""
             used.append(f"one-call decode step{kind}")
         for block in model.h:
             swap(block.self_attention, OneCallPromptAttention, op=kernels.prompt_attention,

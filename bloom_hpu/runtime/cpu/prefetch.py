@@ -87,17 +87,18 @@ def streamed_product(kernels: Kernels, weights: str, activations: torch.dtype, h
     """``weights``' few-rows product over a weight of STREAM_BYTES (``streamed_weight``, allocated
     here), as a function of the rows of ``activations`` it multiplies (ones)."""
     w, scales = streamed_weight(weights, activations, huge_pages)
+    if weights == "int8":
+        product = lambda x: kernels.int8_rows_linear(x, w, scales, None)  # noqa: E731
+    elif weights == "int4":
+        product = lambda x: kernels.int4_rows_linear(x, w, scales, None)  # noqa: E731
+    else:
+        product = lambda x: kernels.few_rows_linear(x, w, None)  # noqa: E731
     inputs: dict[int, torch.Tensor] = {}
 
     def call(rows: int) -> torch.Tensor:
         if rows not in inputs:  # once per row count
             inputs[rows] = torch.ones(rows, STREAM_WIDTH, dtype=activations)
-        x = inputs[rows]
-        if weights == "int8":
-            return kernels.int8_rows_linear(x, w, scales, None)
-        if weights == "int4":
-            return kernels.int4_rows_linear(x, w, scales, None)
-        return kernels.few_rows_linear(x, w, None)
+        return product(inputs[rows])
     return call
 
 
